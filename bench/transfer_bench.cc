@@ -1,0 +1,439 @@
+// `ecx bench transfer`: the transfer engine against the limits of this machine.
+// Two processes: this one (consumer) and a spawned `ecx bench transfer-peer` (producer).
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <fstream>
+#include <iostream>
+#include <memory>
+#include <nlohmann/json.hpp>
+
+#include "bench.h"
+#include "bench_stats.h"
+#include "ecx/common/bytes.h"
+#include "ecx/common/checksum.h"
+#include "ecx/common/log.h"
+#include "ecx/common/subprocess.h"
+#include "ecx/transfer/agent.h"
+#include "transfer/socket.h"
+#include "transfer_peer.h"
+
+namespace ecx::bench {
+namespace {
+
+using nlohmann::json;
+using transfer::Agent;
+using transfer::Backend;
+using transfer::TransferDescriptor;
+
+struct TransferBenchOptions {
+  std::string backends = "shm,tcp";
+  std::string modes = "pull,push,pull-2step";
+  std::string sizes = "64KiB,1600KiB,8MiB";
+  std::string batches = "1,3,16";
+  int iters = 50;
+  std::string json_path;
+  uint64_t slice_bytes = 4ull << 20;
+  int streams = 2;
+};
+
+struct Row {
+  std::string backend, mode;
+  uint64_t size = 0;
+  int batch = 0, iters = 0;
+  double gbps = 0, p50_us = 0, p99_us = 0, control_rtts_per_item = 0;
+};
+
+struct Baseline {
+  std::string name;
+  uint64_t size = 0;
+  double gbps = 0, p50_us = 0;
+};
+
+std::vector<std::string> split(const std::string& text) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (start <= text.size()) {
+    size_t comma = text.find(',', start);
+    if (comma == std::string::npos) comma = text.size();
+    if (comma > start) out.push_back(text.substr(start, comma - start));
+    start = comma + 1;
+  }
+  return out;
+}
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch())
+      .count();
+}
+
+// Runs `body` for warm-up and `iters` timed iterations; returns per-iteration latencies.
+template <typename Body>
+Result<std::vector<int64_t>> time_iterations(int iters, Body body) {
+  int warmup = std::max(2, iters / 10);
+  for (int i = 0; i < warmup; ++i) ECX_RETURN_IF_ERROR(body());
+  std::vector<int64_t> samples;
+  samples.reserve(iters);
+  for (int i = 0; i < iters; ++i) {
+    int64_t t0 = now_ns();
+    ECX_RETURN_IF_ERROR(body());
+    samples.push_back(now_ns() - t0);
+  }
+  return samples;
+}
+
+class TransferBench {
+ public:
+  explicit TransferBench(TransferBenchOptions options) : options_(std::move(options)) {}
+  int run();
+
+ private:
+  Status start_peer();
+  Result<Row> run_case(Backend backend, const std::string& mode, uint64_t size, int batch);
+  Status verify(const std::string& mode, uint64_t size, int batch);
+  Result<Baseline> memcpy_baseline(uint64_t size);
+  Result<Baseline> socket_baseline(uint64_t size);
+  void print(const std::vector<Row>& rows, const std::vector<Baseline>& baselines) const;
+
+  TransferBenchOptions options_;
+  std::vector<uint64_t> sizes_;
+  std::vector<int> batches_;
+  uint64_t region_bytes_ = 0;
+  std::optional<Subprocess> peer_process_;
+  std::unique_ptr<Agent> agent_;
+  transfer::LocalRegion dest_;
+  transfer::AgentMetadata peer_;
+  std::string peer_name_;
+  uint32_t source_region_ = 0;
+  uint16_t baseline_port_ = 0;
+  std::vector<std::byte> reference_;  // the producer's source pattern, for verification
+};
+
+Status TransferBench::start_peer() {
+  char self[4096] = {};
+  ssize_t n = ::readlink("/proc/self/exe", self, sizeof(self) - 1);
+  if (n <= 0) return ErrnoError("readlink /proc/self/exe", errno);
+  const uint64_t seed = 20261130;
+  ECX_ASSIGN_OR_RETURN(
+      auto child, Subprocess::spawn({self, "bench", "transfer-peer", "--region-bytes",
+                                     std::to_string(region_bytes_), "--seed", std::to_string(seed),
+                                     "--slice-bytes", std::to_string(options_.slice_bytes),
+                                     "--streams", std::to_string(options_.streams)}));
+  peer_process_.emplace(std::move(child));
+  ECX_ASSIGN_OR_RETURN(std::string line, peer_process_->read_line(Deadline::after_ms(30000)));
+  json ready = json::parse(line, nullptr, false);
+  if (ready.is_discarded()) return Internal("bench peer printed no JSON: " + line);
+  ECX_ASSIGN_OR_RETURN(peer_, transfer::AgentMetadata::parse(ready["metadata"].get<std::string>()));
+  peer_name_ = peer_.name;
+  source_region_ = ready["source_region"];
+  baseline_port_ = ready["baseline_port"];
+  reference_.resize(region_bytes_);
+  fill_pattern(reference_.data(), reference_.size(), seed);
+  return Status::Ok();
+}
+
+Status TransferBench::verify(const std::string& mode, uint64_t size, int batch) {
+  // Every mode lands item i of the source at offset i*size of our destination region.
+  for (int i = 0; i < batch; ++i) {
+    uint64_t off = static_cast<uint64_t>(i) * size;
+    if (checksum64(dest_.data + off, size) != checksum64(reference_.data() + off, size)) {
+      return Status(StatusCode::kDataLoss, mode + " " + format_bytes(size) + " item " +
+                                               std::to_string(i) +
+                                               ": bytes differ from the source");
+    }
+  }
+  return Status::Ok();
+}
+
+Result<Row> TransferBench::run_case(Backend backend, const std::string& mode, uint64_t size,
+                                    int batch) {
+  std::vector<TransferDescriptor> descs;
+  for (int i = 0; i < batch; ++i) {
+    uint64_t off = static_cast<uint64_t>(i) * size;
+    descs.push_back({dest_.data + off, source_region_, off, size});
+  }
+  std::memset(dest_.data, 0, static_cast<size_t>(size) * batch);
+  Row row{std::string(transfer::backend_name(backend)), mode, size, batch, options_.iters};
+  Result<std::vector<int64_t>> samples = std::vector<int64_t>{};
+  if (mode == "pull") {
+    row.control_rtts_per_item = 0;
+    samples = time_iterations(options_.iters, [&]() -> Status {
+      ECX_ASSIGN_OR_RETURN(auto h, agent_->read(peer_name_, descs));
+      return h.wait(Deadline::after_ms(30000));
+    });
+  } else if (mode == "pull-2step") {
+    // The seed's protocol: per item, ask the producer for the address, then READ it.
+    row.control_rtts_per_item = 1;
+    samples = time_iterations(options_.iters, [&]() -> Status {
+      for (int i = 0; i < batch; ++i) {
+        json q = {{"op", "addr"}, {"item", i}, {"size", size}};
+        ECX_ASSIGN_OR_RETURN(std::string a,
+                             agent_->call(peer_name_, q.dump(), Deadline::after_ms(30000)));
+        json addr = json::parse(a, nullptr, false);
+        if (addr.is_discarded()) return Internal("bad addr reply");
+        TransferDescriptor d{descs[i].local, addr["region"].get<uint32_t>(),
+                             addr["offset"].get<uint64_t>(), addr["length"].get<uint64_t>()};
+        ECX_ASSIGN_OR_RETURN(auto h, agent_->read(peer_name_, {&d, 1}));
+        ECX_RETURN_IF_ERROR(h.wait(Deadline::after_ms(30000)));
+      }
+      return Status::Ok();
+    });
+  } else if (mode == "push") {
+    // Mooncake-style: one request listing our destinations; the producer writes into them.
+    row.control_rtts_per_item = 0;
+    json items = json::array();
+    for (int i = 0; i < batch; ++i) {
+      uint64_t off = static_cast<uint64_t>(i) * size;
+      items.push_back({{"src", off}, {"dst_region", dest_.id}, {"dst", off}, {"len", size}});
+    }
+    std::string request = json{{"op", "push"}, {"peer", agent_->name()}, {"items", items}}.dump();
+    samples = time_iterations(options_.iters, [&]() -> Status {
+      return agent_->call(peer_name_, request, Deadline::after_ms(30000)).status();
+    });
+  } else {
+    return InvalidArgument("unknown mode '" + mode + "' (expected pull, push or pull-2step)");
+  }
+  if (!samples.ok())
+    return samples.status().with_context(row.backend + " " + mode + " " + format_bytes(size));
+  ECX_RETURN_IF_ERROR(verify(mode, size, batch));
+  LatencySummary s = summarize(*samples);
+  row.p50_us = s.p50_us;
+  row.p99_us = s.p99_us;
+  row.gbps = gbps(size * static_cast<uint64_t>(batch) * options_.iters, s.total_seconds);
+  return row;
+}
+
+Result<Baseline> TransferBench::memcpy_baseline(uint64_t size) {
+  // The physical limit on this host: one memcpy of the same bytes between two buffers.
+  std::vector<std::byte> dst(size);
+  std::memset(dst.data(), 0, size);
+  ECX_ASSIGN_OR_RETURN(auto samples, time_iterations(options_.iters, [&]() -> Status {
+                         std::memcpy(dst.data(), reference_.data(), size);
+                         return Status::Ok();
+                       }));
+  if (std::memcmp(dst.data(), reference_.data(), size) != 0)
+    return Internal("memcpy baseline corrupt");
+  LatencySummary s = summarize(samples);
+  return Baseline{"memcpy", size, gbps(size * options_.iters, s.total_seconds), s.p50_us};
+}
+
+Result<Baseline> TransferBench::socket_baseline(uint64_t size) {
+  // A plain blocking TCP socket, one stream, default buffers: request, then size bytes.
+  ECX_ASSIGN_OR_RETURN(
+      auto fd, transfer::connect_tcp({"127.0.0.1", baseline_port_}, Deadline::after_ms(5000)));
+  std::vector<std::byte> dst(size);
+  ECX_ASSIGN_OR_RETURN(
+      auto samples, time_iterations(options_.iters, [&]() -> Status {
+        uint64_t len = size;
+        ECX_RETURN_IF_ERROR(
+            transfer::send_all(fd.get(), &len, sizeof(len), Deadline::never(), "baseline"));
+        return transfer::recv_all(fd.get(), dst.data(), size, Deadline::never(), "baseline");
+      }));
+  if (std::memcmp(dst.data(), reference_.data(), size) != 0)
+    return Internal("socket baseline corrupt");
+  LatencySummary s = summarize(samples);
+  return Baseline{"tcp-socket", size, gbps(size * options_.iters, s.total_seconds), s.p50_us};
+}
+
+void TransferBench::print(const std::vector<Row>& rows,
+                          const std::vector<Baseline>& baselines) const {
+  auto baseline_gbps = [&](const std::string& name, uint64_t size) {
+    for (const auto& b : baselines) {
+      if (b.name == name && b.size == size) return b.gbps;
+    }
+    return 0.0;
+  };
+  std::printf("\n%-8s %-11s %9s %5s %9s %10s %10s %6s  %s\n", "backend", "mode", "size", "batch",
+              "GB/s", "p50(us)", "p99(us)", "ctrl", "vs baseline");
+  for (const auto& r : rows) {
+    std::string base = r.backend == "shm" ? "memcpy" : "tcp-socket";
+    double b = baseline_gbps(base, r.size);
+    std::printf("%-8s %-11s %9s %5d %9.2f %10.1f %10.1f %6.1f  %.2fx %s\n", r.backend.c_str(),
+                r.mode.c_str(), format_bytes(r.size).c_str(), r.batch, r.gbps, r.p50_us, r.p99_us,
+                r.control_rtts_per_item, b > 0 ? r.gbps / b : 0.0, base.c_str());
+  }
+  std::printf("\nbaselines (same run, same process layout):\n");
+  for (const auto& b : baselines) {
+    std::printf("  %-11s %9s %9.2f GB/s  p50 %.1f us\n", b.name.c_str(),
+                format_bytes(b.size).c_str(), b.gbps, b.p50_us);
+  }
+}
+
+int TransferBench::run() {
+  auto sizes = parse_byte_list(options_.sizes);
+  if (!sizes.ok()) {
+    std::cerr << "bench transfer: --sizes: " << sizes.status().message() << "\n";
+    return 2;
+  }
+  sizes_ = *sizes;
+  for (const auto& b : split(options_.batches)) {
+    int v = std::atoi(b.c_str());
+    if (v <= 0 || v > 1024) {
+      std::cerr << "bench transfer: --batch: '" << b << "' is not a batch size in 1..1024\n";
+      return 2;
+    }
+    batches_.push_back(v);
+  }
+  std::vector<Backend> backends;
+  for (const auto& b : split(options_.backends)) {
+    auto parsed = transfer::parse_backend(b);
+    if (!parsed.ok() || *parsed == Backend::kAuto) {
+      std::cerr << "bench transfer: --backends: '" << b
+                << "' (expected shm or tcp; ucx is not built)\n";
+      return 2;
+    }
+    backends.push_back(*parsed);
+  }
+  std::vector<std::string> modes = split(options_.modes);
+  for (const auto& m : modes) {
+    if (m != "pull" && m != "push" && m != "pull-2step") {
+      std::cerr << "bench transfer: --modes: unknown mode '" << m << "'\n";
+      return 2;
+    }
+  }
+  if (options_.iters < 1) {
+    std::cerr << "bench transfer: --iters must be at least 1\n";
+    return 2;
+  }
+  uint64_t max_size = *std::max_element(sizes_.begin(), sizes_.end());
+  int max_batch = *std::max_element(batches_.begin(), batches_.end());
+  region_bytes_ = max_size * static_cast<uint64_t>(max_batch);
+  if (region_bytes_ == 0 || region_bytes_ > (8ull << 30)) {
+    std::cerr << "bench transfer: sizes x batch must be between 1 B and 8 GiB\n";
+    return 2;
+  }
+
+  transfer::AgentConfig config;
+  config.name = "bench-consumer";
+  config.tcp_slice_bytes = options_.slice_bytes;
+  config.tcp_streams = options_.streams;
+  auto agent = Agent::create(config);
+  Status st = agent.ok() ? Status::Ok() : agent.status();
+  if (st.ok()) {
+    agent_ = std::move(*agent);
+    auto dest = agent_->allocate(region_bytes_, {.remote_read = true, .remote_write = true});
+    st = dest.ok() ? Status::Ok() : dest.status();
+    if (st.ok()) dest_ = *dest;
+  }
+  if (st.ok()) st = start_peer();
+  if (!st.ok()) {
+    std::cerr << "bench transfer: " << st.to_string() << "\n";
+    return 1;
+  }
+  std::printf("ecx bench transfer: producer pid %d, consumer pid %d, %d iterations per case\n",
+              peer_process_->pid(), ::getpid(), options_.iters);
+
+  std::vector<Row> rows;
+  std::vector<Baseline> baselines;
+  for (Backend backend : backends) {
+    agent_->disconnect(peer_name_);
+    auto connected = agent_->connect(peer_, {.backend = backend});
+    if (!connected.ok()) {
+      std::cerr << "bench transfer: " << connected.status().to_string() << "\n";
+      return 1;
+    }
+    if (std::find(modes.begin(), modes.end(), "push") != modes.end()) {
+      json req = {{"op", "connect"},
+                  {"metadata", agent_->metadata().to_json()},
+                  {"backend", std::string(transfer::backend_name(backend))}};
+      auto r = agent_->call(peer_name_, req.dump(), Deadline::after_ms(10000));
+      if (!r.ok()) {
+        std::cerr << "bench transfer: producer cannot connect back: " << r.status().to_string()
+                  << "\n";
+        return 1;
+      }
+    }
+    for (const auto& mode : modes) {
+      for (uint64_t size : sizes_) {
+        for (int batch : batches_) {
+          auto row = run_case(backend, mode, size, batch);
+          if (!row.ok()) {
+            std::cerr << "bench transfer: " << row.status().to_string() << "\n";
+            return 1;
+          }
+          rows.push_back(*row);
+        }
+      }
+    }
+  }
+  for (uint64_t size : sizes_) {
+    auto m = memcpy_baseline(size);
+    auto s = socket_baseline(size);
+    if (!m.ok() || !s.ok()) {
+      std::cerr << "bench transfer: baseline failed: "
+                << (m.ok() ? s.status() : m.status()).to_string() << "\n";
+      return 1;
+    }
+    baselines.push_back(*m);
+    baselines.push_back(*s);
+  }
+  print(rows, baselines);
+
+  if (!options_.json_path.empty()) {
+    json out = {{"results", json::array()}, {"baselines", json::array()}};
+    for (const auto& r : rows) {
+      out["results"].push_back({{"backend", r.backend},
+                                {"mode", r.mode},
+                                {"size_bytes", r.size},
+                                {"batch", r.batch},
+                                {"iters", r.iters},
+                                {"gbps", r.gbps},
+                                {"p50_us", r.p50_us},
+                                {"p99_us", r.p99_us},
+                                {"control_rtts_per_item", r.control_rtts_per_item}});
+    }
+    for (const auto& b : baselines) {
+      out["baselines"].push_back(
+          {{"name", b.name}, {"size_bytes", b.size}, {"gbps", b.gbps}, {"p50_us", b.p50_us}});
+    }
+    std::ofstream f(options_.json_path);
+    f << out.dump(2) << "\n";
+    if (!f) {
+      std::cerr << "bench transfer: cannot write " << options_.json_path << "\n";
+      return 1;
+    }
+    std::printf("\nwrote %s\n", options_.json_path.c_str());
+  }
+  agent_->disconnect(peer_name_);
+  peer_process_->close_stdin();
+  auto exited = peer_process_->wait(Deadline::after_ms(10000));
+  if (!exited.ok() || *exited != 0) std::cerr << "bench transfer: producer did not exit cleanly\n";
+  return 0;
+}
+
+}  // namespace
+
+void add_transfer_commands(CLI::App& bench, int* exit_code) {
+  auto options = std::make_shared<TransferBenchOptions>();
+  CLI::App* t =
+      bench.add_subcommand("transfer", "Transfer engine benchmark (nixlbench-like), two processes");
+  t->add_option("--backends", options->backends, "Backends to measure: shm,tcp")
+      ->capture_default_str();
+  t->add_option("--modes", options->modes, "Modes: pull,push,pull-2step")->capture_default_str();
+  t->add_option("--sizes", options->sizes, "Item sizes")->capture_default_str();
+  t->add_option("--batch", options->batches, "Items per request")->capture_default_str();
+  t->add_option("--iters", options->iters, "Timed iterations per case")->capture_default_str();
+  t->add_option("--json", options->json_path, "Write results as JSON to this file");
+  t->add_option("--slice-bytes", options->slice_bytes, "tcp slice size in bytes")
+      ->capture_default_str();
+  t->add_option("--streams", options->streams, "tcp data connections per peer")
+      ->capture_default_str();
+  t->callback([options, exit_code] { *exit_code = TransferBench(*options).run(); });
+
+  auto peer = std::make_shared<TransferPeerOptions>();
+  CLI::App* p =
+      bench.add_subcommand("transfer-peer", "Producer process of bench transfer (internal)");
+  p->group("");  // hidden from --help
+  p->add_option("--name", peer->name);
+  p->add_option("--compat-hash", peer->compat_hash);
+  p->add_option("--region-bytes", peer->region_bytes);
+  p->add_option("--seed", peer->seed);
+  p->add_option("--slice-bytes", peer->tcp_slice_bytes);
+  p->add_option("--streams", peer->tcp_streams);
+  p->add_option("--fault-stall-read-after-bytes", peer->fault_stall_read_after_bytes);
+  p->callback([peer, exit_code] { *exit_code = run_transfer_peer(*peer); });
+}
+
+}  // namespace ecx::bench

@@ -1,0 +1,33 @@
+// The producer side of `ecx bench transfer` (and of the multi-process tests): a separate
+// process with an agent, a source region filled with a known pattern, a writable sink
+// region, and a plain-socket baseline server. It prints one JSON line describing itself
+// on stdout, then serves until its stdin closes.
+//
+// CALL requests it answers (JSON):
+//   {"op":"connect","metadata":"...","backend":"tcp"}      connect back to the caller
+//   {"op":"push","peer":"...","items":[{"src","dst_region","dst","len"}]}  WRITE into caller
+//   {"op":"addr","item":i,"size":n}                         -> {"region","offset","length"}
+//   {"op":"checksum","region":r,"offset":o,"length":n}     -> {"checksum":x}
+//   {"op":"notified"}                                       -> {"ok":k,"bad":b}
+// A notification {"region","offset","length","checksum"} is checked against the bytes
+// that are in the region when it arrives (notifications must follow their data).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace ecx::bench {
+
+struct TransferPeerOptions {
+  std::string name = "bench-producer";
+  std::string compat_hash = "ecx";
+  uint64_t region_bytes = 128ull << 20;
+  uint64_t seed = 42;
+  uint64_t tcp_slice_bytes = 4ull << 20;
+  int tcp_streams = 2;
+  uint64_t fault_stall_read_after_bytes = 0;
+};
+
+int run_transfer_peer(const TransferPeerOptions& options);
+
+}  // namespace ecx::bench

@@ -1,0 +1,128 @@
+// Agent: one per process. Registers memory, describes itself as metadata, connects to
+// peers once, and moves bytes with batched one-sided READ and WRITE.
+//
+//   auto agent = Agent::create({.name = "pd-0"}).value();
+//   auto buf = agent->allocate(8 * kMiB).value();
+//   agent->connect(producer_metadata, {}).ok();
+//   TransferDescriptor d{buf.data, region_id, offset, length};
+//   agent->read("e-0", {&d, 1}).value().wait(Deadline::after_ms(1000));
+//
+// Thread-safe: every method may be called from any thread.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+
+#include "ecx/common/deadline.h"
+#include "ecx/common/status.h"
+#include "ecx/transfer/metadata.h"
+#include "ecx/transfer/transfer_handle.h"
+#include "ecx/transfer/types.h"
+
+namespace ecx::transfer {
+
+struct AgentConfig {
+  std::string name;                 // unique among the agents that talk to each other
+  std::string compat_hash = "ecx";  // peers with a different hash are refused
+  bool enable_shm = true;           // listen on an abstract unix socket
+  bool enable_tcp = true;           // listen on tcp_host:tcp_port
+  std::string tcp_host = "127.0.0.1";
+  uint16_t tcp_port = 0;                // 0 = any free port
+  uint64_t tcp_slice_bytes = 4 << 20;   // large reads/writes are split in slices this size...
+  int tcp_streams = 2;                  // ...spread over this many connections per peer
+  int tcp_socket_buffer = 4 << 20;      // SO_SNDBUF / SO_RCVBUF of data connections
+  int64_t connect_timeout_ms = 5000;    // default deadline of connect()
+  int64_t transfer_timeout_ms = 30000;  // default deadline of a READ/WRITE with none given
+
+  // Test-only fault injection: the server stops sending READ data after this many bytes
+  // of one reply (and holds the connection open), to simulate a peer dying mid-transfer.
+  uint64_t fault_stall_read_after_bytes = 0;
+};
+
+struct ConnectOptions {
+  Backend backend = Backend::kAuto;
+  std::optional<Deadline> deadline;  // default: AgentConfig::connect_timeout_ms
+};
+
+// A read-only view of a same-host peer's memory (shm backend). The mapping stays valid
+// while the view lives, even if the peer dies; whether the bytes are still meaningful is
+// for the layer above to decide (block generation checks).
+struct RemoteView {
+  const std::byte* data = nullptr;
+  uint64_t length = 0;
+  std::shared_ptr<const void> keepalive;
+};
+
+// Serves CALL requests from peers: (caller agent name, request) -> reply or error.
+using CallHandler = std::function<Result<std::string>(const std::string&, std::string_view)>;
+// Told when a peer that connected to this agent goes away (its process died or closed).
+using PeerGoneHandler = std::function<void(const std::string&)>;
+
+class Agent {
+ public:
+  // Starts the listeners and returns a running agent. Fails on an empty name or when a
+  // listener cannot be bound.
+  static Result<std::unique_ptr<Agent>> create(AgentConfig config);
+  virtual ~Agent() = default;
+
+  virtual const std::string& name() const = 0;
+  virtual const AgentConfig& config() const = 0;
+
+  // Allocates `length` bytes of zeroed host memory in a memfd arena and registers it.
+  // Same-host peers map it directly (shm); others reach it over tcp.
+  virtual Result<LocalRegion> allocate(uint64_t length, RegionAccess access = {}) = 0;
+  // Registers caller-owned memory. Only tcp peers can reach it (it is not a memfd).
+  // REQUIRES: the memory outlives the registration; kind == kHost for now.
+  virtual Result<LocalRegion> register_memory(void* data, uint64_t length, MemoryKind kind,
+                                              RegionAccess access = {}) = 0;
+  // Removes a region. Peers get kNotFound for it from now on. Memory from allocate() is
+  // unmapped once no transfer uses it.
+  virtual Status deregister(uint32_t region_id) = 0;
+
+  // This agent's metadata (endpoints and current regions).
+  virtual AgentMetadata metadata() const = 0;
+
+  // Connects to a peer (handshake, compatibility check) unless already connected.
+  // Concurrent connects to one peer coalesce into one handshake. Returns the peer's
+  // current metadata. Errors: kIncompatible naming both hashes, kVersionMismatch,
+  // kUnavailable, kDeadlineExceeded.
+  virtual Result<AgentMetadata> connect(const AgentMetadata& peer, ConnectOptions options = {}) = 0;
+  // Drops the connection to a peer (a later connect makes a new one).
+  virtual void disconnect(const std::string& peer) = 0;
+  // The backend in use with a connected peer.
+  virtual Result<Backend> peer_backend(const std::string& peer) const = 0;
+
+  // Reads every descriptor from `peer` into local memory, as one batch. Descriptors are
+  // validated before anything moves; errors name the descriptor, region and offsets.
+  virtual Result<TransferHandle> read(const std::string& peer,
+                                      std::span<const TransferDescriptor> descriptors,
+                                      std::optional<Deadline> deadline = std::nullopt) = 0;
+  // Writes every descriptor's local bytes into `peer`'s memory. If `notification` is set,
+  // the peer receives it after all the data has landed.
+  virtual Result<TransferHandle> write(const std::string& peer,
+                                       std::span<const TransferDescriptor> descriptors,
+                                       std::optional<std::string> notification = std::nullopt,
+                                       std::optional<Deadline> deadline = std::nullopt) = 0;
+
+  // One-way message to a connected peer.
+  virtual Status notify(const std::string& peer, std::string message) = 0;
+  // Request/response with a connected peer's CallHandler.
+  virtual Result<std::string> call(const std::string& peer, std::string request,
+                                   Deadline deadline) = 0;
+  virtual void set_call_handler(CallHandler handler) = 0;
+  virtual void set_peer_gone_handler(PeerGoneHandler handler) = 0;
+  // Next notification from any peer, or kDeadlineExceeded.
+  virtual Result<Notification> wait_notification(Deadline deadline) = 0;
+
+  // Zero-copy view of a same-host peer's region bytes (shm backend only).
+  virtual Result<RemoteView> view(const std::string& peer, uint32_t region, uint64_t offset,
+                                  uint64_t length) = 0;
+
+  virtual AgentStats stats() const = 0;
+};
+
+}  // namespace ecx::transfer

@@ -1,0 +1,42 @@
+// AgentMetadata: everything a peer needs to reach an agent, as one JSON string.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "ecx/common/status.h"
+#include "ecx/transfer/types.h"
+
+namespace ecx::transfer {
+
+struct RegionInfo {
+  uint32_t id = 0;
+  uint64_t length = 0;
+  MemoryKind kind = MemoryKind::kHost;
+  bool remote_write = false;
+  bool shareable = false;  // memfd-backed: can be mapped by a same-host peer
+
+  friend bool operator==(const RegionInfo&, const RegionInfo&) = default;
+};
+
+struct AgentMetadata {
+  std::string name;
+  uint32_t protocol_version = 0;
+  std::string compat_hash;
+  std::string host_id;       // same value <=> same host (boot id + hostname)
+  std::string shm_endpoint;  // abstract unix socket name, empty when shm is off
+  std::string tcp_endpoint;  // "host:port", empty when tcp is off
+  std::vector<RegionInfo> regions;
+
+  std::string to_json() const;
+  // Parses and validates untrusted text: types, sizes, counts, ports. Never throws.
+  static Result<AgentMetadata> parse(std::string_view json);
+
+  friend bool operator==(const AgentMetadata&, const AgentMetadata&) = default;
+};
+
+// The host id of this machine (used to decide whether shm can reach a peer).
+std::string local_host_id();
+
+}  // namespace ecx::transfer

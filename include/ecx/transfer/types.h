@@ -1,0 +1,62 @@
+// Value types of the transfer layer: memory kinds, backends, descriptors, stats.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "ecx/common/status.h"
+
+namespace ecx::transfer {
+
+enum class MemoryKind : uint8_t { kHost = 0, kCuda = 1 };
+std::string_view memory_kind_name(MemoryKind kind);
+
+// How bytes move to a peer. kAuto picks shm on the same host, else tcp.
+enum class Backend : uint8_t { kAuto = 0, kShm = 1, kTcp = 2 };
+std::string_view backend_name(Backend backend);
+Result<Backend> parse_backend(std::string_view name);  // "auto", "shm", "tcp"
+
+// What a remote agent may do with a region.
+struct RegionAccess {
+  bool remote_read = true;
+  bool remote_write = false;
+};
+
+// A region of this process registered with the agent. Plain value: the memory stays
+// valid until Agent::deregister or the agent is destroyed.
+struct LocalRegion {
+  uint32_t id = 0;
+  std::byte* data = nullptr;
+  uint64_t length = 0;
+};
+
+// One element of a batched READ or WRITE: `length` bytes between `local` (this
+// process) and (`remote_region`, `remote_offset`) on the peer.
+struct TransferDescriptor {
+  void* local = nullptr;
+  uint32_t remote_region = 0;
+  uint64_t remote_offset = 0;
+  uint64_t length = 0;
+};
+
+// A message delivered to this agent, after any data its sender wrote before it.
+struct Notification {
+  std::string from;  // sender agent name
+  std::string message;
+};
+
+struct AgentStats {
+  uint64_t bytes_read = 0;     // by this agent, from peers
+  uint64_t bytes_written = 0;  // by this agent, to peers
+  uint64_t transfers_completed = 0;
+  uint64_t transfers_failed = 0;
+  uint64_t rejected_requests = 0;     // served requests refused (bad region/offset/length)
+  uint64_t rejected_descriptors = 0;  // local descriptors refused before sending
+  uint64_t handshakes_rejected = 0;   // incompatible / bad HELLO
+  uint64_t peers_connected = 0;
+  uint64_t peer_failures = 0;  // peers that died while connected
+  uint64_t notifications_received = 0;
+};
+
+}  // namespace ecx::transfer

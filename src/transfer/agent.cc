@@ -1,0 +1,435 @@
+#include "ecx/transfer/agent.h"
+
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <mutex>
+
+#include "ecx/common/log.h"
+#include "transfer/connection.h"
+#include "transfer/memory.h"
+#include "transfer/server.h"
+#include "transfer/shm_backend.h"
+#include "transfer/tcp_backend.h"
+#include "transfer/wire.h"
+
+namespace ecx::transfer {
+namespace {
+
+constexpr size_t kMaxQueuedNotifications = 1 << 16;
+
+// One connected peer and the backend that reaches it.
+struct Peer {
+  std::string name;
+  Backend backend = Backend::kTcp;
+  std::unique_ptr<ControlChannel> control;
+  std::unique_ptr<ShmPeer> shm;
+  std::unique_ptr<TcpDataPool> tcp;
+
+  ~Peer() {
+    // Data workers first (they may be mid-transfer), then the control channel.
+    tcp.reset();
+    shm.reset();
+    control.reset();
+  }
+};
+
+// The connection state of a peer name; lets concurrent connects share one handshake.
+struct PeerSlot {
+  bool connecting = false;
+  std::shared_ptr<Peer> peer;  // set once connected
+  Status error;                // last connect failure
+};
+
+class AgentImpl final : public Agent {
+ public:
+  explicit AgentImpl(AgentConfig config) : config_(std::move(config)), regions_(config_.name) {}
+  ~AgentImpl() override;
+
+  Status start();
+
+  const std::string& name() const override { return config_.name; }
+  const AgentConfig& config() const override { return config_; }
+  Result<LocalRegion> allocate(uint64_t length, RegionAccess access) override;
+  Result<LocalRegion> register_memory(void* data, uint64_t length, MemoryKind kind,
+                                      RegionAccess access) override;
+  Status deregister(uint32_t region_id) override { return regions_.remove(region_id); }
+  AgentMetadata metadata() const override;
+  Result<AgentMetadata> connect(const AgentMetadata& peer, ConnectOptions options) override;
+  void disconnect(const std::string& peer) override;
+  Result<Backend> peer_backend(const std::string& peer) const override;
+  Result<TransferHandle> read(const std::string& peer,
+                              std::span<const TransferDescriptor> descriptors,
+                              std::optional<Deadline> deadline) override {
+    return transfer(peer, descriptors, false, std::nullopt, deadline);
+  }
+  Result<TransferHandle> write(const std::string& peer,
+                               std::span<const TransferDescriptor> descriptors,
+                               std::optional<std::string> notification,
+                               std::optional<Deadline> deadline) override {
+    return transfer(peer, descriptors, true, std::move(notification), deadline);
+  }
+  Status notify(const std::string& peer, std::string message) override;
+  Result<std::string> call(const std::string& peer, std::string request,
+                           Deadline deadline) override;
+  void set_call_handler(CallHandler handler) override;
+  void set_peer_gone_handler(PeerGoneHandler handler) override;
+  Result<Notification> wait_notification(Deadline deadline) override;
+  Result<RemoteView> view(const std::string& peer, uint32_t region, uint64_t offset,
+                          uint64_t length) override;
+  AgentStats stats() const override { return stats_.snapshot(); }
+
+ private:
+  Result<std::shared_ptr<Peer>> connected_peer(const std::string& name) const;
+  Result<std::shared_ptr<Peer>> open_peer(const AgentMetadata& meta, Backend backend,
+                                          Deadline deadline);
+  Result<TransferHandle> transfer(const std::string& peer,
+                                  std::span<const TransferDescriptor> descriptors, bool write,
+                                  std::optional<std::string> notification,
+                                  std::optional<Deadline> deadline);
+  void on_peer_death(const std::string& name, const Status& reason);
+
+  const AgentConfig config_;
+  RegionTable regions_;
+  StatsCounters stats_;
+  std::unique_ptr<Server> server_;
+  std::string host_id_;
+
+  mutable std::mutex mu_;
+  std::condition_variable peers_cv_;
+  std::map<std::string, PeerSlot> peers_;  // guarded by mu_
+  CallHandler call_handler_;               // guarded by mu_
+  PeerGoneHandler peer_gone_handler_;      // guarded by mu_
+
+  std::mutex notify_mu_;
+  std::condition_variable notify_cv_;
+  std::deque<Notification> notifications_;  // guarded by notify_mu_
+};
+
+AgentImpl::~AgentImpl() {
+  std::map<std::string, PeerSlot> peers;
+  {
+    std::lock_guard lock(mu_);
+    peers.swap(peers_);
+  }
+  peers.clear();  // outside mu_: peer threads may call back into on_peer_death
+  if (server_) server_->stop();
+}
+
+Status AgentImpl::start() {
+  host_id_ = local_host_id();
+  ServerHooks hooks;
+  hooks.metadata = [this] { return metadata(); };
+  hooks.deliver_notification = [this](Notification n) {
+    {
+      std::lock_guard lock(notify_mu_);
+      if (notifications_.size() >= kMaxQueuedNotifications) notifications_.pop_front();
+      notifications_.push_back(std::move(n));
+    }
+    notify_cv_.notify_one();
+  };
+  hooks.handle_call = [this](const std::string& peer, std::string_view request) {
+    CallHandler handler;
+    {
+      std::lock_guard lock(mu_);
+      handler = call_handler_;
+    }
+    if (!handler) {
+      return Result<std::string>(Status(StatusCode::kFailedPrecondition,
+                                        "agent " + config_.name + " has no call handler"));
+    }
+    return handler(peer, request);
+  };
+  hooks.peer_gone = [this](const std::string& peer) {
+    PeerGoneHandler handler;
+    {
+      std::lock_guard lock(mu_);
+      handler = peer_gone_handler_;
+    }
+    if (handler) handler(peer);
+  };
+  ECX_ASSIGN_OR_RETURN(server_, Server::start(config_, &regions_, &stats_, std::move(hooks)));
+  return Status::Ok();
+}
+
+Result<LocalRegion> AgentImpl::allocate(uint64_t length, RegionAccess access) {
+  ECX_ASSIGN_OR_RETURN(auto entry, create_memfd_region(config_.name, length));
+  entry->access = access;
+  return regions_.add(std::move(entry));
+}
+
+Result<LocalRegion> AgentImpl::register_memory(void* data, uint64_t length, MemoryKind kind,
+                                               RegionAccess access) {
+  if (data == nullptr || length == 0) return InvalidArgument("register_memory: empty buffer");
+  if (kind != MemoryKind::kHost) {
+    return Status(StatusCode::kFailedPrecondition,
+                  "register_memory: memory kind '" + std::string(memory_kind_name(kind)) +
+                      "' needs a GPU backend, which this build does not have");
+  }
+  auto entry = std::make_shared<RegionEntry>();
+  entry->data = static_cast<std::byte*>(data);
+  entry->length = length;
+  entry->kind = kind;
+  entry->access = access;
+  return regions_.add(std::move(entry));
+}
+
+AgentMetadata AgentImpl::metadata() const {
+  AgentMetadata m;
+  m.name = config_.name;
+  m.protocol_version = kProtocolVersion;
+  m.compat_hash = config_.compat_hash;
+  m.host_id = host_id_;
+  m.shm_endpoint = server_ ? server_->shm_endpoint() : std::string();
+  m.tcp_endpoint = server_ ? server_->tcp_endpoint() : std::string();
+  m.regions = regions_.list();
+  return m;
+}
+
+Result<std::shared_ptr<Peer>> AgentImpl::open_peer(const AgentMetadata& meta, Backend backend,
+                                                   Deadline deadline) {
+  if (backend == Backend::kAuto) {
+    bool same_host = !meta.shm_endpoint.empty() && meta.host_id == host_id_ && config_.enable_shm;
+    if (same_host) {
+      auto shm = open_peer(meta, Backend::kShm, deadline);
+      if (shm.ok() || meta.tcp_endpoint.empty() ||
+          shm.status().code() == StatusCode::kIncompatible ||
+          shm.status().code() == StatusCode::kVersionMismatch) {
+        return shm;
+      }
+      spdlog::info("agent {}: shm to {} failed ({}), using tcp", config_.name, meta.name,
+                   shm.status().to_string());
+    }
+    backend = Backend::kTcp;
+  }
+  auto peer = std::make_shared<Peer>();
+  peer->name = meta.name;
+  peer->backend = backend;
+  std::string name = meta.name;
+  auto on_death = [this, name](const Status& reason) { on_peer_death(name, reason); };
+  AgentMetadata self = metadata();
+  if (backend == Backend::kShm) {
+    if (meta.shm_endpoint.empty()) {
+      return Unavailable("agent '" + meta.name + "' has no shm endpoint");
+    }
+    ECX_ASSIGN_OR_RETURN(UniqueFd fd, connect_unix(meta.shm_endpoint, deadline));
+    ECX_ASSIGN_OR_RETURN(peer->control,
+                         ControlChannel::open(std::move(fd), true, self, deadline, on_death));
+    peer->shm = std::make_unique<ShmPeer>(peer->control.get(), &stats_);
+  } else {
+    if (meta.tcp_endpoint.empty()) {
+      return Unavailable("agent '" + meta.name + "' has no tcp endpoint");
+    }
+    ECX_ASSIGN_OR_RETURN(HostPort address, parse_host_port(meta.tcp_endpoint));
+    ECX_ASSIGN_OR_RETURN(UniqueFd fd, connect_tcp(address, deadline));
+    ECX_ASSIGN_OR_RETURN(peer->control,
+                         ControlChannel::open(std::move(fd), false, self, deadline, on_death));
+    peer->tcp =
+        std::make_unique<TcpDataPool>(config_, self, peer->control->peer(), address, &stats_);
+  }
+  return peer;
+}
+
+Result<AgentMetadata> AgentImpl::connect(const AgentMetadata& meta, ConnectOptions options) {
+  if (meta.name.empty()) return InvalidArgument("connect: peer metadata has no name");
+  if (meta.name == config_.name) {
+    return InvalidArgument("connect: peer '" + meta.name + "' has this agent's own name");
+  }
+  AgentMetadata self = metadata();
+  if (Status s = check_compatible(self, meta); !s.ok()) {
+    stats_.handshakes_rejected++;
+    return s;
+  }
+  Deadline deadline = options.deadline.value_or(Deadline::after_ms(config_.connect_timeout_ms));
+  std::unique_lock lock(mu_);
+  while (true) {
+    PeerSlot& slot = peers_[meta.name];
+    if (slot.peer && slot.peer->control->alive()) return slot.peer->control->peer();
+    if (!slot.connecting) break;
+    if (!peers_cv_.wait_until(lock, deadline.time_point(),
+                              [&] { return !peers_[meta.name].connecting; })) {
+      return DeadlineExceeded("connect to agent '" + meta.name + "': deadline passed");
+    }
+  }
+  PeerSlot& slot = peers_[meta.name];
+  slot.connecting = true;
+  std::shared_ptr<Peer> stale = std::move(slot.peer);
+  lock.unlock();
+  stale.reset();  // a dead previous connection: its threads are joined outside mu_
+  auto opened = open_peer(meta, options.backend, deadline);
+  lock.lock();
+  PeerSlot& done = peers_[meta.name];
+  done.connecting = false;
+  if (opened.ok()) {
+    done.peer = *opened;
+    done.error = Status::Ok();
+    stats_.peers_connected++;
+  } else {
+    done.error = opened.status();
+  }
+  peers_cv_.notify_all();
+  if (!opened.ok()) {
+    return opened.status().with_context("connect to agent '" + meta.name + "'");
+  }
+  return done.peer->control->peer();
+}
+
+void AgentImpl::disconnect(const std::string& name) {
+  std::shared_ptr<Peer> peer;
+  {
+    std::lock_guard lock(mu_);
+    auto it = peers_.find(name);
+    if (it == peers_.end() || it->second.connecting) return;
+    peer = std::move(it->second.peer);
+    peers_.erase(it);
+  }
+}
+
+void AgentImpl::on_peer_death(const std::string& name, const Status& reason) {
+  std::shared_ptr<Peer> peer;
+  {
+    std::lock_guard lock(mu_);
+    auto it = peers_.find(name);
+    if (it != peers_.end()) peer = it->second.peer;
+  }
+  stats_.peer_failures++;
+  spdlog::debug("agent {}: peer {} gone: {}", config_.name, name, reason.to_string());
+  if (peer && peer->tcp) peer->tcp->fail_all(reason);
+}
+
+Result<std::shared_ptr<Peer>> AgentImpl::connected_peer(const std::string& name) const {
+  std::lock_guard lock(mu_);
+  auto it = peers_.find(name);
+  if (it == peers_.end() || !it->second.peer) {
+    return Unavailable("agent '" + name + "' is not connected to agent '" + config_.name + "'");
+  }
+  const auto& peer = it->second.peer;
+  if (!peer->control->alive()) {
+    return Unavailable("agent '" + name +
+                       "' is disconnected: " + peer->control->death_status().message());
+  }
+  return peer;
+}
+
+Result<Backend> AgentImpl::peer_backend(const std::string& name) const {
+  ECX_ASSIGN_OR_RETURN(auto peer, connected_peer(name));
+  return peer->backend;
+}
+
+Result<TransferHandle> AgentImpl::transfer(const std::string& peer_name,
+                                           std::span<const TransferDescriptor> descriptors,
+                                           bool write, std::optional<std::string> notification,
+                                           std::optional<Deadline> deadline_opt) {
+  const char* op = write ? "write" : "read";
+  if (descriptors.empty()) return InvalidArgument(std::string(op) + ": no descriptors");
+  uint64_t total = 0;
+  for (size_t i = 0; i < descriptors.size(); ++i) {
+    const auto& d = descriptors[i];
+    if (d.local == nullptr || d.length == 0) {
+      stats_.rejected_descriptors++;
+      return InvalidArgument(std::string(op) + ": descriptor " + std::to_string(i) +
+                             " has a null buffer or zero length");
+    }
+    total += d.length;
+  }
+  ECX_ASSIGN_OR_RETURN(auto peer, connected_peer(peer_name));
+  Deadline deadline = deadline_opt.value_or(Deadline::after_ms(config_.transfer_timeout_ms));
+  std::string description = std::string(op) + " of " + std::to_string(descriptors.size()) +
+                            " items (" + std::to_string(total) + " bytes) " +
+                            (write ? "to" : "from") + " agent " + peer_name + " over " +
+                            std::string(backend_name(peer->backend));
+  // Counted once the transfer completes; over tcp the notification follows the last
+  // acknowledged slice, so it arrives after the data.
+  std::weak_ptr<Peer> weak = peer;
+  StatsCounters* stats = &stats_;
+  bool via_tcp = peer->tcp != nullptr;
+  std::optional<std::string> tcp_notification = via_tcp ? notification : std::nullopt;
+  auto finalizer = [weak, stats, total, write,
+                    tcp_notification = std::move(tcp_notification)](const Status& s) {
+    Status result = s;
+    if (result.ok() && tcp_notification) {
+      if (auto p = weak.lock()) {
+        result = p->control->notify(*tcp_notification);
+      } else {
+        result = Unavailable("peer gone before the notification was sent");
+      }
+    }
+    if (result.ok()) {
+      (write ? stats->bytes_written : stats->bytes_read) += total;
+      stats->transfers_completed++;
+    } else {
+      stats->transfers_failed++;
+    }
+    return result;
+  };
+  std::shared_ptr<TransferState> state;
+  if (peer->shm) {
+    state = std::make_shared<TransferState>(description, 1);
+    state->set_finalizer(std::move(finalizer));
+    Status s =
+        write ? peer->shm->write(descriptors, deadline) : peer->shm->read(descriptors, deadline);
+    if (s.ok() && notification) s = peer->control->notify(*notification);
+    state->part_done(s.with_context(description));
+  } else {
+    state = peer->tcp->submit(descriptors, write, deadline, description, std::move(finalizer));
+  }
+  return TransferHandle(std::move(state));
+}
+
+Status AgentImpl::notify(const std::string& peer_name, std::string message) {
+  ECX_ASSIGN_OR_RETURN(auto peer, connected_peer(peer_name));
+  return peer->control->notify(message);
+}
+
+Result<std::string> AgentImpl::call(const std::string& peer_name, std::string request,
+                                    Deadline deadline) {
+  ECX_ASSIGN_OR_RETURN(auto peer, connected_peer(peer_name));
+  return peer->control->call(request, deadline);
+}
+
+void AgentImpl::set_call_handler(CallHandler handler) {
+  std::lock_guard lock(mu_);
+  call_handler_ = std::move(handler);
+}
+
+void AgentImpl::set_peer_gone_handler(PeerGoneHandler handler) {
+  std::lock_guard lock(mu_);
+  peer_gone_handler_ = std::move(handler);
+}
+
+Result<Notification> AgentImpl::wait_notification(Deadline deadline) {
+  std::unique_lock lock(notify_mu_);
+  if (!notify_cv_.wait_until(lock, deadline.time_point(),
+                             [&] { return !notifications_.empty(); })) {
+    return DeadlineExceeded("agent " + config_.name + ": no notification before the deadline");
+  }
+  Notification n = std::move(notifications_.front());
+  notifications_.pop_front();
+  return n;
+}
+
+Result<RemoteView> AgentImpl::view(const std::string& peer_name, uint32_t region, uint64_t offset,
+                                   uint64_t length) {
+  ECX_ASSIGN_OR_RETURN(auto peer, connected_peer(peer_name));
+  if (!peer->shm) {
+    return Status(StatusCode::kFailedPrecondition, "zero-copy view of agent '" + peer_name +
+                                                       "' needs the shm backend, not " +
+                                                       std::string(backend_name(peer->backend)));
+  }
+  return peer->shm->view(region, offset, length, Deadline::after_ms(config_.connect_timeout_ms));
+}
+
+}  // namespace
+
+Result<std::unique_ptr<Agent>> Agent::create(AgentConfig config) {
+  if (config.name.empty()) return InvalidArgument("agent config needs a name");
+  if (config.name.size() > 200) return InvalidArgument("agent name longer than 200 characters");
+  if (!config.enable_shm && !config.enable_tcp) {
+    return InvalidArgument("agent '" + config.name + "' has neither shm nor tcp enabled");
+  }
+  auto agent = std::make_unique<AgentImpl>(std::move(config));
+  ECX_RETURN_IF_ERROR(agent->start());
+  return std::unique_ptr<Agent>(std::move(agent));
+}
+
+}  // namespace ecx::transfer

@@ -1,0 +1,266 @@
+#include "transfer/server.h"
+
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <vector>
+
+#include "ecx/common/log.h"
+#include "transfer/connection.h"
+
+namespace ecx::transfer {
+namespace {
+
+// A WRITE that fails validation is drained (to keep the stream in sync) up to this
+// size; a larger one closes the connection instead.
+constexpr uint64_t kMaxDrainBytes = 64ull << 20;
+constexpr int64_t kHelloTimeoutMs = 10000;
+constexpr int64_t kReplyTimeoutMs = 30000;
+
+std::string unique_socket_name(const std::string& agent) {
+  static std::atomic<uint64_t> counter{0};
+  return "ecx-" + agent.substr(0, 40) + "-" + std::to_string(::getpid()) + "-" +
+         std::to_string(counter.fetch_add(1));
+}
+
+FrameHeader reply_header(FrameType type, uint64_t id) {
+  FrameHeader h;
+  h.type = static_cast<uint16_t>(type);
+  h.id = id;
+  return h;
+}
+
+}  // namespace
+
+Server::Server(const AgentConfig& config, RegionTable* regions, StatsCounters* stats,
+               ServerHooks hooks)
+    : config_(config), regions_(regions), stats_(stats), hooks_(std::move(hooks)) {}
+
+Result<std::unique_ptr<Server>> Server::start(const AgentConfig& config, RegionTable* regions,
+                                              StatsCounters* stats, ServerHooks hooks) {
+  std::unique_ptr<Server> server(new Server(config, regions, stats, std::move(hooks)));
+  if (config.enable_shm) {
+    std::string name = unique_socket_name(config.name);
+    ECX_ASSIGN_OR_RETURN(server->unix_listener_, listen_unix(name));
+    server->shm_endpoint_ = name;
+  }
+  if (config.enable_tcp) {
+    ECX_ASSIGN_OR_RETURN(auto listener, listen_tcp(config.tcp_host, config.tcp_port));
+    server->tcp_listener_ = std::move(listener.first);
+    server->tcp_endpoint_ = config.tcp_host + ":" + std::to_string(listener.second);
+  }
+  Server* s = server.get();
+  if (s->unix_listener_.valid()) {
+    s->unix_acceptor_ = std::thread([s] { s->accept_loop(s->unix_listener_.get(), true); });
+  }
+  if (s->tcp_listener_.valid()) {
+    s->tcp_acceptor_ = std::thread([s] { s->accept_loop(s->tcp_listener_.get(), false); });
+  }
+  return server;
+}
+
+Server::~Server() { stop(); }
+
+void Server::stop() {
+  {
+    std::lock_guard lock(mu_);
+    if (stopping_) return;
+    stopping_ = true;
+    for (auto& c : connections_) {
+      if (c.fd.valid()) ::shutdown(c.fd.get(), SHUT_RDWR);
+    }
+  }
+  stop_cv_.notify_all();
+  if (unix_listener_.valid()) ::shutdown(unix_listener_.get(), SHUT_RDWR);
+  if (tcp_listener_.valid()) ::shutdown(tcp_listener_.get(), SHUT_RDWR);
+  if (unix_acceptor_.joinable()) unix_acceptor_.join();
+  if (tcp_acceptor_.joinable()) tcp_acceptor_.join();
+  std::list<Connection> all;
+  {
+    std::lock_guard lock(mu_);
+    all.swap(connections_);
+  }
+  for (auto& c : all) {
+    if (c.thread.joinable()) c.thread.join();
+  }
+}
+
+void Server::reap_finished() {
+  std::list<Connection> done;
+  {
+    std::lock_guard lock(mu_);
+    for (auto it = connections_.begin(); it != connections_.end();) {
+      auto next = std::next(it);
+      if (it->finished) done.splice(done.end(), connections_, it);
+      it = next;
+    }
+  }
+  for (auto& c : done) {
+    if (c.thread.joinable()) c.thread.join();
+  }
+}
+
+void Server::accept_loop(int listen_fd, bool unix_socket) {
+  while (true) {
+    auto accepted = accept_connection(listen_fd);
+    if (!accepted.ok()) {
+      spdlog::warn("agent {}: {}", config_.name, accepted.status().to_string());
+      std::lock_guard lock(mu_);
+      if (stopping_) return;
+      continue;
+    }
+    if (!accepted->valid()) return;  // listener shut down
+    reap_finished();
+    std::lock_guard lock(mu_);
+    if (stopping_) return;
+    connections_.emplace_back();
+    Connection* c = &connections_.back();
+    c->fd = std::move(*accepted);
+    c->unix_socket = unix_socket;
+    if (!unix_socket) tune_tcp_socket(c->fd.get(), config_.tcp_socket_buffer);
+    c->thread = std::thread([this, c] { serve(c); });
+  }
+}
+
+void Server::serve(Connection* connection) {
+  int fd = connection->fd.get();
+  std::string peer;
+  bool data_only = false;
+  auto hello = recv_frame(fd, Deadline::after_ms(kHelloTimeoutMs));
+  if (hello.ok() && hello->header.type == static_cast<uint16_t>(FrameType::kHello)) {
+    auto meta = AgentMetadata::parse(hello->payload);
+    AgentMetadata self = hooks_.metadata();
+    Status verdict = meta.ok() ? check_compatible(self, *meta) : meta.status();
+    if (verdict.ok()) {
+      peer = meta->name;
+      data_only = (hello->header.flags & kHelloDataConnection) != 0;
+      send_frame(fd, reply_header(FrameType::kHelloOk, hello->header.id), self.to_json(),
+                 Deadline::after_ms(kHelloTimeoutMs))
+          .ignore_error();
+    } else {
+      stats_->handshakes_rejected++;
+      spdlog::warn("agent {}: refused handshake: {}", config_.name, verdict.to_string());
+      send_error(fd, hello->header.id, verdict).ignore_error();
+    }
+  } else if (hello.ok()) {
+    stats_->handshakes_rejected++;
+    send_error(fd, hello->header.id, InvalidArgument("expected HELLO as the first frame"))
+        .ignore_error();
+  }
+  if (!peer.empty()) {
+    while (true) {
+      auto frame = recv_frame(fd, Deadline::never());
+      if (!frame.ok()) {
+        if (frame.status().code() == StatusCode::kInvalidArgument) {
+          stats_->rejected_requests++;
+          send_error(fd, 0, frame.status()).ignore_error();
+        }
+        break;
+      }
+      if (!handle_frame(connection, peer, *frame)) break;
+    }
+    if (!data_only && hooks_.peer_gone) hooks_.peer_gone(peer);
+  }
+  std::lock_guard lock(mu_);
+  ::shutdown(fd, SHUT_RDWR);
+  connection->finished = true;
+}
+
+bool Server::handle_frame(Connection* connection, const std::string& peer, Frame& frame) {
+  int fd = connection->fd.get();
+  const FrameHeader& h = frame.header;
+  Deadline reply_deadline = Deadline::never();  // data replies rely on the peer reading
+  switch (static_cast<FrameType>(h.type)) {
+    case FrameType::kRead: {
+      auto region = regions_->check_access(h.region, h.offset, h.length, /*write=*/false);
+      if (!region.ok()) {
+        stats_->rejected_requests++;
+        return send_error(fd, h.id, region.status()).ok();
+      }
+      FrameHeader reply = reply_header(FrameType::kReadData, h.id);
+      reply.length = h.length;
+      if (!send_frame(fd, reply, std::string(), reply_deadline).ok()) return false;
+      const std::byte* src = (*region)->data + h.offset;
+      uint64_t length = h.length;
+      uint64_t stall = config_.fault_stall_read_after_bytes;
+      if (stall > 0 && length > stall) {
+        send_all(fd, src, stall, reply_deadline, "send READ data").ignore_error();
+        std::unique_lock lock(mu_);
+        stop_cv_.wait(lock, [&] { return stopping_; });  // fault injection: hang until stopped
+        return false;
+      }
+      return send_all(fd, src, length, reply_deadline, "send READ data").ok();
+    }
+    case FrameType::kWrite: {
+      auto region = regions_->check_access(h.region, h.offset, h.length, /*write=*/true);
+      if (!region.ok()) {
+        stats_->rejected_requests++;
+        if (h.length > kMaxDrainBytes) {
+          send_error(fd, h.id, region.status()).ignore_error();
+          return false;
+        }
+        std::vector<char> sink(std::min<uint64_t>(h.length, 1 << 20));
+        for (uint64_t left = h.length; left > 0;) {
+          uint64_t n = std::min<uint64_t>(left, sink.size());
+          if (!recv_all(fd, sink.data(), n, Deadline::after_ms(kReplyTimeoutMs), "drain WRITE")
+                   .ok()) {
+            return false;
+          }
+          left -= n;
+        }
+        return send_error(fd, h.id, region.status()).ok();
+      }
+      Status got = recv_all(fd, (*region)->data + h.offset, h.length, Deadline::never(),
+                            "receive WRITE data");
+      if (!got.ok()) return false;
+      return send_frame(fd, reply_header(FrameType::kWriteAck, h.id), std::string(),
+                        Deadline::after_ms(kReplyTimeoutMs))
+          .ok();
+    }
+    case FrameType::kRegionQuery: {
+      auto region = regions_->find(h.region);
+      if (!region) {
+        stats_->rejected_requests++;
+        return send_error(fd, h.id,
+                          NotFound("region " + std::to_string(h.region) + " on agent " +
+                                   config_.name + ": no such region"))
+            .ok();
+      }
+      FrameHeader reply = reply_header(FrameType::kRegionInfo, h.id);
+      reply.region = h.region;
+      reply.length = region->length;
+      if (region->access.remote_write) reply.flags |= kRegionRemoteWrite;
+      if (connection->unix_socket && region->memfd.valid()) {
+        reply.flags |= kRegionHasFd;
+        reply.magic = kFrameMagic;
+        return send_with_fd(fd, &reply, sizeof(reply), region->memfd.get()).ok();
+      }
+      return send_frame(fd, reply, std::string(), Deadline::after_ms(kReplyTimeoutMs)).ok();
+    }
+    case FrameType::kCall: {
+      Result<std::string> answer =
+          hooks_.handle_call
+              ? hooks_.handle_call(peer, frame.payload)
+              : Result<std::string>(Status(StatusCode::kFailedPrecondition,
+                                           "agent " + config_.name + " serves no calls"));
+      if (!answer.ok()) return send_error(fd, h.id, answer.status()).ok();
+      return send_frame(fd, reply_header(FrameType::kCallReply, h.id), *answer,
+                        Deadline::after_ms(kReplyTimeoutMs))
+          .ok();
+    }
+    case FrameType::kNotify:
+      stats_->notifications_received++;
+      hooks_.deliver_notification(Notification{peer, std::move(frame.payload)});
+      return true;
+    default:
+      stats_->rejected_requests++;
+      send_error(fd, h.id,
+                 InvalidArgument(std::string("unexpected frame ") + frame_type_name(h.type) +
+                                 " from agent " + peer))
+          .ignore_error();
+      return false;
+  }
+}
+
+}  // namespace ecx::transfer

@@ -1,0 +1,72 @@
+// Server side of an agent: listens on an abstract unix socket (same-host peers, memfd
+// passing) and a TCP port, and serves each accepted connection on its own thread.
+#pragma once
+
+#include <condition_variable>
+#include <functional>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "ecx/transfer/agent.h"
+#include "transfer/memory.h"
+#include "transfer/socket.h"
+#include "transfer/stats_counters.h"
+#include "transfer/wire.h"
+
+namespace ecx::transfer {
+
+// What the server needs from its agent.
+struct ServerHooks {
+  std::function<AgentMetadata()> metadata;
+  std::function<void(Notification)> deliver_notification;
+  std::function<Result<std::string>(const std::string&, std::string_view)> handle_call;
+  std::function<void(const std::string&)> peer_gone;
+};
+
+class Server {
+ public:
+  static Result<std::unique_ptr<Server>> start(const AgentConfig& config, RegionTable* regions,
+                                               StatsCounters* stats, ServerHooks hooks);
+  ~Server();  // stop()
+
+  const std::string& shm_endpoint() const { return shm_endpoint_; }
+  const std::string& tcp_endpoint() const { return tcp_endpoint_; }
+  // Closes listeners and every connection, and joins all threads.
+  void stop();
+
+ private:
+  struct Connection {
+    UniqueFd fd;
+    bool unix_socket = false;
+    std::thread thread;
+    bool finished = false;  // guarded by Server::mu_
+  };
+
+  Server(const AgentConfig& config, RegionTable* regions, StatsCounters* stats, ServerHooks hooks);
+  void accept_loop(int listen_fd, bool unix_socket);
+  void serve(Connection* connection);
+  // Handles one request frame; returns false when the connection must close.
+  bool handle_frame(Connection* connection, const std::string& peer, Frame& frame);
+  void reap_finished();
+
+  const AgentConfig config_;
+  RegionTable* const regions_;
+  StatsCounters* const stats_;
+  const ServerHooks hooks_;
+  UniqueFd unix_listener_;
+  UniqueFd tcp_listener_;
+  std::string shm_endpoint_;
+  std::string tcp_endpoint_;
+  std::thread unix_acceptor_;
+  std::thread tcp_acceptor_;
+
+  std::mutex mu_;
+  std::condition_variable stop_cv_;    // wakes fault-injection stalls on stop
+  bool stopping_ = false;              // guarded by mu_
+  std::list<Connection> connections_;  // guarded by mu_
+};
+
+}  // namespace ecx::transfer

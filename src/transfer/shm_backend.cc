@@ -1,0 +1,102 @@
+#include "transfer/shm_backend.h"
+
+#include <sys/mman.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "transfer/memory.h"
+
+namespace ecx::transfer {
+
+ShmPeer::Mapping::~Mapping() {
+  if (data != nullptr) ::munmap(data, length);
+}
+
+Result<std::shared_ptr<ShmPeer::Mapping>> ShmPeer::mapping(uint32_t region, Deadline deadline) {
+  {
+    std::lock_guard lock(mu_);
+    auto it = mappings_.find(region);
+    if (it != mappings_.end()) return it->second;
+  }
+  ECX_ASSIGN_OR_RETURN(RegionGrant grant, control_->query_region(region, deadline));
+  const std::string& peer = control_->peer().name;
+  if (!grant.memfd.valid()) {
+    return Status(StatusCode::kFailedPrecondition,
+                  "region " + std::to_string(region) + " on agent " + peer +
+                      " is not a shared-memory arena; use the tcp backend for it");
+  }
+  int prot = PROT_READ | (grant.remote_write ? PROT_WRITE : 0);
+  void* p = ::mmap(nullptr, grant.length, prot, MAP_SHARED, grant.memfd.get(), 0);
+  if (p == MAP_FAILED) {
+    return ErrnoError("map region " + std::to_string(region) + " of agent " + peer, errno);
+  }
+  auto m = std::make_shared<Mapping>();
+  m->data = static_cast<std::byte*>(p);
+  m->length = grant.length;
+  m->writable = grant.remote_write;
+  std::lock_guard lock(mu_);
+  auto [it, inserted] = mappings_.emplace(region, m);
+  return it->second;  // a concurrent mapper may have won; both views are equivalent
+}
+
+Result<std::vector<std::shared_ptr<ShmPeer::Mapping>>> ShmPeer::resolve(
+    std::span<const TransferDescriptor> descriptors, bool write, Deadline deadline) {
+  const std::string& peer = control_->peer().name;
+  std::vector<std::shared_ptr<Mapping>> maps;
+  maps.reserve(descriptors.size());
+  for (size_t i = 0; i < descriptors.size(); ++i) {
+    const auto& d = descriptors[i];
+    std::string what = "descriptor " + std::to_string(i) + ": " +
+                       describe_access(write, d.length, d.remote_offset, d.remote_region, peer);
+    auto m = mapping(d.remote_region, deadline);
+    if (!m.ok()) {
+      stats_->rejected_descriptors++;
+      return m.status().with_context(what);
+    }
+    if (d.remote_offset > (*m)->length || d.length > (*m)->length - d.remote_offset) {
+      stats_->rejected_descriptors++;
+      return OutOfRange(what + ": outside the region's " + std::to_string((*m)->length) + " bytes");
+    }
+    if (write && !(*m)->writable) {
+      stats_->rejected_descriptors++;
+      return Status(StatusCode::kFailedPrecondition, what + ": region is not remotely writable");
+    }
+    maps.push_back(std::move(*m));
+  }
+  return maps;
+}
+
+Status ShmPeer::read(std::span<const TransferDescriptor> descriptors, Deadline deadline) {
+  ECX_ASSIGN_OR_RETURN(auto maps, resolve(descriptors, false, deadline));
+  for (size_t i = 0; i < descriptors.size(); ++i) {
+    const auto& d = descriptors[i];
+    std::memcpy(d.local, maps[i]->data + d.remote_offset, d.length);
+  }
+  // The mapping outlives a dead peer, but a read that overlapped its death is not trusted.
+  if (!control_->alive()) return control_->death_status();
+  return Status::Ok();
+}
+
+Status ShmPeer::write(std::span<const TransferDescriptor> descriptors, Deadline deadline) {
+  ECX_ASSIGN_OR_RETURN(auto maps, resolve(descriptors, true, deadline));
+  for (size_t i = 0; i < descriptors.size(); ++i) {
+    const auto& d = descriptors[i];
+    std::memcpy(maps[i]->data + d.remote_offset, d.local, d.length);
+  }
+  if (!control_->alive()) return control_->death_status();
+  return Status::Ok();
+}
+
+Result<RemoteView> ShmPeer::view(uint32_t region, uint64_t offset, uint64_t length,
+                                 Deadline deadline) {
+  TransferDescriptor d{nullptr, region, offset, length};
+  ECX_ASSIGN_OR_RETURN(auto maps, resolve({&d, 1}, false, deadline));
+  RemoteView v;
+  v.data = maps[0]->data + offset;
+  v.length = length;
+  v.keepalive = maps[0];
+  return v;
+}
+
+}  // namespace ecx::transfer

@@ -1,0 +1,195 @@
+#include "transfer/tcp_backend.h"
+
+#include <sys/socket.h>
+
+#include "transfer/connection.h"
+#include "transfer/memory.h"
+#include "transfer/wire.h"
+
+namespace ecx::transfer {
+namespace {
+// Requests in flight per connection before the worker reads replies.
+constexpr size_t kPipelineDepth = 32;
+}  // namespace
+
+TcpDataPool::TcpDataPool(const AgentConfig& config, AgentMetadata self, AgentMetadata peer,
+                         HostPort address, StatsCounters* stats)
+    : config_(config),
+      self_(std::move(self)),
+      peer_(std::move(peer)),
+      address_(std::move(address)),
+      stats_(stats) {
+  int n = config_.tcp_streams < 1 ? 1 : config_.tcp_streams;
+  for (int i = 0; i < n; ++i) {
+    workers_.push_back(std::make_unique<Worker>());
+    Worker* w = workers_.back().get();
+    w->thread = std::thread([this, w] { run(w); });
+  }
+}
+
+TcpDataPool::~TcpDataPool() {
+  {
+    std::lock_guard lock(mu_);
+    stopping_ = true;
+    for (auto& w : workers_) {
+      if (w->current != nullptr && w->fd.valid()) ::shutdown(w->fd.get(), SHUT_RDWR);
+    }
+  }
+  cv_.notify_all();
+  for (auto& w : workers_) w->thread.join();
+}
+
+std::shared_ptr<TransferState> TcpDataPool::submit(std::span<const TransferDescriptor> descriptors,
+                                                   bool write, Deadline deadline,
+                                                   std::string description,
+                                                   std::function<Status(const Status&)> finalizer) {
+  const uint64_t slice = config_.tcp_slice_bytes == 0 ? (4u << 20) : config_.tcp_slice_bytes;
+  std::vector<Job> jobs(workers_.size());
+  size_t next = 0;
+  for (const auto& d : descriptors) {
+    auto* base = static_cast<std::byte*>(d.local);
+    for (uint64_t done = 0; done < d.length; done += slice) {
+      uint64_t n = std::min(slice, d.length - done);
+      jobs[next % jobs.size()].slices.push_back(
+          {base + done, d.remote_region, d.remote_offset + done, n});
+      ++next;
+    }
+  }
+  std::erase_if(jobs, [](const Job& j) { return j.slices.empty(); });
+  auto state =
+      std::make_shared<TransferState>(std::move(description), static_cast<int>(jobs.size()));
+  state->set_finalizer(std::move(finalizer));
+  TransferState* raw = state.get();
+  state->set_cancel_hook([this, raw] { interrupt(raw); });
+  std::lock_guard lock(mu_);
+  if (!failed_.ok() || stopping_) {
+    Status why = failed_.ok() ? Unavailable("agent shutting down") : failed_;
+    for (size_t i = 0; i < jobs.size(); ++i) state->part_done(why);
+    return state;
+  }
+  // Spread jobs starting at a rotating worker so concurrent small batches share the pool.
+  for (auto& job : jobs) {
+    job.state = state;
+    job.write = write;
+    job.deadline = deadline;
+    workers_[next_worker_++ % workers_.size()]->jobs.push_back(std::move(job));
+  }
+  cv_.notify_all();
+  return state;
+}
+
+void TcpDataPool::fail_all(const Status& reason) {
+  std::lock_guard lock(mu_);
+  if (failed_.ok()) failed_ = reason;
+  for (auto& w : workers_) {
+    if (w->current != nullptr && w->fd.valid()) ::shutdown(w->fd.get(), SHUT_RDWR);
+  }
+  cv_.notify_all();
+}
+
+void TcpDataPool::interrupt(TransferState* state) {
+  std::lock_guard lock(mu_);
+  for (auto& w : workers_) {
+    if (w->current == state && w->fd.valid()) ::shutdown(w->fd.get(), SHUT_RDWR);
+  }
+}
+
+void TcpDataPool::run(Worker* worker) {
+  while (true) {
+    Job job;
+    Status failed;
+    {
+      std::unique_lock lock(mu_);
+      cv_.wait(lock, [&] { return stopping_ || !worker->jobs.empty(); });
+      if (worker->jobs.empty()) return;  // stopping, nothing left
+      job = std::move(worker->jobs.front());
+      worker->jobs.pop_front();
+      worker->current = job.state.get();
+      failed = stopping_ ? Unavailable("agent shutting down") : failed_;
+    }
+    Status result;
+    if (!failed.ok()) {
+      result = failed;
+    } else if (job.state->cancelled()) {
+      result = Status(StatusCode::kCancelled, job.state->description() + ": cancelled");
+    } else {
+      result = run_job(worker, job);
+    }
+    {
+      std::lock_guard lock(mu_);
+      if (!result.ok()) worker->fd.reset();  // the stream may be mid-frame: start over
+      worker->current = nullptr;
+      if (!result.ok() && job.state->cancelled() &&
+          result.code() != StatusCode::kDeadlineExceeded) {
+        result = Status(StatusCode::kCancelled, job.state->description() + ": cancelled");
+      } else if (!result.ok() && !failed_.ok() && result.code() != StatusCode::kDeadlineExceeded) {
+        result = failed_.with_context(job.state->description());
+      }
+    }
+    job.state->part_done(result);
+  }
+}
+
+Status TcpDataPool::ensure_connected(Worker* worker, Deadline deadline) {
+  if (worker->fd.valid()) return Status::Ok();
+  ECX_ASSIGN_OR_RETURN(UniqueFd fd, connect_tcp(address_, deadline));
+  tune_tcp_socket(fd.get(), config_.tcp_socket_buffer);
+  ECX_RETURN_IF_ERROR(client_handshake(fd.get(), self_, kHelloDataConnection, deadline).status());
+  std::lock_guard lock(mu_);
+  worker->fd = std::move(fd);
+  return Status::Ok();
+}
+
+Status TcpDataPool::run_job(Worker* worker, Job& job) {
+  ECX_RETURN_IF_ERROR(ensure_connected(worker, job.deadline)
+                          .with_context(job.state->description() + ": connect data stream"));
+  int fd = worker->fd.get();
+  set_io_deadline(fd, job.deadline);
+  const FrameType type = job.write ? FrameType::kWrite : FrameType::kRead;
+  Status first_error;
+  for (size_t start = 0; start < job.slices.size(); start += kPipelineDepth) {
+    size_t end = std::min(job.slices.size(), start + kPipelineDepth);
+    for (size_t i = start; i < end; ++i) {
+      const Slice& s = job.slices[i];
+      FrameHeader h;
+      h.type = static_cast<uint16_t>(type);
+      h.id = i;
+      h.region = s.region;
+      h.offset = s.offset;
+      h.length = s.length;
+      std::string what = describe_access(job.write, s.length, s.offset, s.region, peer_.name);
+      ECX_RETURN_IF_ERROR(send_frame(fd, h, std::string(), Deadline::never()).with_context(what));
+      if (job.write) {
+        ECX_RETURN_IF_ERROR(send_all(fd, s.local, s.length, Deadline::never(), "send WRITE data")
+                                .with_context(what));
+      }
+    }
+    for (size_t i = start; i < end; ++i) {
+      const Slice& s = job.slices[i];
+      std::string what = describe_access(job.write, s.length, s.offset, s.region, peer_.name);
+      auto reply = recv_frame(fd, Deadline::never());
+      if (!reply.ok()) return reply.status().with_context(what);
+      const FrameHeader& r = reply->header;
+      if (r.type == static_cast<uint16_t>(FrameType::kError)) {
+        if (first_error.ok()) first_error = status_from_error_frame(*reply);
+        continue;
+      }
+      if (job.write) {
+        if (r.type != static_cast<uint16_t>(FrameType::kWriteAck) || r.id != i) {
+          return Internal(what + ": unexpected reply " + frame_type_name(r.type));
+        }
+        continue;
+      }
+      if (r.type != static_cast<uint16_t>(FrameType::kReadData) || r.id != i ||
+          r.length != s.length) {
+        return Internal(what + ": unexpected reply " + frame_type_name(r.type) + " of " +
+                        std::to_string(r.length) + " bytes");
+      }
+      ECX_RETURN_IF_ERROR(recv_all(fd, s.local, s.length, Deadline::never(), "receive READ data")
+                              .with_context(what));
+    }
+  }
+  return first_error;
+}
+
+}  // namespace ecx::transfer

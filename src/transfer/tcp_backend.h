@@ -1,0 +1,75 @@
+// tcp backend: a pool of data connections to one peer, each driven by a worker thread.
+// A batch is cut into slices (AgentConfig::tcp_slice_bytes) spread over the connections;
+// each worker pipelines its slices (all requests out, then all replies in).
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <thread>
+#include <vector>
+
+#include "ecx/transfer/agent.h"
+#include "transfer/socket.h"
+#include "transfer/stats_counters.h"
+#include "transfer/transfer_state.h"
+
+namespace ecx::transfer {
+
+class TcpDataPool {
+ public:
+  TcpDataPool(const AgentConfig& config, AgentMetadata self, AgentMetadata peer, HostPort address,
+              StatsCounters* stats);
+  ~TcpDataPool();
+
+  // Starts a batched transfer; the returned state completes when every slice has.
+  std::shared_ptr<TransferState> submit(std::span<const TransferDescriptor> descriptors, bool write,
+                                        Deadline deadline, std::string description,
+                                        std::function<Status(const Status&)> finalizer);
+  // Fails in-flight and future work with `reason` (the peer died).
+  void fail_all(const Status& reason);
+
+ private:
+  struct Slice {
+    std::byte* local;
+    uint32_t region;
+    uint64_t offset;
+    uint64_t length;
+  };
+  struct Job {
+    std::shared_ptr<TransferState> state;
+    std::vector<Slice> slices;
+    bool write = false;
+    Deadline deadline = Deadline::never();
+  };
+  struct Worker {
+    std::thread thread;
+    UniqueFd fd;                       // owned by the worker thread; shut down by others
+    std::deque<Job> jobs;              // guarded by pool mu_
+    TransferState* current = nullptr;  // guarded by pool mu_
+  };
+
+  void run(Worker* worker);
+  Status run_job(Worker* worker, Job& job);
+  Status ensure_connected(Worker* worker, Deadline deadline);
+  void interrupt(TransferState* state);
+
+  const AgentConfig config_;
+  const AgentMetadata self_;
+  const AgentMetadata peer_;
+  const HostPort address_;
+  StatsCounters* const stats_;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stopping_ = false;   // guarded by mu_
+  Status failed_;           // guarded by mu_; set once the peer is gone
+  size_t next_worker_ = 0;  // guarded by mu_
+  std::vector<std::unique_ptr<Worker>> workers_;
+};
+
+}  // namespace ecx::transfer

@@ -1,0 +1,111 @@
+#include "transfer/transfer_state.h"
+
+#include "ecx/transfer/transfer_handle.h"
+
+namespace ecx::transfer {
+namespace {
+// After a cancel, parts stop within one socket operation; this bounds that wait.
+constexpr int64_t kCancelDrainMs = 10000;
+}  // namespace
+
+TransferState::TransferState(std::string description, int parts)
+    : description_(std::move(description)), remaining_(parts < 1 ? 1 : parts) {}
+
+void TransferState::part_done(const Status& status) {
+  std::function<Status(const Status&)> finalizer;
+  Status aggregate;
+  {
+    std::lock_guard lock(mu_);
+    if (!status.ok() && status_.ok()) status_ = status;
+    if (--remaining_ > 0) return;
+    finalizer = std::move(finalizer_);
+    aggregate = status_;
+  }
+  if (cancelled() && aggregate.ok())
+    aggregate = Status(StatusCode::kCancelled, description_ + ": cancelled");
+  if (finalizer) aggregate = finalizer(aggregate);
+  std::vector<std::function<void(const Status&)>> callbacks;
+  {
+    std::lock_guard lock(mu_);
+    status_ = aggregate;
+    done_ = true;
+    callbacks.swap(callbacks_);
+  }
+  cv_.notify_all();
+  for (auto& cb : callbacks) cb(aggregate);
+}
+
+void TransferState::set_finalizer(std::function<Status(const Status&)> finalizer) {
+  std::lock_guard lock(mu_);
+  finalizer_ = std::move(finalizer);
+}
+
+void TransferState::set_cancel_hook(std::function<void()> hook) {
+  std::lock_guard lock(mu_);
+  cancel_hook_ = std::move(hook);
+}
+
+Status TransferState::wait(Deadline deadline) {
+  std::unique_lock lock(mu_);
+  if (cv_.wait_until(lock, deadline.time_point(), [&] { return done_; })) return status_;
+  lock.unlock();
+  cancel();
+  lock.lock();
+  // Parts in progress were interrupted; wait for them so no byte lands after we return.
+  bool drained =
+      cv_.wait_for(lock, std::chrono::milliseconds(kCancelDrainMs), [&] { return done_; });
+  if (!drained) {
+    return Internal(description_ + ": deadline passed and the transfer did not stop after cancel");
+  }
+  if (status_.code() == StatusCode::kCancelled || status_.ok()) {
+    return DeadlineExceeded(description_ + ": deadline passed before completion");
+  }
+  if (status_.code() == StatusCode::kDeadlineExceeded) return status_;
+  return DeadlineExceeded(description_ + ": deadline passed (" + status_.to_string() + ")");
+}
+
+bool TransferState::done() const {
+  std::lock_guard lock(mu_);
+  return done_;
+}
+
+void TransferState::cancel() {
+  if (cancelled_.exchange(true)) return;
+  std::function<void()> hook;
+  {
+    std::lock_guard lock(mu_);
+    if (done_) return;
+    hook = cancel_hook_;
+  }
+  if (hook) hook();
+}
+
+void TransferState::on_complete(std::function<void(const Status&)> callback) {
+  Status final_status;
+  {
+    std::lock_guard lock(mu_);
+    if (!done_) {
+      callbacks_.push_back(std::move(callback));
+      return;
+    }
+    final_status = status_;
+  }
+  callback(final_status);
+}
+
+Status TransferHandle::wait(Deadline deadline) {
+  if (!state_) return InvalidArgument("wait on an empty TransferHandle");
+  return state_->wait(deadline);
+}
+
+bool TransferHandle::done() const { return state_ && state_->done(); }
+
+void TransferHandle::cancel() {
+  if (state_) state_->cancel();
+}
+
+void TransferHandle::on_complete(std::function<void(const Status&)> callback) {
+  if (state_) state_->on_complete(std::move(callback));
+}
+
+}  // namespace ecx::transfer

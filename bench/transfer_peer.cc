@@ -77,23 +77,22 @@ int run_transfer_peer(const TransferPeerOptions& options) {
   fill_pattern(source->data, source->length, options.seed);
 
   std::atomic<uint64_t> notified_ok{0}, notified_bad{0};
-  std::atomic<bool> stopping{false};
-  std::thread notifier([&] {
-    while (!stopping.load()) {
-      auto n = agent->wait_notification(Deadline::after_ms(200));
-      if (!n.ok()) continue;
-      json j = json::parse(n->message, nullptr, false);
-      if (j.is_discarded() || !j.contains("offset") || !j.contains("length") ||
-          !j.contains("checksum")) {
-        notified_bad++;
-        continue;
-      }
-      uint64_t off = j["offset"].get<uint64_t>(), len = j["length"].get<uint64_t>();
-      bool fits = off <= sink->length && len <= sink->length - off;
-      bool ok = fits && checksum64(sink->data + off, len) == j["checksum"].get<uint64_t>();
-      (ok ? notified_ok : notified_bad)++;
-    }
-  });
+  LocalRegion sink_region = *sink;
+  // Runs on the connection thread, in order with the sender's calls: a later "notified"
+  // call sees every earlier notification's verdict.
+  agent->set_notification_handler(
+      [&notified_ok, &notified_bad, sink_region](transfer::Notification n) {
+        json j = json::parse(n.message, nullptr, false);
+        if (j.is_discarded() || !j.contains("offset") || !j.contains("length") ||
+            !j.contains("checksum")) {
+          notified_bad++;
+          return;
+        }
+        uint64_t off = j["offset"].get<uint64_t>(), len = j["length"].get<uint64_t>();
+        bool fits = off <= sink_region.length && len <= sink_region.length - off;
+        bool ok = fits && checksum64(sink_region.data + off, len) == j["checksum"].get<uint64_t>();
+        (ok ? notified_ok : notified_bad)++;
+      });
 
   Agent* a = agent.get();
   LocalRegion src = *source, dst = *sink;
@@ -138,6 +137,13 @@ int run_transfer_peer(const TransferPeerOptions& options) {
           return OutOfRange("checksum: range outside region");
         return json{{"checksum", checksum64(r.data + off, len)}}.dump();
       }
+      if (op == "stats") {
+        auto st = a->stats();
+        return json{{"rejected_requests", st.rejected_requests},
+                    {"handshakes_rejected", st.handshakes_rejected},
+                    {"notifications_received", st.notifications_received}}
+            .dump();
+      }
       if (op == "notified") {
         return json{{"ok", notified_ok.load()}, {"bad", notified_bad.load()}}.dump();
       }
@@ -166,10 +172,8 @@ int run_transfer_peer(const TransferPeerOptions& options) {
   char buf[256];
   while (::read(0, buf, sizeof(buf)) > 0) {
   }
-  stopping = true;
   ::shutdown(baseline_fd, SHUT_RDWR);
   baseline_thread.join();
-  notifier.join();
   agent.reset();
   return 0;
 }

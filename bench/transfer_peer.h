@@ -9,6 +9,7 @@
 //   {"op":"addr","item":i,"size":n}                         -> {"region","offset","length"}
 //   {"op":"checksum","region":r,"offset":o,"length":n}     -> {"checksum":x}
 //   {"op":"notified"}                                       -> {"ok":k,"bad":b}
+//   {"op":"stats"}                               -> {"rejected_requests",...} of its agent
 // A notification {"region","offset","length","checksum"} is checked against the bytes
 // that are in the region when it arrives (notifications must follow their data).
 #pragma once

@@ -22,7 +22,9 @@ constexpr size_t kMaxQueuedNotifications = 1 << 16;
 struct Peer {
   std::string name;
   Backend backend = Backend::kTcp;
-  std::unique_ptr<ControlChannel> control;
+  // Shared so a transfer's finalizer can notify without owning the Peer: a worker
+  // thread must never drop the last reference to the pool that owns it.
+  std::shared_ptr<ControlChannel> control;
   std::unique_ptr<ShmPeer> shm;
   std::unique_ptr<TcpDataPool> tcp;
 
@@ -74,6 +76,7 @@ class AgentImpl final : public Agent {
                            Deadline deadline) override;
   void set_call_handler(CallHandler handler) override;
   void set_peer_gone_handler(PeerGoneHandler handler) override;
+  void set_notification_handler(NotificationHandler handler) override;
   Result<Notification> wait_notification(Deadline deadline) override;
   Result<RemoteView> view(const std::string& peer, uint32_t region, uint64_t offset,
                           uint64_t length) override;
@@ -97,9 +100,10 @@ class AgentImpl final : public Agent {
 
   mutable std::mutex mu_;
   std::condition_variable peers_cv_;
-  std::map<std::string, PeerSlot> peers_;  // guarded by mu_
-  CallHandler call_handler_;               // guarded by mu_
-  PeerGoneHandler peer_gone_handler_;      // guarded by mu_
+  std::map<std::string, PeerSlot> peers_;     // guarded by mu_
+  CallHandler call_handler_;                  // guarded by mu_
+  PeerGoneHandler peer_gone_handler_;         // guarded by mu_
+  NotificationHandler notification_handler_;  // guarded by mu_
 
   std::mutex notify_mu_;
   std::condition_variable notify_cv_;
@@ -121,6 +125,15 @@ Status AgentImpl::start() {
   ServerHooks hooks;
   hooks.metadata = [this] { return metadata(); };
   hooks.deliver_notification = [this](Notification n) {
+    NotificationHandler handler;
+    {
+      std::lock_guard lock(mu_);
+      handler = notification_handler_;
+    }
+    if (handler) {
+      handler(std::move(n));
+      return;
+    }
     {
       std::lock_guard lock(notify_mu_);
       if (notifications_.size() >= kMaxQueuedNotifications) notifications_.pop_front();
@@ -286,15 +299,15 @@ void AgentImpl::disconnect(const std::string& name) {
 }
 
 void AgentImpl::on_peer_death(const std::string& name, const Status& reason) {
-  std::shared_ptr<Peer> peer;
-  {
-    std::lock_guard lock(mu_);
-    auto it = peers_.find(name);
-    if (it != peers_.end()) peer = it->second.peer;
-  }
+  // Runs on the peer's reader thread. No reference to the Peer is taken here: dropping
+  // the last one on this thread would make the channel join its own thread.
   stats_.peer_failures++;
   spdlog::debug("agent {}: peer {} gone: {}", config_.name, name, reason.to_string());
-  if (peer && peer->tcp) peer->tcp->fail_all(reason);
+  std::lock_guard lock(mu_);
+  auto it = peers_.find(name);
+  if (it != peers_.end() && it->second.peer && it->second.peer->tcp) {
+    it->second.peer->tcp->fail_all(reason);
+  }
 }
 
 Result<std::shared_ptr<Peer>> AgentImpl::connected_peer(const std::string& name) const {
@@ -340,7 +353,7 @@ Result<TransferHandle> AgentImpl::transfer(const std::string& peer_name,
                             std::string(backend_name(peer->backend));
   // Counted once the transfer completes; over tcp the notification follows the last
   // acknowledged slice, so it arrives after the data.
-  std::weak_ptr<Peer> weak = peer;
+  std::weak_ptr<ControlChannel> weak = peer->control;
   StatsCounters* stats = &stats_;
   bool via_tcp = peer->tcp != nullptr;
   std::optional<std::string> tcp_notification = via_tcp ? notification : std::nullopt;
@@ -348,8 +361,8 @@ Result<TransferHandle> AgentImpl::transfer(const std::string& peer_name,
                     tcp_notification = std::move(tcp_notification)](const Status& s) {
     Status result = s;
     if (result.ok() && tcp_notification) {
-      if (auto p = weak.lock()) {
-        result = p->control->notify(*tcp_notification);
+      if (auto control = weak.lock()) {
+        result = control->notify(*tcp_notification);
       } else {
         result = Unavailable("peer gone before the notification was sent");
       }
@@ -395,6 +408,11 @@ void AgentImpl::set_call_handler(CallHandler handler) {
 void AgentImpl::set_peer_gone_handler(PeerGoneHandler handler) {
   std::lock_guard lock(mu_);
   peer_gone_handler_ = std::move(handler);
+}
+
+void AgentImpl::set_notification_handler(NotificationHandler handler) {
+  std::lock_guard lock(mu_);
+  notification_handler_ = std::move(handler);
 }
 
 Result<Notification> AgentImpl::wait_notification(Deadline deadline) {

@@ -1,5 +1,6 @@
 #include "transfer/connection.h"
 
+#include <poll.h>
 #include <sys/socket.h>
 
 #include "transfer/wire.h"
@@ -67,8 +68,17 @@ void ControlChannel::close() {
   if (fd_.valid()) ::shutdown(fd_.get(), SHUT_RDWR);
 }
 
+bool ControlChannel::alive_now() const {
+  if (!alive()) return false;
+  pollfd p{fd_.get(), POLLRDHUP, 0};
+  return !(::poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)));
+}
+
 Status ControlChannel::death_status() const {
   std::lock_guard lock(mu_);
+  if (alive()) {
+    return Unavailable("connection to agent '" + peer_.name + "' lost: peer hung up");
+  }
   return death_;
 }
 

@@ -50,6 +50,9 @@ class ControlChannel {
 
   const AgentMetadata& peer() const { return peer_; }
   bool alive() const { return alive_.load(std::memory_order_acquire); }
+  // Like alive(), but also asks the kernel whether the peer has hung up, so a death is
+  // seen at once even before the reader thread wakes (one poll(2), no blocking).
+  bool alive_now() const;
   // The reason the channel died (ok while alive).
   Status death_status() const;
 

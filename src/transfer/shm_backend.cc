@@ -74,7 +74,7 @@ Status ShmPeer::read(std::span<const TransferDescriptor> descriptors, Deadline d
     std::memcpy(d.local, maps[i]->data + d.remote_offset, d.length);
   }
   // The mapping outlives a dead peer, but a read that overlapped its death is not trusted.
-  if (!control_->alive()) return control_->death_status();
+  if (!control_->alive_now()) return control_->death_status();
   return Status::Ok();
 }
 
@@ -84,7 +84,7 @@ Status ShmPeer::write(std::span<const TransferDescriptor> descriptors, Deadline 
     const auto& d = descriptors[i];
     std::memcpy(maps[i]->data + d.remote_offset, d.local, d.length);
   }
-  if (!control_->alive()) return control_->death_status();
+  if (!control_->alive_now()) return control_->death_status();
   return Status::Ok();
 }
 

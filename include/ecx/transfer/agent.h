@@ -59,6 +59,8 @@ struct RemoteView {
 
 // Serves CALL requests from peers: (caller agent name, request) -> reply or error.
 using CallHandler = std::function<Result<std::string>(const std::string&, std::string_view)>;
+// Receives notifications on the connection's thread, in order with that peer's calls.
+using NotificationHandler = std::function<void(Notification)>;
 // Told when a peer that connected to this agent goes away (its process died or closed).
 using PeerGoneHandler = std::function<void(const std::string&)>;
 
@@ -115,6 +117,9 @@ class Agent {
                                    Deadline deadline) = 0;
   virtual void set_call_handler(CallHandler handler) = 0;
   virtual void set_peer_gone_handler(PeerGoneHandler handler) = 0;
+  // With a handler set, notifications go to it (synchronously, in arrival order) instead
+  // of the queue that wait_notification reads.
+  virtual void set_notification_handler(NotificationHandler handler) = 0;
   // Next notification from any peer, or kDeadlineExceeded.
   virtual Result<Notification> wait_notification(Deadline deadline) = 0;
 

@@ -1,0 +1,48 @@
+// A producer agent in a separate process (`ecx bench transfer-peer`), for tests that
+// need a real peer: it can be killed, and its memory is not ours.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "ecx/common/subprocess.h"
+#include "ecx/transfer/agent.h"
+
+namespace ecx::testing {
+
+struct PeerOptions {
+  std::string name = "peer";
+  std::string compat_hash = "ecx";
+  uint64_t region_bytes = 64ull << 20;
+  uint64_t seed = 99;
+  uint64_t stall_read_after_bytes = 0;
+};
+
+class PeerProcess {
+ public:
+  // Starts the process and waits (with a deadline) for its ready line.
+  static Result<PeerProcess> start(const PeerOptions& options);
+
+  const transfer::AgentMetadata& metadata() const { return metadata_; }
+  uint32_t source_region() const { return source_region_; }
+  uint32_t sink_region() const { return sink_region_; }
+  Subprocess& process() { return process_; }
+  // The bytes of the peer's source region (the same pattern it filled).
+  const std::vector<std::byte>& expected() const { return expected_; }
+
+ private:
+  PeerProcess(Subprocess p) : process_(std::move(p)) {}
+  Subprocess process_;
+  transfer::AgentMetadata metadata_;
+  uint32_t source_region_ = 0;
+  uint32_t sink_region_ = 0;
+  std::vector<std::byte> expected_;
+};
+
+// An agent config for the test's own side.
+transfer::AgentConfig local_config(const std::string& name);
+
+}  // namespace ecx::testing

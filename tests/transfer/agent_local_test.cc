@@ -1,0 +1,303 @@
+// Two agents in one process: every code path of the agent with server-side state in
+// view. The same tests run over shm and tcp.
+#include <gtest/gtest.h>
+
+#include <condition_variable>
+#include <cstring>
+#include <mutex>
+#include <random>
+#include <thread>
+
+#include "ecx/common/checksum.h"
+#include "ecx/transfer/agent.h"
+#include "support/peer_process.h"
+
+namespace ecx::transfer {
+namespace {
+
+using ecx::testing::local_config;
+
+constexpr uint64_t kRegionBytes = 16ull << 20;
+
+bool contains(const Status& s, const std::string& text) {
+  return s.message().find(text) != std::string::npos;
+}
+
+class AgentLocalTest : public ::testing::TestWithParam<Backend> {
+ protected:
+  void SetUp() override {
+    producer_ = std::move(Agent::create(local_config("producer")).value());
+    consumer_ = std::move(Agent::create(local_config("consumer")).value());
+    src_ = producer_->allocate(kRegionBytes).value();
+    sink_ = producer_->allocate(kRegionBytes, {.remote_read = true, .remote_write = true}).value();
+    fill_pattern(src_.data, src_.length, 1234);
+    dst_.resize(kRegionBytes);
+    auto connected = consumer_->connect(producer_->metadata(), {.backend = GetParam()});
+    ASSERT_TRUE(connected.ok()) << connected.status().to_string();
+    ASSERT_EQ(*consumer_->peer_backend("producer"), GetParam());
+  }
+
+  Status read(std::vector<TransferDescriptor> descs, Deadline d = Deadline::after_ms(20000)) {
+    auto h = consumer_->read("producer", descs, d);
+    if (!h.ok()) return h.status();
+    return h->wait(d);
+  }
+
+  uint64_t rejections() const {
+    // tcp: the serving agent refuses; shm: the reading agent refuses before mapping.
+    return GetParam() == Backend::kTcp ? producer_->stats().rejected_requests
+                                       : consumer_->stats().rejected_descriptors;
+  }
+
+  std::unique_ptr<Agent> producer_, consumer_;
+  LocalRegion src_, sink_;
+  std::vector<std::byte> dst_;
+};
+
+TEST_P(AgentLocalTest, SingleReadsAreBitExactAcrossSizes) {
+  for (uint64_t size : {1ull, 3ull, 4096ull, 65537ull, 1600ull << 10, (4ull << 20) + 1}) {
+    std::memset(dst_.data(), 0, size);
+    uint64_t offset = 7;  // unaligned on purpose
+    ASSERT_TRUE(read({{dst_.data(), src_.id, offset, size}}).ok()) << size;
+    ASSERT_EQ(std::memcmp(dst_.data(), src_.data + offset, size), 0) << "size " << size;
+  }
+}
+
+TEST_P(AgentLocalTest, BatchedReadLandsEveryItemInPlace) {
+  std::vector<TransferDescriptor> descs;
+  uint64_t local = 0;
+  std::mt19937_64 rng(5);
+  for (int i = 0; i < 16; ++i) {
+    uint64_t size = 1 + rng() % (700 << 10);
+    uint64_t remote = rng() % (kRegionBytes - size);
+    descs.push_back({dst_.data() + local, src_.id, remote, size});
+    local += size;
+  }
+  Status s = read(descs);
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  for (const auto& d : descs) {
+    ASSERT_EQ(std::memcmp(d.local, src_.data + d.remote_offset, d.length), 0);
+  }
+  EXPECT_EQ(consumer_->stats().bytes_read, local);
+}
+
+TEST_P(AgentLocalTest, WriteArrivesBeforeItsNotification) {
+  std::vector<std::byte> data(3 << 20);
+  fill_pattern(data.data(), data.size(), 77);
+  TransferDescriptor d{data.data(), sink_.id, 4096, data.size()};
+  auto h = consumer_->write("producer", {&d, 1}, std::string("item-ready"));
+  ASSERT_TRUE(h.ok()) << h.status().to_string();
+  auto n = producer_->wait_notification(Deadline::after_ms(20000));
+  ASSERT_TRUE(n.ok()) << n.status().to_string();
+  EXPECT_EQ(n->from, "consumer");
+  EXPECT_EQ(n->message, "item-ready");
+  // The notification came after the data: the bytes are already there.
+  EXPECT_EQ(std::memcmp(sink_.data + 4096, data.data(), data.size()), 0);
+  EXPECT_TRUE(h->wait(Deadline::after_ms(20000)).ok());
+}
+
+TEST_P(AgentLocalTest, OutOfRangeAndUnknownRegionsAreRejectedAndCounted) {
+  uint64_t before = rejections();
+  Status past_end = read({{dst_.data(), src_.id, kRegionBytes - 10, 11}});
+  EXPECT_EQ(past_end.code(), StatusCode::kOutOfRange) << past_end.to_string();
+  EXPECT_TRUE(contains(past_end, "outside the region")) << past_end.to_string();
+  EXPECT_TRUE(contains(past_end, "region " + std::to_string(src_.id))) << past_end.to_string();
+  Status overflow = read({{dst_.data(), src_.id, UINT64_MAX - 2, 8}});
+  EXPECT_EQ(overflow.code(), StatusCode::kOutOfRange) << overflow.to_string();
+  Status unknown = read({{dst_.data(), 999, 0, 8}});
+  EXPECT_EQ(unknown.code(), StatusCode::kNotFound) << unknown.to_string();
+  EXPECT_TRUE(contains(unknown, "region 999")) << unknown.to_string();
+  EXPECT_EQ(rejections(), before + 3);
+
+  std::byte one{1};
+  TransferDescriptor to_readonly{&one, src_.id, 0, 1};
+  auto w = consumer_->write("producer", {&to_readonly, 1});
+  Status ws = w.ok() ? w->wait(Deadline::after_ms(20000)) : w.status();
+  EXPECT_EQ(ws.code(), StatusCode::kFailedPrecondition) << ws.to_string();
+  EXPECT_TRUE(contains(ws, "not remotely writable"));
+
+  // The connection still works after the rejections.
+  ASSERT_TRUE(read({{dst_.data(), src_.id, 0, 4096}}).ok());
+  EXPECT_EQ(std::memcmp(dst_.data(), src_.data, 4096), 0);
+}
+
+TEST_P(AgentLocalTest, BadLocalDescriptorsAreRefusedBeforeSending) {
+  EXPECT_EQ(read({}).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(read({{nullptr, src_.id, 0, 8}}).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(read({{dst_.data(), src_.id, 0, 0}}).code(), StatusCode::kInvalidArgument);
+  EXPECT_GE(consumer_->stats().rejected_descriptors, 2u);
+  auto h = consumer_->read("nobody", std::vector<TransferDescriptor>{{dst_.data(), 1, 0, 1}});
+  ASSERT_FALSE(h.ok());
+  EXPECT_EQ(h.status().code(), StatusCode::kUnavailable);
+  EXPECT_TRUE(contains(h.status(), "nobody"));
+}
+
+TEST_P(AgentLocalTest, ConcurrentReadersEachGetTheirOwnBytes) {
+  constexpr int kThreads = 4, kReads = 25;
+  std::vector<std::thread> threads;
+  std::atomic<int> failures{0};
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      std::vector<std::byte> buf(2 << 20);
+      std::mt19937_64 rng(t);
+      for (int i = 0; i < kReads; ++i) {
+        uint64_t size = 1 + rng() % buf.size();
+        uint64_t off = rng() % (kRegionBytes - size);
+        TransferDescriptor d{buf.data(), src_.id, off, size};
+        auto h = consumer_->read("producer", {&d, 1});
+        if (!h.ok() || !h->wait(Deadline::after_ms(20000)).ok() ||
+            std::memcmp(buf.data(), src_.data + off, size) != 0) {
+          failures++;
+        }
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(failures.load(), 0);
+}
+
+TEST_P(AgentLocalTest, CallsAndErrorsTravelBothWays) {
+  producer_->set_call_handler(
+      [](const std::string& from, std::string_view req) -> Result<std::string> {
+        if (req == "fail") return Status(StatusCode::kEvicted, "block generation 7 != expected 6");
+        return from + ":" + std::string(req);
+      });
+  auto ok = consumer_->call("producer", "ping", Deadline::after_ms(20000));
+  ASSERT_TRUE(ok.ok()) << ok.status().to_string();
+  EXPECT_EQ(*ok, "consumer:ping");
+  auto err = consumer_->call("producer", "fail", Deadline::after_ms(20000));
+  ASSERT_FALSE(err.ok());
+  EXPECT_EQ(err.status().code(), StatusCode::kEvicted);
+  EXPECT_EQ(err.status().message(), "block generation 7 != expected 6");
+}
+
+TEST_P(AgentLocalTest, CallHonoursItsDeadline) {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool release = false;
+  producer_->set_call_handler([&](const std::string&, std::string_view) -> Result<std::string> {
+    std::unique_lock lock(mu);
+    cv.wait_for(lock, std::chrono::seconds(20), [&] { return release; });
+    return std::string("late");
+  });
+  auto r = consumer_->call("producer", "slow", Deadline::after_ms(100));
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kDeadlineExceeded);
+  {
+    std::lock_guard lock(mu);
+    release = true;
+  }
+  cv.notify_all();
+}
+
+TEST_P(AgentLocalTest, ZeroCopyViewOnlyOverShm) {
+  auto v = consumer_->view("producer", src_.id, 100, 1 << 20);
+  if (GetParam() == Backend::kShm) {
+    ASSERT_TRUE(v.ok()) << v.status().to_string();
+    EXPECT_EQ(std::memcmp(v->data, src_.data + 100, 1 << 20), 0);
+    // Same memory, not a copy: a producer write is visible through the view.
+    src_.data[100] = std::byte{0x5a};
+    EXPECT_EQ(v->data[0], std::byte{0x5a});
+    EXPECT_EQ(consumer_->view("producer", src_.id, kRegionBytes, 1).status().code(),
+              StatusCode::kOutOfRange);
+  } else {
+    ASSERT_FALSE(v.ok());
+    EXPECT_EQ(v.status().code(), StatusCode::kFailedPrecondition);
+  }
+}
+
+TEST_P(AgentLocalTest, DeregisteredRegionIsNotFoundForNewReaders) {
+  auto extra = producer_->allocate(1 << 20).value();
+  ASSERT_TRUE(producer_->deregister(extra.id).ok());
+  Status s = read({{dst_.data(), extra.id, 0, 16}});
+  EXPECT_EQ(s.code(), StatusCode::kNotFound) << s.to_string();
+  EXPECT_EQ(producer_->deregister(extra.id).code(), StatusCode::kNotFound);
+}
+
+TEST_P(AgentLocalTest, ProducerShutdownFailsTheConsumerCleanly) {
+  producer_.reset();
+  Status s = read({{dst_.data(), src_.id, 0, 4096}});
+  EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.to_string();
+  EXPECT_TRUE(contains(s, "producer")) << s.to_string();
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, AgentLocalTest, ::testing::Values(Backend::kShm, Backend::kTcp),
+                         [](const auto& info) { return std::string(backend_name(info.param)); });
+
+TEST(AgentConnect, ConcurrentConnectsCoalesceIntoOneHandshake) {
+  auto producer = std::move(Agent::create(local_config("producer")).value());
+  auto consumer = std::move(Agent::create(local_config("consumer")).value());
+  AgentMetadata meta = producer->metadata();
+  std::vector<std::thread> threads;
+  std::atomic<int> ok{0};
+  for (int i = 0; i < 8; ++i) {
+    threads.emplace_back([&] {
+      if (consumer->connect(meta).ok()) ok++;
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(ok.load(), 8);
+  EXPECT_EQ(consumer->stats().peers_connected, 1u);
+}
+
+TEST(AgentConnect, AutoPicksShmOnTheSameHostAndTcpWhenForced) {
+  auto producer = std::move(Agent::create(local_config("producer")).value());
+  auto consumer = std::move(Agent::create(local_config("consumer")).value());
+  ASSERT_TRUE(consumer->connect(producer->metadata()).ok());
+  EXPECT_EQ(*consumer->peer_backend("producer"), Backend::kShm);
+  consumer->disconnect("producer");
+  AgentMetadata remote_looking = producer->metadata();
+  remote_looking.host_id = "another-host";
+  ASSERT_TRUE(consumer->connect(remote_looking).ok());
+  EXPECT_EQ(*consumer->peer_backend("producer"), Backend::kTcp);
+}
+
+TEST(AgentConnect, IncompatibleHashIsRefusedNamingBothHashes) {
+  auto cfg = local_config("producer");
+  cfg.compat_hash = "model-b";
+  auto producer = std::move(Agent::create(cfg).value());
+  auto consumer = std::move(Agent::create(local_config("consumer")).value());
+  // Checked by the connecting side from the metadata...
+  auto r = consumer->connect(producer->metadata());
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kIncompatible);
+  EXPECT_TRUE(contains(r.status(), "'ecx'")) << r.status().to_string();
+  EXPECT_TRUE(contains(r.status(), "'model-b'")) << r.status().to_string();
+  // ...and by the serving side, even when the metadata lies about the hash.
+  for (Backend b : {Backend::kShm, Backend::kTcp}) {
+    AgentMetadata forged = producer->metadata();
+    forged.compat_hash = "ecx";
+    auto f = consumer->connect(forged, {.backend = b});
+    ASSERT_FALSE(f.ok());
+    EXPECT_EQ(f.status().code(), StatusCode::kIncompatible) << f.status().to_string();
+    EXPECT_TRUE(contains(f.status(), "'model-b'")) << f.status().to_string();
+  }
+  EXPECT_EQ(producer->stats().handshakes_rejected, 2u);
+}
+
+TEST(AgentConnect, UnreachablePeerFailsWithinTheDeadline) {
+  auto consumer = std::move(Agent::create(local_config("consumer")).value());
+  AgentMetadata ghost;
+  ghost.name = "ghost";
+  ghost.protocol_version = 1;
+  ghost.compat_hash = "ecx";
+  ghost.tcp_endpoint = "127.0.0.1:1";  // nothing listens on port 1
+  auto r = consumer->connect(ghost, {.deadline = Deadline::after_ms(5000)});
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kUnavailable) << r.status().to_string();
+}
+
+TEST(AgentCreate, RejectsBadConfig) {
+  EXPECT_FALSE(Agent::create({}).ok());
+  AgentConfig none;
+  none.name = "x";
+  none.enable_shm = false;
+  none.enable_tcp = false;
+  EXPECT_FALSE(Agent::create(none).ok());
+  AgentConfig bad_host = local_config("x");
+  bad_host.tcp_host = "no.such.host.invalid";
+  EXPECT_FALSE(Agent::create(bad_host).ok());
+}
+
+}  // namespace
+}  // namespace ecx::transfer

@@ -1,0 +1,192 @@
+// The peer is a separate process (`ecx bench transfer-peer`): real memory isolation,
+// real fd passing, and a peer that can be killed.
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <cstring>
+#include <nlohmann/json.hpp>
+
+#include "ecx/common/checksum.h"
+#include "ecx/transfer/agent.h"
+#include "support/peer_process.h"
+
+namespace ecx::transfer {
+namespace {
+
+using ecx::testing::local_config;
+using ecx::testing::PeerOptions;
+using ecx::testing::PeerProcess;
+using nlohmann::json;
+
+class AgentProcessTest : public ::testing::TestWithParam<Backend> {
+ protected:
+  void start(PeerOptions options = {}) {
+    auto peer = PeerProcess::start(options);
+    ASSERT_TRUE(peer.ok()) << peer.status().to_string();
+    peer_.emplace(std::move(*peer));
+    agent_ = std::move(Agent::create(local_config("consumer")).value());
+    auto c = agent_->connect(peer_->metadata(), {.backend = GetParam()});
+    ASSERT_TRUE(c.ok()) << c.status().to_string();
+  }
+
+  json call(const json& request) {
+    auto r = agent_->call("peer", request.dump(), Deadline::after_ms(20000));
+    EXPECT_TRUE(r.ok()) << r.status().to_string();
+    return r.ok() ? json::parse(*r, nullptr, false) : json();
+  }
+
+  std::optional<PeerProcess> peer_;
+  std::unique_ptr<Agent> agent_;
+};
+
+TEST_P(AgentProcessTest, RoundTripsFromOneByteToSixtyFourMiB) {
+  start();
+  const auto& expected = peer_->expected();
+  std::vector<std::byte> buf(64ull << 20);
+  for (uint64_t size : {1ull, 100ull, 64ull << 10, 1600ull << 10, 8ull << 20, 64ull << 20}) {
+    uint64_t offset = size == (64ull << 20) ? 0 : 13;
+    std::memset(buf.data(), 0, size);
+    TransferDescriptor d{buf.data(), peer_->source_region(), offset, size};
+    auto h = agent_->read("peer", {&d, 1});
+    ASSERT_TRUE(h.ok()) << h.status().to_string();
+    Status s = h->wait(Deadline::after_ms(60000));
+    ASSERT_TRUE(s.ok()) << s.to_string();
+    ASSERT_EQ(checksum64(buf.data(), size), checksum64(expected.data() + offset, size)) << size;
+  }
+}
+
+TEST_P(AgentProcessTest, BatchOfSeedItemsIsBitExact) {
+  start();
+  // 16 items of 400 x 2048 bf16, as the seed workload moves them.
+  constexpr uint64_t kItem = 400 * 2048 * 2;
+  std::vector<std::byte> buf(16 * kItem);
+  std::vector<TransferDescriptor> descs;
+  for (uint64_t i = 0; i < 16; ++i) {
+    descs.push_back({buf.data() + i * kItem, peer_->source_region(), (15 - i) * kItem, kItem});
+  }
+  auto h = agent_->read("peer", descs);
+  ASSERT_TRUE(h.ok());
+  ASSERT_TRUE(h->wait(Deadline::after_ms(60000)).ok());
+  for (uint64_t i = 0; i < 16; ++i) {
+    ASSERT_EQ(
+        std::memcmp(buf.data() + i * kItem, peer_->expected().data() + (15 - i) * kItem, kItem), 0);
+  }
+}
+
+TEST_P(AgentProcessTest, WritesLandBeforeTheirNotificationInThePeer) {
+  start();
+  for (int i = 0; i < 5; ++i) {
+    std::vector<std::byte> data((1 << 20) * (i + 1) + 17);
+    fill_pattern(data.data(), data.size(), 500 + i);
+    uint64_t offset = static_cast<uint64_t>(i) * 1000;
+    TransferDescriptor d{data.data(), peer_->sink_region(), offset, data.size()};
+    json note = {{"offset", offset},
+                 {"length", data.size()},
+                 {"checksum", checksum64(data.data(), data.size())}};
+    auto h = agent_->write("peer", {&d, 1}, note.dump());
+    ASSERT_TRUE(h.ok()) << h.status().to_string();
+    ASSERT_TRUE(h->wait(Deadline::after_ms(20000)).ok());
+    json sum = call({{"op", "checksum"},
+                     {"region", peer_->sink_region()},
+                     {"offset", offset},
+                     {"length", data.size()}});
+    EXPECT_EQ(sum["checksum"].get<uint64_t>(), checksum64(data.data(), data.size()));
+  }
+  // The peer checked each notification against the bytes present when it arrived.
+  // Notifications and calls share one ordered channel, so all 5 were checked by now.
+  json notified = call({{"op", "notified"}});
+  EXPECT_EQ(notified["ok"].get<uint64_t>(), 5u);
+  EXPECT_EQ(notified["bad"].get<uint64_t>(), 0u);
+}
+
+TEST_P(AgentProcessTest, RejectedRequestsAreCountedByTheServingAgent) {
+  start();
+  std::vector<std::byte> buf(64);
+  TransferDescriptor bad{buf.data(), peer_->source_region(), (64ull << 20) - 8, 64};
+  auto h = agent_->read("peer", {&bad, 1});
+  Status s = h.ok() ? h->wait(Deadline::after_ms(20000)) : h.status();
+  EXPECT_EQ(s.code(), StatusCode::kOutOfRange) << s.to_string();
+  EXPECT_NE(s.message().find("peer"), std::string::npos) << s.to_string();
+  if (GetParam() == Backend::kTcp) {
+    EXPECT_EQ(call({{"op", "stats"}})["rejected_requests"].get<uint64_t>(), 1u);
+  } else {
+    EXPECT_EQ(agent_->stats().rejected_descriptors, 1u);
+  }
+}
+
+TEST_P(AgentProcessTest, KilledPeerFailsTheNextTransferPromptly) {
+  start();
+  std::vector<std::byte> buf(1 << 20);
+  TransferDescriptor d{buf.data(), peer_->source_region(), 0, buf.size()};
+  ASSERT_TRUE(agent_->read("peer", {&d, 1})->wait(Deadline::after_ms(20000)).ok());
+  ASSERT_TRUE(peer_->process().kill(SIGKILL).ok());
+  ASSERT_TRUE(peer_->process().wait(Deadline::after_ms(20000)).ok());
+  auto h = agent_->read("peer", {&d, 1});
+  Status s = h.ok() ? h->wait(Deadline::after_ms(20000)) : h.status();
+  EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.to_string();
+  auto c = agent_->call("peer", "{}", Deadline::after_ms(20000));
+  EXPECT_EQ(c.status().code(), StatusCode::kUnavailable) << c.status().to_string();
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, AgentProcessTest,
+                         ::testing::Values(Backend::kShm, Backend::kTcp),
+                         [](const auto& info) { return std::string(backend_name(info.param)); });
+
+TEST(AgentProcessFailure, PeerKilledMidTransferFailsWithinTheDeadline) {
+  // The peer sends 1 MiB of an 8 MiB reply, then hangs; we kill it while we wait.
+  auto peer = PeerProcess::start({.stall_read_after_bytes = 1 << 20});
+  ASSERT_TRUE(peer.ok()) << peer.status().to_string();
+  auto cfg = local_config("consumer");
+  cfg.tcp_slice_bytes = 8 << 20;  // one slice: the stall is inside it
+  auto agent = std::move(Agent::create(cfg).value());
+  ASSERT_TRUE(agent->connect(peer->metadata(), {.backend = Backend::kTcp}).ok());
+  std::vector<std::byte> buf(8 << 20);
+  TransferDescriptor d{buf.data(), peer->source_region(), 0, buf.size()};
+  auto h = agent->read("peer", {&d, 1}, Deadline::after_ms(60000));
+  ASSERT_TRUE(h.ok());
+  EXPECT_FALSE(h->done());  // stalled, not finished
+  ASSERT_TRUE(peer->process().kill(SIGKILL).ok());
+  Status s = h->wait(Deadline::after_ms(60000));
+  // A dead peer is reported as such, not as a timeout.
+  EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.to_string();
+  EXPECT_NE(s.message().find("peer"), std::string::npos) << s.to_string();
+  // The control channel reports the death too: calls fail, they do not hang.
+  auto c = agent->call("peer", "{}", Deadline::after_ms(20000));
+  EXPECT_EQ(c.status().code(), StatusCode::kUnavailable) << c.status().to_string();
+}
+
+TEST(AgentProcessFailure, StalledPeerHitsTheDeadlineAndTheBufferIsLeftAlone) {
+  auto peer = PeerProcess::start({.stall_read_after_bytes = 1 << 20});
+  ASSERT_TRUE(peer.ok()) << peer.status().to_string();
+  auto cfg = local_config("consumer");
+  cfg.tcp_slice_bytes = 8 << 20;
+  auto agent = std::move(Agent::create(cfg).value());
+  ASSERT_TRUE(agent->connect(peer->metadata(), {.backend = Backend::kTcp}).ok());
+  std::vector<std::byte> buf(8 << 20);
+  TransferDescriptor d{buf.data(), peer->source_region(), 0, buf.size()};
+  auto h = agent->read("peer", {&d, 1}, Deadline::after_ms(60000));
+  ASSERT_TRUE(h.ok());
+  Status s = h->wait(Deadline::after_ms(300));
+  EXPECT_EQ(s.code(), StatusCode::kDeadlineExceeded) << s.to_string();
+  EXPECT_TRUE(h->done());  // cancelled and drained before wait returned
+  // The agent still works for new transfers on a fresh stream.
+  TransferDescriptor small{buf.data(), peer->source_region(), 0, 4096};
+  auto again = agent->read("peer", {&small, 1});
+  ASSERT_TRUE(again.ok());
+  EXPECT_TRUE(again->wait(Deadline::after_ms(20000)).ok());
+  EXPECT_EQ(std::memcmp(buf.data(), peer->expected().data(), 4096), 0);
+}
+
+TEST(AgentProcessFailure, IncompatiblePeerIsRefusedNamingBothHashes) {
+  auto peer = PeerProcess::start({.compat_hash = "other-model"});
+  ASSERT_TRUE(peer.ok()) << peer.status().to_string();
+  auto agent = std::move(Agent::create(local_config("consumer")).value());
+  auto r = agent->connect(peer->metadata());
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kIncompatible);
+  EXPECT_NE(r.status().message().find("'other-model'"), std::string::npos);
+  EXPECT_NE(r.status().message().find("'ecx'"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace ecx::transfer

@@ -1,0 +1,121 @@
+// EncoderCachePool: encoder outputs keyed by mm_hash, in one arena registered with the
+// transfer agent, so peers can READ (or WRITE) blocks one-sidedly.
+//
+// Entry states: writing -> ready -> (pinned by N readers) -> evictable (ready, no pins).
+// Only ready, unpinned entries are evicted, least recently used first. A pin ends by
+// unpin() (the reader's RELEASE), by release_holder() (the reader went away) or when its
+// lease expires. Thread-safe.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+
+#include "ecx/cache/block_header.h"
+#include "ecx/common/deadline.h"
+#include "ecx/common/mm_hash.h"
+#include "ecx/common/status.h"
+#include "ecx/common/tensor_meta.h"
+#include "ecx/transfer/agent.h"
+
+namespace ecx::cache {
+
+struct PoolConfig {
+  std::string name = "pool";
+  uint64_t capacity_bytes = 1ull << 30;
+  std::chrono::milliseconds lease{30000};  // default pin lease
+  bool remote_write = false;               // peers may WRITE into the arena (push receivers)
+};
+
+// Where an entry's block lives. `block` points into this process's arena.
+struct BlockRef {
+  MmHash mm_hash;
+  TensorMeta meta;
+  uint32_t region = 0;
+  uint64_t offset = 0;        // of the block (header first) in the region
+  uint64_t block_length = 0;  // header + payload (not rounded)
+  uint64_t generation = 0;
+  std::byte* block = nullptr;
+
+  std::byte* payload() const { return block + kBlockHeaderBytes; }
+  uint64_t payload_length() const { return block_length - kBlockHeaderBytes; }
+};
+
+struct Pin {
+  BlockRef ref;
+  uint64_t pin_id = 0;
+};
+
+struct PoolStats {
+  uint64_t capacity_bytes = 0;
+  uint64_t used_bytes = 0;     // bytes of allocated blocks
+  uint64_t payload_bytes = 0;  // payload bytes they hold
+  uint64_t entries = 0;
+  uint64_t writing_entries = 0;
+  uint64_t pinned_entries = 0;
+  uint64_t pins = 0;
+  uint64_t evictions = 0;
+  uint64_t lease_expiries = 0;
+  uint64_t hits = 0;
+  uint64_t misses = 0;
+  // used_bytes / payload_bytes (1.0 when empty): the cost of headers and alignment.
+  double bytes_used_per_payload_byte = 1.0;
+};
+
+class EncoderCachePool {
+ public:
+  // Allocates the arena from `agent` (which must outlive the pool).
+  static Result<std::unique_ptr<EncoderCachePool>> create(transfer::Agent* agent,
+                                                          PoolConfig config);
+  ~EncoderCachePool();
+
+  uint32_t region_id() const;
+  const std::string& name() const;
+
+  // Reserves a block for a new entry (state writing), evicting LRU unpinned ready entries
+  // if the arena is full. kAlreadyExists if the mm_hash has an entry; kResourceExhausted
+  // if pinned and writing entries leave no room.
+  Result<BlockRef> reserve(const MmHash& mm_hash, const TensorMeta& meta);
+  // Computes the payload checksum, writes the header, marks the entry ready.
+  Status commit(const MmHash& mm_hash, uint64_t generation);
+  // For blocks filled by a peer (header + payload): verifies them against `expected`
+  // (mm_hash, meta, the producer's generation, checksum), then re-stamps the header with
+  // this pool's generation and marks the entry ready. On failure the entry is dropped.
+  Status commit_received(const MmHash& mm_hash, uint64_t generation,
+                         const BlockExpectation& expected);
+  // Drops an entry that is still being written (a failed load).
+  void abort(const MmHash& mm_hash, uint64_t generation);
+  // reserve + copy + commit.
+  Result<BlockRef> put(const MmHash& mm_hash, const TensorMeta& meta,
+                       std::span<const std::byte> payload);
+
+  // The ready entry for mm_hash: kNotFound ("missing") or kNotReady. Marks it recently used.
+  Result<BlockRef> find(const MmHash& mm_hash);
+  // Waits until the entry is ready. kNotFound at once if there is none; kNotReady at the
+  // deadline if it is still being written.
+  Result<BlockRef> wait_ready(const MmHash& mm_hash, Deadline deadline);
+
+  // Pins a ready entry for `holder` for `lease` (default: the pool's).
+  Result<Pin> pin(const MmHash& mm_hash, const std::string& holder,
+                  std::optional<std::chrono::milliseconds> lease = std::nullopt);
+  // Ends one pin. kNotFound if it already ended (released, expired).
+  Status unpin(uint64_t pin_id);
+  // Ends every pin of `holder`; returns how many.
+  size_t release_holder(const std::string& holder);
+  // Removes an unpinned entry. kFailedPrecondition if pinned.
+  Status erase(const MmHash& mm_hash);
+
+  PoolStats stats() const;
+  // Waits until no entry is pinned (leases expire meanwhile). For drains and tests.
+  Status wait_unpinned(Deadline deadline);
+
+ private:
+  class Impl;
+  explicit EncoderCachePool(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace ecx::cache

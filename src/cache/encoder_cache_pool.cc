@@ -1,0 +1,425 @@
+#include "ecx/cache/encoder_cache_pool.h"
+
+#include <condition_variable>
+#include <cstring>
+#include <list>
+#include <map>
+#include <mutex>
+#include <set>
+#include <thread>
+#include <unordered_map>
+
+#include "cache/arena_allocator.h"
+#include "ecx/common/bytes.h"
+#include "ecx/common/checksum.h"
+
+namespace ecx::cache {
+
+class EncoderCachePool::Impl {
+ public:
+  Impl(transfer::Agent* agent, PoolConfig config, transfer::LocalRegion region)
+      : agent_(agent),
+        config_(std::move(config)),
+        region_(region),
+        allocator_(region.length, kBlockAlignment) {
+    reaper_ = std::thread([this] { reap_leases(); });
+  }
+
+  ~Impl() {
+    {
+      std::lock_guard lock(mu_);
+      stopping_ = true;
+    }
+    reaper_cv_.notify_all();
+    reaper_.join();
+    agent_->deregister(region_.id).ignore_error();
+  }
+
+  uint32_t region_id() const { return region_.id; }
+  const std::string& name() const { return config_.name; }
+
+  Result<BlockRef> reserve(const MmHash& mm_hash, const TensorMeta& meta) {
+    ECX_RETURN_IF_ERROR(meta.validate());
+    uint64_t block_length = kBlockHeaderBytes + meta.byte_size();
+    std::lock_guard lock(mu_);
+    if (entries_.count(mm_hash)) {
+      return Status(StatusCode::kAlreadyExists,
+                    "pool " + config_.name + " already has mm_hash " + mm_hash.str());
+    }
+    std::optional<uint64_t> offset = allocator_.allocate(block_length);
+    while (!offset) {
+      if (!evict_one_locked()) {
+        return Status(StatusCode::kResourceExhausted,
+                      "pool " + config_.name + ": no room for " + format_bytes(block_length) +
+                          " (capacity " + format_bytes(allocator_.capacity()) + ", used " +
+                          format_bytes(allocator_.used()) + ", largest free " +
+                          format_bytes(allocator_.largest_free()) + "; every other entry is " +
+                          "pinned or being written)");
+      }
+      offset = allocator_.allocate(block_length);
+    }
+    Entry e;
+    e.mm_hash = mm_hash;
+    e.meta = meta;
+    e.offset = *offset;
+    e.block_length = block_length;
+    e.generation = next_generation_++;
+    entries_.emplace(mm_hash, e);
+    return ref_of(e);
+  }
+
+  Status commit(const MmHash& mm_hash, uint64_t generation) {
+    std::unique_lock lock(mu_);
+    ECX_ASSIGN_OR_RETURN(Entry * e, writing_entry(mm_hash, generation));
+    std::byte* block = region_.data + e->offset;
+    uint64_t sum = checksum64(block + kBlockHeaderBytes, e->meta.byte_size());
+    write_block_header(block, e->mm_hash, e->meta, e->generation, sum);
+    mark_ready_locked(*e);
+    lock.unlock();
+    cv_.notify_all();
+    return Status::Ok();
+  }
+
+  Status commit_received(const MmHash& mm_hash, uint64_t generation,
+                         const BlockExpectation& expected) {
+    std::unique_lock lock(mu_);
+    ECX_ASSIGN_OR_RETURN(Entry * e, writing_entry(mm_hash, generation));
+    std::byte* block = region_.data + e->offset;
+    Status verdict = verify_block(block, e->block_length, expected);
+    if (!verdict.ok()) {
+      remove_locked(mm_hash);
+      lock.unlock();
+      cv_.notify_all();
+      return verdict;
+    }
+    BlockHeader h = read_block_header(block);
+    write_block_header(block, e->mm_hash, e->meta, e->generation, h.checksum);
+    mark_ready_locked(*e);
+    lock.unlock();
+    cv_.notify_all();
+    return Status::Ok();
+  }
+
+  void abort(const MmHash& mm_hash, uint64_t generation) {
+    std::unique_lock lock(mu_);
+    auto it = entries_.find(mm_hash);
+    if (it == entries_.end() || it->second.ready || it->second.generation != generation) return;
+    remove_locked(mm_hash);
+    lock.unlock();
+    cv_.notify_all();
+  }
+
+  Result<BlockRef> find(const MmHash& mm_hash) {
+    std::lock_guard lock(mu_);
+    auto it = entries_.find(mm_hash);
+    if (it == entries_.end()) {
+      misses_++;
+      return NotFound("mm_hash " + mm_hash.str() + " is not in pool " + config_.name);
+    }
+    if (!it->second.ready) {
+      return Status(StatusCode::kNotReady,
+                    "mm_hash " + mm_hash.str() + " is still being written in pool " + config_.name);
+    }
+    hits_++;
+    touch_locked(it->second);
+    return ref_of(it->second);
+  }
+
+  Result<BlockRef> wait_ready(const MmHash& mm_hash, Deadline deadline) {
+    std::unique_lock lock(mu_);
+    while (true) {
+      auto it = entries_.find(mm_hash);
+      if (it == entries_.end()) {
+        return NotFound("mm_hash " + mm_hash.str() + " is not in pool " + config_.name);
+      }
+      if (it->second.ready) {
+        touch_locked(it->second);
+        return ref_of(it->second);
+      }
+      if (cv_.wait_until(lock, deadline.time_point()) == std::cv_status::timeout) {
+        auto again = entries_.find(mm_hash);
+        if (again != entries_.end() && again->second.ready) return ref_of(again->second);
+        return Status(StatusCode::kNotReady, "mm_hash " + mm_hash.str() +
+                                                 " still being written in pool " + config_.name +
+                                                 " at the deadline");
+      }
+    }
+  }
+
+  Result<Pin> pin(const MmHash& mm_hash, const std::string& holder,
+                  std::chrono::milliseconds lease) {
+    std::unique_lock lock(mu_);
+    auto it = entries_.find(mm_hash);
+    if (it == entries_.end()) {
+      return NotFound("mm_hash " + mm_hash.str() + " is not in pool " + config_.name);
+    }
+    Entry& e = it->second;
+    if (!e.ready) {
+      return Status(StatusCode::kNotReady, "mm_hash " + mm_hash.str() + " is still being written");
+    }
+    touch_locked(e);
+    e.pins++;
+    uint64_t id = next_pin_++;
+    auto expiry = Clock::now() + lease;
+    pins_.emplace(id, PinRecord{mm_hash, holder, expiry});
+    bool earliest = expiries_.empty() || expiry < expiries_.begin()->first;
+    expiries_.emplace(expiry, id);
+    Pin p{ref_of(e), id};
+    lock.unlock();
+    if (earliest) reaper_cv_.notify_all();
+    return p;
+  }
+
+  Status unpin(uint64_t pin_id) {
+    std::unique_lock lock(mu_);
+    if (!end_pin_locked(pin_id)) {
+      return NotFound("pin " + std::to_string(pin_id) + " in pool " + config_.name +
+                      " already ended (released or lease expired)");
+    }
+    lock.unlock();
+    cv_.notify_all();
+    return Status::Ok();
+  }
+
+  size_t release_holder(const std::string& holder) {
+    std::unique_lock lock(mu_);
+    std::vector<uint64_t> ids;
+    for (const auto& [id, p] : pins_) {
+      if (p.holder == holder) ids.push_back(id);
+    }
+    for (uint64_t id : ids) end_pin_locked(id);
+    lock.unlock();
+    cv_.notify_all();
+    return ids.size();
+  }
+
+  Status erase(const MmHash& mm_hash) {
+    std::lock_guard lock(mu_);
+    auto it = entries_.find(mm_hash);
+    if (it == entries_.end())
+      return NotFound("mm_hash " + mm_hash.str() + " is not in pool " + config_.name);
+    if (it->second.pins > 0) {
+      return Status(StatusCode::kFailedPrecondition, "mm_hash " + mm_hash.str() + " is pinned by " +
+                                                         std::to_string(it->second.pins) +
+                                                         " readers");
+    }
+    remove_locked(mm_hash);
+    return Status::Ok();
+  }
+
+  PoolStats stats() const {
+    std::lock_guard lock(mu_);
+    PoolStats s;
+    s.capacity_bytes = allocator_.capacity();
+    s.used_bytes = allocator_.used();
+    for (const auto& [h, e] : entries_) {
+      s.entries++;
+      s.payload_bytes += e.meta.byte_size();
+      if (!e.ready) s.writing_entries++;
+      if (e.pins > 0) s.pinned_entries++;
+    }
+    s.pins = pins_.size();
+    s.evictions = evictions_;
+    s.lease_expiries = lease_expiries_;
+    s.hits = hits_;
+    s.misses = misses_;
+    s.bytes_used_per_payload_byte =
+        s.payload_bytes ? static_cast<double>(s.used_bytes) / static_cast<double>(s.payload_bytes)
+                        : 1.0;
+    return s;
+  }
+
+  Status wait_unpinned(Deadline deadline) {
+    std::unique_lock lock(mu_);
+    if (cv_.wait_until(lock, deadline.time_point(), [&] { return pins_.empty(); }))
+      return Status::Ok();
+    return DeadlineExceeded("pool " + config_.name + ": " + std::to_string(pins_.size()) +
+                            " pins still held at the deadline");
+  }
+
+  std::chrono::milliseconds default_lease() const { return config_.lease; }
+
+ private:
+  struct Entry {
+    MmHash mm_hash;
+    TensorMeta meta;
+    uint64_t offset = 0;
+    uint64_t block_length = 0;
+    uint64_t generation = 0;
+    bool ready = false;
+    int pins = 0;
+    std::list<MmHash>::iterator lru;  // valid while ready
+  };
+  struct PinRecord {
+    MmHash mm_hash;
+    std::string holder;
+    Clock::time_point expiry;
+  };
+
+  BlockRef ref_of(const Entry& e) const {
+    return BlockRef{e.mm_hash,
+                    e.meta,
+                    region_.id,
+                    e.offset,
+                    e.block_length,
+                    e.generation,
+                    region_.data + e.offset};
+  }
+
+  Result<Entry*> writing_entry(const MmHash& mm_hash, uint64_t generation) {
+    auto it = entries_.find(mm_hash);
+    if (it == entries_.end() || it->second.generation != generation) {
+      return NotFound("no entry being written for mm_hash " + mm_hash.str() + " generation " +
+                      std::to_string(generation) + " in pool " + config_.name);
+    }
+    if (it->second.ready) {
+      return Status(StatusCode::kFailedPrecondition,
+                    "mm_hash " + mm_hash.str() + " is already committed");
+    }
+    return &it->second;
+  }
+
+  void mark_ready_locked(Entry& e) {
+    e.ready = true;
+    lru_.push_front(e.mm_hash);
+    e.lru = lru_.begin();
+  }
+
+  void touch_locked(Entry& e) {
+    if (e.ready) lru_.splice(lru_.begin(), lru_, e.lru);
+  }
+
+  void remove_locked(const MmHash& mm_hash) {
+    auto it = entries_.find(mm_hash);
+    Entry& e = it->second;
+    // A late reader of this block must not mistake it for the entry: clear the magic.
+    std::memset(region_.data + e.offset, 0, sizeof(uint32_t));
+    if (e.ready) lru_.erase(e.lru);
+    allocator_.free(e.offset, e.block_length);
+    entries_.erase(it);
+  }
+
+  // Evicts the least recently used ready, unpinned entry. False if there is none.
+  bool evict_one_locked() {
+    for (auto it = lru_.rbegin(); it != lru_.rend(); ++it) {
+      auto e = entries_.find(*it);
+      if (e->second.pins == 0) {
+        remove_locked(MmHash(*it));
+        evictions_++;
+        return true;
+      }
+    }
+    return false;
+  }
+
+  bool end_pin_locked(uint64_t pin_id) {
+    auto it = pins_.find(pin_id);
+    if (it == pins_.end()) return false;
+    expiries_.erase({it->second.expiry, pin_id});
+    auto e = entries_.find(it->second.mm_hash);
+    if (e != entries_.end() && e->second.pins > 0) e->second.pins--;
+    pins_.erase(it);
+    return true;
+  }
+
+  void reap_leases() {
+    std::unique_lock lock(mu_);
+    while (!stopping_) {
+      if (expiries_.empty()) {
+        reaper_cv_.wait(lock);
+        continue;
+      }
+      auto next = expiries_.begin()->first;
+      if (Clock::now() < next) {
+        reaper_cv_.wait_until(lock, next);
+        continue;
+      }
+      bool freed = false;
+      while (!expiries_.empty() && expiries_.begin()->first <= Clock::now()) {
+        end_pin_locked(expiries_.begin()->second);
+        lease_expiries_++;
+        freed = true;
+      }
+      if (freed) cv_.notify_all();
+    }
+  }
+
+  transfer::Agent* const agent_;
+  const PoolConfig config_;
+  const transfer::LocalRegion region_;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;                 // entry became ready, or a pin ended
+  std::condition_variable reaper_cv_;          // a sooner lease, or stop
+  ArenaAllocator allocator_;                   // guarded by mu_
+  std::unordered_map<MmHash, Entry> entries_;  // guarded by mu_
+  std::list<MmHash> lru_;                      // guarded by mu_; front = most recent
+  std::map<uint64_t, PinRecord> pins_;         // guarded by mu_
+  std::set<std::pair<Clock::time_point, uint64_t>> expiries_;            // guarded by mu_
+  uint64_t next_generation_ = 1;                                         // guarded by mu_
+  uint64_t next_pin_ = 1;                                                // guarded by mu_
+  uint64_t evictions_ = 0, lease_expiries_ = 0, hits_ = 0, misses_ = 0;  // guarded by mu_
+  bool stopping_ = false;                                                // guarded by mu_
+  std::thread reaper_;
+};
+
+Result<std::unique_ptr<EncoderCachePool>> EncoderCachePool::create(transfer::Agent* agent,
+                                                                   PoolConfig config) {
+  if (agent == nullptr) return InvalidArgument("pool needs an agent");
+  if (config.capacity_bytes < kBlockHeaderBytes + kBlockAlignment) {
+    return InvalidArgument("pool " + config.name + ": capacity " +
+                           std::to_string(config.capacity_bytes) + " bytes is too small");
+  }
+  if (config.lease.count() <= 0)
+    return InvalidArgument("pool " + config.name + ": lease must be positive");
+  ECX_ASSIGN_OR_RETURN(transfer::LocalRegion region,
+                       agent->allocate(config.capacity_bytes,
+                                       {.remote_read = true, .remote_write = config.remote_write}));
+  return std::unique_ptr<EncoderCachePool>(
+      new EncoderCachePool(std::make_unique<Impl>(agent, std::move(config), region)));
+}
+
+EncoderCachePool::EncoderCachePool(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+EncoderCachePool::~EncoderCachePool() = default;
+uint32_t EncoderCachePool::region_id() const { return impl_->region_id(); }
+const std::string& EncoderCachePool::name() const { return impl_->name(); }
+Result<BlockRef> EncoderCachePool::reserve(const MmHash& h, const TensorMeta& m) {
+  return impl_->reserve(h, m);
+}
+Status EncoderCachePool::commit(const MmHash& h, uint64_t g) { return impl_->commit(h, g); }
+Status EncoderCachePool::commit_received(const MmHash& h, uint64_t g, const BlockExpectation& e) {
+  return impl_->commit_received(h, g, e);
+}
+void EncoderCachePool::abort(const MmHash& h, uint64_t g) { impl_->abort(h, g); }
+Result<BlockRef> EncoderCachePool::find(const MmHash& h) { return impl_->find(h); }
+Result<BlockRef> EncoderCachePool::wait_ready(const MmHash& h, Deadline d) {
+  return impl_->wait_ready(h, d);
+}
+Result<Pin> EncoderCachePool::pin(const MmHash& h, const std::string& holder,
+                                  std::optional<std::chrono::milliseconds> lease) {
+  return impl_->pin(h, holder, lease.value_or(impl_->default_lease()));
+}
+Status EncoderCachePool::unpin(uint64_t id) { return impl_->unpin(id); }
+size_t EncoderCachePool::release_holder(const std::string& holder) {
+  return impl_->release_holder(holder);
+}
+Status EncoderCachePool::erase(const MmHash& h) { return impl_->erase(h); }
+PoolStats EncoderCachePool::stats() const { return impl_->stats(); }
+Status EncoderCachePool::wait_unpinned(Deadline d) { return impl_->wait_unpinned(d); }
+
+Result<BlockRef> EncoderCachePool::put(const MmHash& mm_hash, const TensorMeta& meta,
+                                       std::span<const std::byte> payload) {
+  ECX_RETURN_IF_ERROR(meta.validate());
+  if (payload.size() != meta.byte_size()) {
+    return InvalidArgument("payload of " + std::to_string(payload.size()) +
+                           " bytes does not match " + meta.to_string() + " (" +
+                           std::to_string(meta.byte_size()) + " bytes)");
+  }
+  ECX_ASSIGN_OR_RETURN(BlockRef ref, reserve(mm_hash, meta));
+  if (!payload.empty()) std::memcpy(ref.payload(), payload.data(), payload.size());
+  Status s = commit(mm_hash, ref.generation);
+  if (!s.ok()) return s;
+  return ref;
+}
+
+}  // namespace ecx::cache

@@ -172,7 +172,10 @@ Result<Row> TransferBench::run_case(Backend backend, const std::string& mode, ui
         ECX_ASSIGN_OR_RETURN(std::string a,
                              agent_->call(peer_name_, q.dump(), Deadline::after_ms(30000)));
         json addr = json::parse(a, nullptr, false);
-        if (addr.is_discarded()) return Internal("bad addr reply");
+        if (addr.is_discarded() || !addr["length"].is_number_unsigned() ||
+            addr["length"].get<uint64_t>() != size) {
+          return Internal("bad addr reply: " + a);
+        }
         TransferDescriptor d{descs[i].local, addr["region"].get<uint32_t>(),
                              addr["offset"].get<uint64_t>(), addr["length"].get<uint64_t>()};
         ECX_ASSIGN_OR_RETURN(auto h, agent_->read(peer_name_, {&d, 1}));

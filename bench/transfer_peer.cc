@@ -88,6 +88,11 @@ int run_transfer_peer(const TransferPeerOptions& options) {
           notified_bad++;
           return;
         }
+        if (!j["offset"].is_number_unsigned() || !j["length"].is_number_unsigned() ||
+            !j["checksum"].is_number_unsigned()) {
+          notified_bad++;
+          return;
+        }
         uint64_t off = j["offset"].get<uint64_t>(), len = j["length"].get<uint64_t>();
         bool fits = off <= sink_region.length && len <= sink_region.length - off;
         bool ok = fits && checksum64(sink_region.data + off, len) == j["checksum"].get<uint64_t>();

@@ -38,17 +38,38 @@ class EncoderCachePool::Impl {
   uint32_t region_id() const { return region_.id; }
   const std::string& name() const { return config_.name; }
 
-  Result<BlockRef> reserve(const MmHash& mm_hash, const TensorMeta& meta) {
+  Result<Pin> reserve(const MmHash& mm_hash, const TensorMeta& meta, Deadline room_deadline,
+                      const std::string* pin_holder) {
     ECX_RETURN_IF_ERROR(meta.validate());
     uint64_t block_length = kBlockHeaderBytes + meta.byte_size();
-    std::lock_guard lock(mu_);
-    if (entries_.count(mm_hash)) {
-      return Status(StatusCode::kAlreadyExists,
-                    "pool " + config_.name + " already has mm_hash " + mm_hash.str());
+    std::unique_lock lock(mu_);
+    if (block_length > allocator_.capacity()) {
+      return Status(StatusCode::kResourceExhausted,
+                    "pool " + config_.name + ": an entry of " + format_bytes(block_length) +
+                        " is larger than the pool (" + format_bytes(allocator_.capacity()) + ")");
     }
-    std::optional<uint64_t> offset = allocator_.allocate(block_length);
-    while (!offset) {
-      if (!evict_one_locked()) {
+    while (true) {
+      if (entries_.count(mm_hash)) {
+        return Status(StatusCode::kAlreadyExists,
+                      "pool " + config_.name + " already has mm_hash " + mm_hash.str());
+      }
+      std::optional<uint64_t> offset = allocator_.allocate(block_length);
+      while (!offset && evict_one_locked()) offset = allocator_.allocate(block_length);
+      if (offset) {
+        Entry e;
+        e.mm_hash = mm_hash;
+        e.meta = meta;
+        e.offset = *offset;
+        e.block_length = block_length;
+        e.generation = next_generation_++;
+        auto& stored = entries_.emplace(mm_hash, e).first->second;
+        Pin p{ref_of(stored), 0};
+        if (pin_holder != nullptr) p.pin_id = add_pin_locked(stored, *pin_holder, config_.lease);
+        return p;
+      }
+      // Everything is pinned or being written: wait for a pin to end, or give up.
+      if (cv_.wait_until(lock, room_deadline.time_point()) == std::cv_status::timeout &&
+          room_deadline.expired()) {
         return Status(StatusCode::kResourceExhausted,
                       "pool " + config_.name + ": no room for " + format_bytes(block_length) +
                           " (capacity " + format_bytes(allocator_.capacity()) + ", used " +
@@ -56,16 +77,7 @@ class EncoderCachePool::Impl {
                           format_bytes(allocator_.largest_free()) + "; every other entry is " +
                           "pinned or being written)");
       }
-      offset = allocator_.allocate(block_length);
     }
-    Entry e;
-    e.mm_hash = mm_hash;
-    e.meta = meta;
-    e.offset = *offset;
-    e.block_length = block_length;
-    e.generation = next_generation_++;
-    entries_.emplace(mm_hash, e);
-    return ref_of(e);
   }
 
   Status commit(const MmHash& mm_hash, uint64_t generation) {
@@ -158,15 +170,7 @@ class EncoderCachePool::Impl {
       return Status(StatusCode::kNotReady, "mm_hash " + mm_hash.str() + " is still being written");
     }
     touch_locked(e);
-    e.pins++;
-    uint64_t id = next_pin_++;
-    auto expiry = Clock::now() + lease;
-    pins_.emplace(id, PinRecord{mm_hash, holder, expiry});
-    bool earliest = expiries_.empty() || expiry < expiries_.begin()->first;
-    expiries_.emplace(expiry, id);
-    Pin p{ref_of(e), id};
-    lock.unlock();
-    if (earliest) reaper_cv_.notify_all();
+    Pin p{ref_of(e), add_pin_locked(e, holder, lease)};
     return p;
   }
 
@@ -295,6 +299,16 @@ class EncoderCachePool::Impl {
     // A late reader of this block must not mistake it for the entry: clear the magic.
     std::memset(region_.data + e.offset, 0, sizeof(uint32_t));
     if (e.ready) lru_.erase(e.lru);
+    if (e.pins > 0) {  // only a writing entry can be removed while pinned (abort)
+      for (auto p = pins_.begin(); p != pins_.end();) {
+        if (p->second.mm_hash == e.mm_hash) {
+          expiries_.erase({p->second.expiry, p->first});
+          p = pins_.erase(p);
+        } else {
+          ++p;
+        }
+      }
+    }
     allocator_.free(e.offset, e.block_length);
     entries_.erase(it);
   }
@@ -310,6 +324,17 @@ class EncoderCachePool::Impl {
       }
     }
     return false;
+  }
+
+  uint64_t add_pin_locked(Entry& e, const std::string& holder, std::chrono::milliseconds lease) {
+    e.pins++;
+    uint64_t id = next_pin_++;
+    auto expiry = Clock::now() + lease;
+    pins_.emplace(id, PinRecord{e.mm_hash, holder, expiry});
+    bool earliest = expiries_.empty() || expiry < expiries_.begin()->first;
+    expiries_.emplace(expiry, id);
+    if (earliest) reaper_cv_.notify_all();
+    return id;
   }
 
   bool end_pin_locked(uint64_t pin_id) {
@@ -383,8 +408,13 @@ EncoderCachePool::EncoderCachePool(std::unique_ptr<Impl> impl) : impl_(std::move
 EncoderCachePool::~EncoderCachePool() = default;
 uint32_t EncoderCachePool::region_id() const { return impl_->region_id(); }
 const std::string& EncoderCachePool::name() const { return impl_->name(); }
-Result<BlockRef> EncoderCachePool::reserve(const MmHash& h, const TensorMeta& m) {
-  return impl_->reserve(h, m);
+Result<BlockRef> EncoderCachePool::reserve(const MmHash& h, const TensorMeta& m, Deadline room) {
+  ECX_ASSIGN_OR_RETURN(Pin p, impl_->reserve(h, m, room, nullptr));
+  return p.ref;
+}
+Result<Pin> EncoderCachePool::reserve_pinned(const MmHash& h, const TensorMeta& m,
+                                             const std::string& holder, Deadline room) {
+  return impl_->reserve(h, m, room, &holder);
 }
 Status EncoderCachePool::commit(const MmHash& h, uint64_t g) { return impl_->commit(h, g); }
 Status EncoderCachePool::commit_received(const MmHash& h, uint64_t g, const BlockExpectation& e) {

@@ -1,5 +1,6 @@
 #include "ecx/transfer/agent.h"
 
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <map>
@@ -17,6 +18,7 @@ namespace ecx::transfer {
 namespace {
 
 constexpr size_t kMaxQueuedNotifications = 1 << 16;
+constexpr size_t kMaxQueuedNotificationBytes = 256u << 20;
 
 // One connected peer and the backend that reaches it.
 struct Peer {
@@ -26,7 +28,8 @@ struct Peer {
   // thread must never drop the last reference to the pool that owns it.
   std::shared_ptr<ControlChannel> control;
   std::unique_ptr<ShmPeer> shm;
-  std::unique_ptr<TcpDataPool> tcp;
+  std::shared_ptr<TcpDataPool> tcp;  // shared: cancel hooks hold weak references
+  uint64_t connection_id = 0;        // tells this connection from later ones to the same name
 
   ~Peer() {
     // Data workers first (they may be mid-transfer), then the control channel.
@@ -90,13 +93,14 @@ class AgentImpl final : public Agent {
                                   std::span<const TransferDescriptor> descriptors, bool write,
                                   std::optional<std::string> notification,
                                   std::optional<Deadline> deadline);
-  void on_peer_death(const std::string& name, const Status& reason);
+  void on_peer_death(const std::string& name, uint64_t connection_id, const Status& reason);
 
   const AgentConfig config_;
   RegionTable regions_;
   StatsCounters stats_;
   std::unique_ptr<Server> server_;
   std::string host_id_;
+  std::atomic<uint64_t> next_connection_id_{1};
 
   mutable std::mutex mu_;
   std::condition_variable peers_cv_;
@@ -108,16 +112,19 @@ class AgentImpl final : public Agent {
   std::mutex notify_mu_;
   std::condition_variable notify_cv_;
   std::deque<Notification> notifications_;  // guarded by notify_mu_
+  size_t notification_bytes_ = 0;           // guarded by notify_mu_
 };
 
 AgentImpl::~AgentImpl() {
+  // The server first: its handlers may connect to peers. Then the peers, outside mu_,
+  // because their threads may call back into on_peer_death.
+  if (server_) server_->stop();
   std::map<std::string, PeerSlot> peers;
   {
     std::lock_guard lock(mu_);
     peers.swap(peers_);
   }
-  peers.clear();  // outside mu_: peer threads may call back into on_peer_death
-  if (server_) server_->stop();
+  peers.clear();
 }
 
 Status AgentImpl::start() {
@@ -136,7 +143,14 @@ Status AgentImpl::start() {
     }
     {
       std::lock_guard lock(notify_mu_);
-      if (notifications_.size() >= kMaxQueuedNotifications) notifications_.pop_front();
+      // Bounded by count and bytes: a peer cannot exhaust memory; the oldest go first.
+      while (!notifications_.empty() &&
+             (notifications_.size() >= kMaxQueuedNotifications ||
+              notification_bytes_ + n.message.size() > kMaxQueuedNotificationBytes)) {
+        notification_bytes_ -= notifications_.front().message.size();
+        notifications_.pop_front();
+      }
+      notification_bytes_ += n.message.size();
       notifications_.push_back(std::move(n));
     }
     notify_cv_.notify_one();
@@ -162,6 +176,7 @@ Status AgentImpl::start() {
     if (handler) handler(peer);
   };
   ECX_ASSIGN_OR_RETURN(server_, Server::start(config_, &regions_, &stats_, std::move(hooks)));
+  server_->run();
   return Status::Ok();
 }
 
@@ -219,7 +234,11 @@ Result<std::shared_ptr<Peer>> AgentImpl::open_peer(const AgentMetadata& meta, Ba
   peer->name = meta.name;
   peer->backend = backend;
   std::string name = meta.name;
-  auto on_death = [this, name](const Status& reason) { on_peer_death(name, reason); };
+  uint64_t connection_id = next_connection_id_.fetch_add(1);
+  peer->connection_id = connection_id;
+  auto on_death = [this, name, connection_id](const Status& reason) {
+    on_peer_death(name, connection_id, reason);
+  };
   AgentMetadata self = metadata();
   if (backend == Backend::kShm) {
     if (meta.shm_endpoint.empty()) {
@@ -238,7 +257,11 @@ Result<std::shared_ptr<Peer>> AgentImpl::open_peer(const AgentMetadata& meta, Ba
     ECX_ASSIGN_OR_RETURN(peer->control,
                          ControlChannel::open(std::move(fd), false, self, deadline, on_death));
     peer->tcp =
-        std::make_unique<TcpDataPool>(config_, self, peer->control->peer(), address, &stats_);
+        std::make_shared<TcpDataPool>(config_, self, peer->control->peer(), address, &stats_);
+  }
+  if (peer->control->peer().name != meta.name) {
+    return Unavailable("endpoint of agent '" + meta.name + "' is now served by agent '" +
+                       peer->control->peer().name + "' (stale metadata)");
   }
   return peer;
 }
@@ -298,16 +321,18 @@ void AgentImpl::disconnect(const std::string& name) {
   }
 }
 
-void AgentImpl::on_peer_death(const std::string& name, const Status& reason) {
+void AgentImpl::on_peer_death(const std::string& name, uint64_t connection_id,
+                              const Status& reason) {
   // Runs on the peer's reader thread. No reference to the Peer is taken here: dropping
   // the last one on this thread would make the channel join its own thread.
-  stats_.peer_failures++;
-  spdlog::debug("agent {}: peer {} gone: {}", config_.name, name, reason.to_string());
   std::lock_guard lock(mu_);
   auto it = peers_.find(name);
-  if (it != peers_.end() && it->second.peer && it->second.peer->tcp) {
-    it->second.peer->tcp->fail_all(reason);
+  if (it == peers_.end() || !it->second.peer || it->second.peer->connection_id != connection_id) {
+    return;  // an older connection, or one we dropped on purpose
   }
+  stats_.peer_failures++;
+  spdlog::debug("agent {}: peer {} gone: {}", config_.name, name, reason.to_string());
+  if (it->second.peer->tcp) it->second.peer->tcp->fail_all(reason);
 }
 
 Result<std::shared_ptr<Peer>> AgentImpl::connected_peer(const std::string& name) const {
@@ -346,6 +371,32 @@ Result<TransferHandle> AgentImpl::transfer(const std::string& peer_name,
     total += d.length;
   }
   ECX_ASSIGN_OR_RETURN(auto peer, connected_peer(peer_name));
+  if (peer->tcp) {
+    // Validate the whole batch against the regions the peer announced before any byte
+    // moves (the server re-checks each request; regions added later are checked there).
+    const auto& regions = peer->control->peer().regions;
+    for (size_t i = 0; i < descriptors.size(); ++i) {
+      const auto& d = descriptors[i];
+      for (const auto& r : regions) {
+        if (r.id != d.remote_region) continue;
+        if (d.remote_offset > r.length || d.length > r.length - d.remote_offset) {
+          stats_.rejected_descriptors++;
+          return OutOfRange(
+              "descriptor " + std::to_string(i) + ": " +
+              describe_access(write, d.length, d.remote_offset, d.remote_region, peer_name) +
+              ": outside the region's " + std::to_string(r.length) + " bytes");
+        }
+        if (write && !r.remote_write) {
+          stats_.rejected_descriptors++;
+          return Status(
+              StatusCode::kFailedPrecondition,
+              "descriptor " + std::to_string(i) + ": " +
+                  describe_access(write, d.length, d.remote_offset, d.remote_region, peer_name) +
+                  ": region is not remotely writable");
+        }
+      }
+    }
+  }
   Deadline deadline = deadline_opt.value_or(Deadline::after_ms(config_.transfer_timeout_ms));
   std::string description = std::string(op) + " of " + std::to_string(descriptors.size()) +
                             " items (" + std::to_string(total) + " bytes) " +
@@ -423,6 +474,7 @@ Result<Notification> AgentImpl::wait_notification(Deadline deadline) {
   }
   Notification n = std::move(notifications_.front());
   notifications_.pop_front();
+  notification_bytes_ -= n.message.size();
   return n;
 }
 

@@ -178,6 +178,7 @@ Result<RegionGrant> ControlChannel::query_region(uint32_t region, Deadline deadl
   RegionGrant grant;
   grant.length = p.length;
   grant.remote_write = (p.flags & kRegionRemoteWrite) != 0;
+  grant.remote_read = (p.flags & kRegionRemoteRead) != 0;
   grant.memfd = std::move(p.fd);
   return grant;
 }

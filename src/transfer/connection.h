@@ -34,6 +34,7 @@ Result<AgentMetadata> client_handshake(int fd, const AgentMetadata& self, uint16
 struct RegionGrant {
   uint64_t length = 0;
   bool remote_write = false;
+  bool remote_read = false;
   UniqueFd memfd;  // set when the region was passed over a unix socket
 };
 

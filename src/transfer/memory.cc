@@ -1,5 +1,6 @@
 #include "transfer/memory.h"
 
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -18,11 +19,13 @@ RegionInfo RegionEntry::info() const {
 Result<std::shared_ptr<RegionEntry>> create_memfd_region(const std::string& label,
                                                          uint64_t length) {
   if (length == 0) return InvalidArgument("cannot allocate a region of 0 bytes");
-  UniqueFd fd(::memfd_create(("ecx:" + label).c_str(), MFD_CLOEXEC));
+  UniqueFd fd(::memfd_create(("ecx:" + label).c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING));
   if (!fd.valid()) return ErrnoError("memfd_create for " + label, errno);
   if (::ftruncate(fd.get(), static_cast<off_t>(length)) != 0) {
     return ErrnoError("ftruncate memfd to " + std::to_string(length) + " bytes", errno);
   }
+  // Peers map it: its size must never change under them (a shrink would SIGBUS them).
+  ::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL);
   void* p = ::mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
   if (p == MAP_FAILED) return ErrnoError("mmap " + std::to_string(length) + " bytes", errno);
   auto entry = std::make_shared<RegionEntry>();

@@ -50,14 +50,16 @@ Result<std::unique_ptr<Server>> Server::start(const AgentConfig& config, RegionT
     server->tcp_listener_ = std::move(listener.first);
     server->tcp_endpoint_ = config.tcp_host + ":" + std::to_string(listener.second);
   }
-  Server* s = server.get();
-  if (s->unix_listener_.valid()) {
-    s->unix_acceptor_ = std::thread([s] { s->accept_loop(s->unix_listener_.get(), true); });
-  }
-  if (s->tcp_listener_.valid()) {
-    s->tcp_acceptor_ = std::thread([s] { s->accept_loop(s->tcp_listener_.get(), false); });
-  }
   return server;
+}
+
+void Server::run() {
+  if (unix_listener_.valid()) {
+    unix_acceptor_ = std::thread([this] { accept_loop(unix_listener_.get(), true); });
+  }
+  if (tcp_listener_.valid()) {
+    tcp_acceptor_ = std::thread([this] { accept_loop(tcp_listener_.get(), false); });
+  }
 }
 
 Server::~Server() { stop(); }
@@ -105,9 +107,11 @@ void Server::accept_loop(int listen_fd, bool unix_socket) {
   while (true) {
     auto accepted = accept_connection(listen_fd);
     if (!accepted.ok()) {
+      // Out of descriptors or similar: back off instead of spinning, but wake on stop.
       spdlog::warn("agent {}: {}", config_.name, accepted.status().to_string());
-      std::lock_guard lock(mu_);
-      if (stopping_) return;
+      std::unique_lock lock(mu_);
+      if (stop_cv_.wait_for(lock, std::chrono::milliseconds(100), [&] { return stopping_; }))
+        return;
       continue;
     }
     if (!accepted->valid()) return;  // listener shut down
@@ -163,7 +167,7 @@ void Server::serve(Connection* connection) {
     if (!data_only && hooks_.peer_gone) hooks_.peer_gone(peer);
   }
   std::lock_guard lock(mu_);
-  ::shutdown(fd, SHUT_RDWR);
+  connection->fd.reset();  // closed now, not when the next connection reaps this one
   connection->finished = true;
 }
 
@@ -231,6 +235,7 @@ bool Server::handle_frame(Connection* connection, const std::string& peer, Frame
       reply.region = h.region;
       reply.length = region->length;
       if (region->access.remote_write) reply.flags |= kRegionRemoteWrite;
+      if (region->access.remote_read) reply.flags |= kRegionRemoteRead;
       if (connection->unix_socket && region->memfd.valid()) {
         reply.flags |= kRegionHasFd;
         reply.magic = kFrameMagic;
@@ -245,6 +250,12 @@ bool Server::handle_frame(Connection* connection, const std::string& peer, Frame
               : Result<std::string>(Status(StatusCode::kFailedPrecondition,
                                            "agent " + config_.name + " serves no calls"));
       if (!answer.ok()) return send_error(fd, h.id, answer.status()).ok();
+      if (answer->size() > kMaxControlPayload) {
+        return send_error(fd, h.id,
+                          Internal("reply of " + std::to_string(answer->size()) +
+                                   " bytes exceeds the control payload limit"))
+            .ok();
+      }
       return send_frame(fd, reply_header(FrameType::kCallReply, h.id), *answer,
                         Deadline::after_ms(kReplyTimeoutMs))
           .ok();

@@ -32,6 +32,10 @@ class Server {
                                                StatsCounters* stats, ServerHooks hooks);
   ~Server();  // stop()
 
+  // Starts accepting connections. Separate from start() so the owner can publish the
+  // server (its endpoints) before the first peer arrives.
+  void run();
+
   const std::string& shm_endpoint() const { return shm_endpoint_; }
   const std::string& tcp_endpoint() const { return tcp_endpoint_; }
   // Closes listeners and every connection, and joins all threads.

@@ -1,6 +1,7 @@
 #include "transfer/shm_backend.h"
 
 #include <sys/mman.h>
+#include <sys/stat.h>
 
 #include <cerrno>
 #include <cstring>
@@ -26,6 +27,13 @@ Result<std::shared_ptr<ShmPeer::Mapping>> ShmPeer::mapping(uint32_t region, Dead
                   "region " + std::to_string(region) + " on agent " + peer +
                       " is not a shared-memory arena; use the tcp backend for it");
   }
+  // Never trust the announced length: a mapping past the end of the file would SIGBUS.
+  struct stat st {};
+  if (::fstat(grant.memfd.get(), &st) != 0 || static_cast<uint64_t>(st.st_size) < grant.length) {
+    return Internal("region " + std::to_string(region) + " of agent " + peer +
+                    ": shared memory is smaller than its announced " +
+                    std::to_string(grant.length) + " bytes");
+  }
   int prot = PROT_READ | (grant.remote_write ? PROT_WRITE : 0);
   void* p = ::mmap(nullptr, grant.length, prot, MAP_SHARED, grant.memfd.get(), 0);
   if (p == MAP_FAILED) {
@@ -35,6 +43,7 @@ Result<std::shared_ptr<ShmPeer::Mapping>> ShmPeer::mapping(uint32_t region, Dead
   m->data = static_cast<std::byte*>(p);
   m->length = grant.length;
   m->writable = grant.remote_write;
+  m->readable = grant.remote_read;
   std::lock_guard lock(mu_);
   auto [it, inserted] = mappings_.emplace(region, m);
   return it->second;  // a concurrent mapper may have won; both views are equivalent
@@ -50,13 +59,14 @@ Result<std::vector<std::shared_ptr<ShmPeer::Mapping>>> ShmPeer::resolve(
     std::string what = "descriptor " + std::to_string(i) + ": " +
                        describe_access(write, d.length, d.remote_offset, d.remote_region, peer);
     auto m = mapping(d.remote_region, deadline);
-    if (!m.ok()) {
-      stats_->rejected_descriptors++;
-      return m.status().with_context(what);
-    }
+    if (!m.ok()) return m.status().with_context(what);  // counted by the owner if refused
     if (d.remote_offset > (*m)->length || d.length > (*m)->length - d.remote_offset) {
       stats_->rejected_descriptors++;
       return OutOfRange(what + ": outside the region's " + std::to_string((*m)->length) + " bytes");
+    }
+    if (!write && !(*m)->readable) {
+      stats_->rejected_descriptors++;
+      return Status(StatusCode::kFailedPrecondition, what + ": region is not remotely readable");
     }
     if (write && !(*m)->writable) {
       stats_->rejected_descriptors++;

@@ -29,6 +29,7 @@ class ShmPeer {
     std::byte* data = nullptr;
     uint64_t length = 0;
     bool writable = false;
+    bool readable = false;
     ~Mapping();
   };
   Result<std::shared_ptr<Mapping>> mapping(uint32_t region, Deadline deadline);

@@ -189,9 +189,12 @@ Status send_all(int fd, const void* data, size_t length, Deadline deadline, cons
   size_t left = length;
   while (left > 0) {
     if (!deadline.is_never()) ECX_RETURN_IF_ERROR(wait_fd(fd, POLLOUT, deadline, what));
-    ssize_t n = ::send(fd, p, left, MSG_NOSIGNAL);
+    // With a finite deadline never block inside send(): poll decides how long we wait.
+    int flags = MSG_NOSIGNAL | (deadline.is_never() ? 0 : MSG_DONTWAIT);
+    ssize_t n = ::send(fd, p, left, flags);
     if (n < 0) {
       if (errno == EINTR) continue;
+      if (!deadline.is_never() && (errno == EAGAIN || errno == EWOULDBLOCK)) continue;
       return io_error(what, errno, true);
     }
     p += n;
@@ -212,7 +215,8 @@ Status recv_all(int fd, void* data, size_t length, Deadline deadline, const char
         return s;
       }
     }
-    ssize_t n = ::recv(fd, p + got, length - got, MSG_WAITALL);
+    int flags = deadline.is_never() ? MSG_WAITALL : MSG_DONTWAIT;
+    ssize_t n = ::recv(fd, p + got, length - got, flags);
     if (n == 0) {
       if (received) *received = got;
       return Unavailable(std::string(what) + ": peer closed the connection after " +
@@ -220,6 +224,7 @@ Status recv_all(int fd, void* data, size_t length, Deadline deadline, const char
     }
     if (n < 0) {
       if (errno == EINTR) continue;
+      if (!deadline.is_never() && (errno == EAGAIN || errno == EWOULDBLOCK)) continue;
       if (received) *received = got;
       return io_error(what, errno, false);
     }
@@ -267,9 +272,10 @@ Status recv_with_fd(int fd, void* data, size_t length, Deadline deadline, Unique
     msg.msg_iovlen = 1;
     msg.msg_control = control;
     msg.msg_controllen = sizeof(control);
-    ssize_t n = ::recvmsg(fd, &msg, MSG_CMSG_CLOEXEC);
+    ssize_t n = ::recvmsg(fd, &msg, MSG_CMSG_CLOEXEC | (deadline.is_never() ? 0 : MSG_DONTWAIT));
     if (n < 0) {
       if (errno == EINTR) continue;
+      if (!deadline.is_never() && (errno == EAGAIN || errno == EWOULDBLOCK)) continue;
       return io_error("recv frame", errno, false);
     }
     for (cmsghdr* cm = CMSG_FIRSTHDR(&msg); cm != nullptr; cm = CMSG_NXTHDR(&msg, cm)) {

@@ -60,7 +60,11 @@ std::shared_ptr<TransferState> TcpDataPool::submit(std::span<const TransferDescr
       std::make_shared<TransferState>(std::move(description), static_cast<int>(jobs.size()));
   state->set_finalizer(std::move(finalizer));
   TransferState* raw = state.get();
-  state->set_cancel_hook([this, raw] { interrupt(raw); });
+  // A weak reference: the hook may run after the peer (and this pool) went away.
+  std::weak_ptr<TcpDataPool> weak = weak_from_this();
+  state->set_cancel_hook([weak, raw] {
+    if (auto pool = weak.lock()) pool->interrupt(raw);
+  });
   std::lock_guard lock(mu_);
   if (!failed_.ok() || stopping_) {
     Status why = failed_.ok() ? Unavailable("agent shutting down") : failed_;
@@ -88,9 +92,24 @@ void TcpDataPool::fail_all(const Status& reason) {
 }
 
 void TcpDataPool::interrupt(TransferState* state) {
-  std::lock_guard lock(mu_);
-  for (auto& w : workers_) {
-    if (w->current == state && w->fd.valid()) ::shutdown(w->fd.get(), SHUT_RDWR);
+  std::vector<Job> dropped;
+  {
+    std::lock_guard lock(mu_);
+    for (auto& w : workers_) {
+      if (w->current == state && w->fd.valid()) ::shutdown(w->fd.get(), SHUT_RDWR);
+      // Jobs still queued for this transfer never start.
+      for (auto it = w->jobs.begin(); it != w->jobs.end();) {
+        if (it->state.get() == state) {
+          dropped.push_back(std::move(*it));
+          it = w->jobs.erase(it);
+        } else {
+          ++it;
+        }
+      }
+    }
+  }
+  for (auto& job : dropped) {
+    job.state->part_done(Status(StatusCode::kCancelled, job.state->description() + ": cancelled"));
   }
 }
 
@@ -130,18 +149,30 @@ void TcpDataPool::run(Worker* worker) {
   }
 }
 
-Status TcpDataPool::ensure_connected(Worker* worker, Deadline deadline) {
+Status TcpDataPool::ensure_connected(Worker* worker, Job& job) {
   if (worker->fd.valid()) return Status::Ok();
-  ECX_ASSIGN_OR_RETURN(UniqueFd fd, connect_tcp(address_, deadline));
+  ECX_ASSIGN_OR_RETURN(UniqueFd fd, connect_tcp(address_, job.deadline));
   tune_tcp_socket(fd.get(), config_.tcp_socket_buffer);
-  ECX_RETURN_IF_ERROR(client_handshake(fd.get(), self_, kHelloDataConnection, deadline).status());
-  std::lock_guard lock(mu_);
-  worker->fd = std::move(fd);
+  int raw = fd.get();
+  {
+    // Installed before the handshake, so a cancel or a peer death can shut it down.
+    std::lock_guard lock(mu_);
+    if (job.state->cancelled()) {
+      return Status(StatusCode::kCancelled, job.state->description() + ": cancelled");
+    }
+    worker->fd = std::move(fd);
+  }
+  auto peer = client_handshake(raw, self_, kHelloDataConnection, job.deadline);
+  if (!peer.ok()) return peer.status();
+  if (peer->name != peer_.name) {
+    return Unavailable("data stream to " + address_.to_string() + " reached agent '" + peer->name +
+                       "', not '" + peer_.name + "'");
+  }
   return Status::Ok();
 }
 
 Status TcpDataPool::run_job(Worker* worker, Job& job) {
-  ECX_RETURN_IF_ERROR(ensure_connected(worker, job.deadline)
+  ECX_RETURN_IF_ERROR(ensure_connected(worker, job)
                           .with_context(job.state->description() + ": connect data stream"));
   int fd = worker->fd.get();
   set_io_deadline(fd, job.deadline);

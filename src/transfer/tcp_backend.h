@@ -20,7 +20,7 @@
 
 namespace ecx::transfer {
 
-class TcpDataPool {
+class TcpDataPool : public std::enable_shared_from_this<TcpDataPool> {
  public:
   TcpDataPool(const AgentConfig& config, AgentMetadata self, AgentMetadata peer, HostPort address,
               StatsCounters* stats);
@@ -48,14 +48,14 @@ class TcpDataPool {
   };
   struct Worker {
     std::thread thread;
-    UniqueFd fd;                       // owned by the worker thread; shut down by others
+    UniqueFd fd;                       // installed/closed under mu_; shut down by others
     std::deque<Job> jobs;              // guarded by pool mu_
     TransferState* current = nullptr;  // guarded by pool mu_
   };
 
   void run(Worker* worker);
   Status run_job(Worker* worker, Job& job);
-  Status ensure_connected(Worker* worker, Deadline deadline);
+  Status ensure_connected(Worker* worker, Job& job);
   void interrupt(TransferState* state);
 
   const AgentConfig config_;

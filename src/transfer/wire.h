@@ -42,6 +42,7 @@ enum class FrameType : uint16_t {
 // Flags on REGION_INFO.
 constexpr uint16_t kRegionRemoteWrite = 1;
 constexpr uint16_t kRegionHasFd = 2;
+constexpr uint16_t kRegionRemoteRead = 4;
 
 struct FrameHeader {
   uint32_t magic = kFrameMagic;

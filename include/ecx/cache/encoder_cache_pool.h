@@ -78,7 +78,15 @@ class EncoderCachePool {
   // Reserves a block for a new entry (state writing), evicting LRU unpinned ready entries
   // if the arena is full. kAlreadyExists if the mm_hash has an entry; kResourceExhausted
   // if pinned and writing entries leave no room.
-  Result<BlockRef> reserve(const MmHash& mm_hash, const TensorMeta& meta);
+  //
+  // With `room_deadline`, waits (until then) for pins to end when everything else is
+  // pinned, instead of failing at once: backpressure for producers.
+  // With `pin_holder`, the entry is pinned for that holder from the start (Pin::pin_id).
+  Result<BlockRef> reserve(const MmHash& mm_hash, const TensorMeta& meta,
+                           Deadline room_deadline = Deadline::after_ms(0));
+  Result<Pin> reserve_pinned(const MmHash& mm_hash, const TensorMeta& meta,
+                             const std::string& pin_holder,
+                             Deadline room_deadline = Deadline::after_ms(0));
   // Computes the payload checksum, writes the header, marks the entry ready.
   Status commit(const MmHash& mm_hash, uint64_t generation);
   // For blocks filled by a peer (header + payload): verifies them against `expected`

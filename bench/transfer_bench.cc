@@ -12,6 +12,7 @@
 
 #include "bench.h"
 #include "bench_stats.h"
+#include "connector_peer.h"
 #include "ecx/common/bytes.h"
 #include "ecx/common/checksum.h"
 #include "ecx/common/log.h"
@@ -437,6 +438,13 @@ void add_transfer_commands(CLI::App& bench, int* exit_code) {
   p->add_option("--streams", peer->tcp_streams);
   p->add_option("--fault-stall-read-after-bytes", peer->fault_stall_read_after_bytes);
   p->callback([peer, exit_code] { *exit_code = run_transfer_peer(*peer); });
+
+  auto connector_config = std::make_shared<std::string>();
+  CLI::App* cp = bench.add_subcommand("connector-peer", "A connector driven over stdin (internal)");
+  cp->group("");
+  cp->add_option("--config", *connector_config, "Connector config JSON")->required();
+  cp->callback(
+      [connector_config, exit_code] { *exit_code = run_connector_peer(*connector_config); });
 }
 
 }  // namespace ecx::bench

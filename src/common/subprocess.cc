@@ -103,6 +103,22 @@ Result<std::string> Subprocess::read_line(Deadline deadline) {
   }
 }
 
+Status Subprocess::write_stdin(std::string_view text) {
+  if (stdin_fd_ < 0) return Status(StatusCode::kFailedPrecondition, "child stdin is closed");
+  // A dead child must give us EPIPE, not kill us with SIGPIPE.
+  static const bool ignore_sigpipe = [] { return ::signal(SIGPIPE, SIG_IGN) != SIG_ERR; }();
+  (void)ignore_sigpipe;
+  while (!text.empty()) {
+    ssize_t n = ::write(stdin_fd_, text.data(), text.size());
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoError("write to child " + std::to_string(pid_), errno);
+    }
+    text.remove_prefix(static_cast<size_t>(n));
+  }
+  return Status::Ok();
+}
+
 void Subprocess::close_stdin() {
   if (stdin_fd_ >= 0) {
     ::close(stdin_fd_);

@@ -84,6 +84,7 @@ class AgentImpl final : public Agent {
   Result<RemoteView> view(const std::string& peer, uint32_t region, uint64_t offset,
                           uint64_t length) override;
   AgentStats stats() const override { return stats_.snapshot(); }
+  void shutdown() override;
 
  private:
   Result<std::shared_ptr<Peer>> connected_peer(const std::string& name) const;
@@ -108,6 +109,7 @@ class AgentImpl final : public Agent {
   CallHandler call_handler_;                  // guarded by mu_
   PeerGoneHandler peer_gone_handler_;         // guarded by mu_
   NotificationHandler notification_handler_;  // guarded by mu_
+  bool stopped_ = false;                      // guarded by mu_
 
   std::mutex notify_mu_;
   std::condition_variable notify_cv_;
@@ -115,9 +117,15 @@ class AgentImpl final : public Agent {
   size_t notification_bytes_ = 0;           // guarded by notify_mu_
 };
 
-AgentImpl::~AgentImpl() {
+AgentImpl::~AgentImpl() { shutdown(); }
+
+void AgentImpl::shutdown() {
   // The server first: its handlers may connect to peers. Then the peers, outside mu_,
   // because their threads may call back into on_peer_death.
+  {
+    std::lock_guard lock(mu_);
+    stopped_ = true;
+  }
   if (server_) server_->stop();
   std::map<std::string, PeerSlot> peers;
   {
@@ -278,6 +286,7 @@ Result<AgentMetadata> AgentImpl::connect(const AgentMetadata& meta, ConnectOptio
   }
   Deadline deadline = options.deadline.value_or(Deadline::after_ms(config_.connect_timeout_ms));
   std::unique_lock lock(mu_);
+  if (stopped_) return Unavailable("agent " + config_.name + " is shut down");
   while (true) {
     PeerSlot& slot = peers_[meta.name];
     if (slot.peer && slot.peer->control->alive()) return slot.peer->control->peer();

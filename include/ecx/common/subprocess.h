@@ -25,6 +25,8 @@ class Subprocess {
   pid_t pid() const { return pid_; }
   // Reads one line (without the newline) from the child's stdout.
   Result<std::string> read_line(Deadline deadline);
+  // Writes all of `text` to the child's stdin.
+  Status write_stdin(std::string_view text);
   // Closes the child's stdin (a polite "stop").
   void close_stdin();
   Status kill(int signal);

@@ -128,6 +128,11 @@ class Agent {
                                   uint64_t length) = 0;
 
   virtual AgentStats stats() const = 0;
+
+  // Stops serving peers (listeners closed, handler threads joined) and drops every peer
+  // connection. Local calls (allocate, deregister) keep working; connect fails after it.
+  // Idempotent; the destructor calls it.
+  virtual void shutdown() = 0;
 };
 
 }  // namespace ecx::transfer

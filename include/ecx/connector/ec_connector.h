@@ -1,0 +1,154 @@
+// EcConnector: moves encoder caches from producers (E) to consumers (PD), with vLLM's
+// EC connector semantics. One instance per process and role; thread-safe.
+//
+// Producer (E), worker side:
+//   begin_save / commit_save (zero-copy: the encoder writes into the returned span)
+//   or save_caches (copying) -> EcTransferParams for the response.
+// Consumer (PD), scheduler side:
+//   has_caches(request)            which items can be loaded instead of encoded
+//   update_state_after_alloc(r, i) item i's destination exists: schedule its load
+//   build_connector_meta()         the loads scheduled this step
+// Consumer, worker side:
+//   start_load_caches(meta)        starts them (asynchronously)
+//   wait_for_load(id, deadline)    the outcome of one request's loads
+//   get_finished()                 requests whose loads ended since the last call
+//   loaded(id, mm_hash)            the loaded bytes (valid until request_finished)
+//   request_finished(id)           release what the request held
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "ecx/cache/encoder_cache_pool.h"
+#include "ecx/common/deadline.h"
+#include "ecx/common/status.h"
+#include "ecx/connector/ec_transfer_params.h"
+
+namespace ecx::connector {
+
+enum class Role { kProducer, kConsumer, kBoth };
+Result<Role> parse_role(std::string_view name);  // "producer", "consumer", "both"
+std::string_view role_name(Role role);
+
+// What the consumer does when an item cannot be loaded.
+enum class FailurePolicy { kRecompute, kFail };
+
+// The whole connector configuration, as one JSON object (vLLM's --ec-transfer-config):
+//   {"connector":"p2p","role":"consumer","extra":{"mode":"pull", ...}}
+struct ConnectorConfig {
+  std::string connector = "p2p";
+  Role role = Role::kBoth;
+  nlohmann::json extra = nlohmann::json::object();
+
+  static Result<ConnectorConfig> parse(std::string_view json);
+  // From a CLI name: "p2p" (= pull), "p2p:push", "p2p:pull-2step", "disk", "store", "local".
+  static Result<ConnectorConfig> from_name(std::string_view name, Role role);
+  nlohmann::json to_json() const;
+};
+
+struct LoadItem {
+  MmHash mm_hash;
+  TensorMeta meta;
+  std::optional<EcTransferParams> params;  // from E's response, when there is one
+};
+
+struct LoadRequest {
+  std::string request_id;
+  std::vector<LoadItem> items;
+};
+
+// Per-step scheduler output: which items of which requests to load.
+struct ConnectorMetadata {
+  struct Entry {
+    LoadRequest request;
+    std::vector<size_t> items;  // indices into request.items
+  };
+  std::vector<Entry> loads;
+};
+
+struct ItemOutcome {
+  MmHash mm_hash;
+  Status status;
+  bool recomputed = false;  // encoded locally after the load failed
+  bool local_hit = false;   // already in this consumer's cache
+};
+
+struct LoadOutcome {
+  Status status;  // ok, or the first unrecoverable item error (with its NACK code)
+  std::vector<ItemOutcome> items;
+  double load_ms = 0;
+  uint64_t bytes = 0;
+};
+
+// Encodes one item locally into `out` (exactly meta.byte_size() bytes).
+using RecomputeFn = std::function<Status(const MmHash&, const TensorMeta&, std::span<std::byte>)>;
+// Called when an item is found not ready, before the connector retries (observability).
+using NotReadyFn = std::function<void(const MmHash&)>;
+
+struct ConnectorContext {
+  RecomputeFn recompute;  // set on instances that can encode
+  NotReadyFn on_not_ready;
+};
+
+// A block reserved by begin_save, written by the caller, published by commit_save.
+struct SaveSlot {
+  MmHash mm_hash;
+  TensorMeta meta;
+  std::span<std::byte> payload;
+  uint64_t token = 0;  // connector-private
+};
+
+class EcConnector {
+ public:
+  virtual ~EcConnector() = default;
+
+  virtual const std::string& name() const = 0;  // "p2p:pull", "disk", ...
+  virtual Role role() const = 0;
+  virtual const std::string& compat_hash() const = 0;
+  virtual FailurePolicy failure_policy() const = 0;
+
+  // ---- producer ----
+  virtual Result<SaveSlot> begin_save(const MmHash& mm_hash, const TensorMeta& meta) = 0;
+  virtual Result<EcTransferParams> commit_save(const SaveSlot& slot) = 0;
+  // Params for an item this producer already holds (so E can skip the encoder), or
+  // kNotFound.
+  virtual Result<EcTransferParams> saved_params(const MmHash& mm_hash) = 0;
+  // Discards a slot from begin_save that will not be committed (the encoder failed).
+  virtual void abort_save(const SaveSlot& slot) = 0;
+  // Waits until no consumer holds a pin on this producer's items (RELEASEd or leases
+  // expired): what a graceful shutdown of E waits for. Ok at once where nothing pins.
+  virtual Status wait_for_readers(Deadline deadline) = 0;
+  Result<EcTransferParams> save_caches(const MmHash& mm_hash, const TensorMeta& meta,
+                                       std::span<const std::byte> payload);
+
+  // ---- consumer, scheduler side ----
+  virtual std::vector<bool> has_caches(const LoadRequest& request) = 0;
+  virtual Status update_state_after_alloc(const LoadRequest& request, size_t index) = 0;
+  virtual ConnectorMetadata build_connector_meta() = 0;
+
+  // ---- consumer, worker side ----
+  virtual Status start_load_caches(const ConnectorMetadata& metadata) = 0;
+  virtual LoadOutcome wait_for_load(const std::string& request_id, Deadline deadline) = 0;
+  virtual std::vector<std::string> get_finished() = 0;
+  virtual Result<cache::BlockRef> loaded(const std::string& request_id, const MmHash& mm_hash) = 0;
+  virtual void request_finished(const std::string& request_id) = 0;
+
+  // has_caches + update_state_after_alloc for every loadable item + build + start + wait.
+  LoadOutcome load(const LoadRequest& request, Deadline deadline);
+
+  // Counters and pool figures, for /metrics and tests.
+  virtual nlohmann::json stats() const = 0;
+};
+
+// Creates a connector by name ("p2p", "disk", "store", "local").
+Result<std::unique_ptr<EcConnector>> create_connector(const ConnectorConfig& config,
+                                                      ConnectorContext context = {});
+
+}  // namespace ecx::connector

@@ -1,0 +1,172 @@
+#include <unistd.h>
+
+#include <cstring>
+
+#include "ecx/connector/ec_connector.h"
+
+namespace ecx::connector {
+
+using nlohmann::json;
+
+Result<Role> parse_role(std::string_view name) {
+  if (name == "producer") return Role::kProducer;
+  if (name == "consumer") return Role::kConsumer;
+  if (name == "both") return Role::kBoth;
+  return InvalidArgument("unknown role '" + std::string(name) +
+                         "' (expected producer, consumer or both)");
+}
+
+std::string_view role_name(Role role) {
+  switch (role) {
+    case Role::kProducer:
+      return "producer";
+    case Role::kConsumer:
+      return "consumer";
+    case Role::kBoth:
+      return "both";
+  }
+  return "?";
+}
+
+Result<ConnectorConfig> ConnectorConfig::parse(std::string_view text) {
+  json j = json::parse(text, nullptr, false);
+  if (j.is_discarded() || !j.is_object()) {
+    return InvalidArgument("connector config is not a JSON object");
+  }
+  ConnectorConfig c;
+  auto name = j.find("connector");
+  if (name == j.end() || !name->is_string()) {
+    return InvalidArgument("connector config needs a string 'connector'");
+  }
+  c.connector = name->get<std::string>();
+  if (auto role = j.find("role"); role != j.end()) {
+    if (!role->is_string()) return InvalidArgument("connector config 'role' must be a string");
+    ECX_ASSIGN_OR_RETURN(c.role, parse_role(role->get<std::string>()));
+  }
+  if (auto extra = j.find("extra"); extra != j.end()) {
+    if (!extra->is_object()) return InvalidArgument("connector config 'extra' must be an object");
+    c.extra = *extra;
+  }
+  return c;
+}
+
+Result<ConnectorConfig> ConnectorConfig::from_name(std::string_view name, Role role) {
+  ConnectorConfig c;
+  c.role = role;
+  auto colon = name.find(':');
+  c.connector = std::string(name.substr(0, colon));
+  if (colon != std::string_view::npos) {
+    if (c.connector != "p2p") {
+      return InvalidArgument("connector '" + std::string(name) + "': only p2p has modes");
+    }
+    c.extra["mode"] = std::string(name.substr(colon + 1));
+  }
+  return c;
+}
+
+json ConnectorConfig::to_json() const {
+  return {{"connector", connector}, {"role", std::string(role_name(role))}, {"extra", extra}};
+}
+
+json EcTransferParams::to_json() const {
+  json j = {{"connector", connector},
+            {"engine_id", engine_id},
+            {"compat_hash", compat_hash},
+            {"mm_hash", mm_hash.str()},
+            {"dtype", std::string(dtype_name(meta.dtype))},
+            {"shape", meta.shape},
+            {"num_tokens", num_tokens}};
+  if (!mode.empty()) j["mode"] = mode;
+  if (!agent.empty()) j["agent"] = agent;
+  if (region != 0) {
+    j["region"] = region;
+    j["offset"] = offset;
+    j["length"] = length;
+    j["generation"] = generation;
+    j["pin"] = pin;
+  }
+  return j;
+}
+
+namespace {
+
+Result<std::string> string_field(const json& j, const char* key, bool required, size_t max = 4096) {
+  auto it = j.find(key);
+  if (it == j.end()) {
+    if (required) return InvalidArgument(std::string("ec_transfer_params lacks '") + key + "'");
+    return std::string();
+  }
+  if (!it->is_string())
+    return InvalidArgument(std::string("ec_transfer_params '") + key + "' must be a string");
+  if (it->get_ref<const std::string&>().size() > max) {
+    return InvalidArgument(std::string("ec_transfer_params '") + key + "' is too long");
+  }
+  return it->get<std::string>();
+}
+
+Result<uint64_t> uint_field(const json& j, const char* key, uint64_t max) {
+  auto it = j.find(key);
+  if (it == j.end()) return uint64_t{0};
+  if (!it->is_number_unsigned() && !(it->is_number_integer() && it->get<int64_t>() >= 0)) {
+    return InvalidArgument(std::string("ec_transfer_params '") + key +
+                           "' must be a non-negative integer");
+  }
+  uint64_t v = it->get<uint64_t>();
+  if (v > max) return OutOfRange(std::string("ec_transfer_params '") + key + "' out of range");
+  return v;
+}
+
+}  // namespace
+
+Result<EcTransferParams> EcTransferParams::from_json(const json& j) {
+  if (!j.is_object()) return InvalidArgument("ec_transfer_params entry must be a JSON object");
+  EcTransferParams p;
+  ECX_ASSIGN_OR_RETURN(p.connector, string_field(j, "connector", true, 32));
+  ECX_ASSIGN_OR_RETURN(p.mode, string_field(j, "mode", false, 32));
+  ECX_ASSIGN_OR_RETURN(p.engine_id, string_field(j, "engine_id", false, 256));
+  ECX_ASSIGN_OR_RETURN(p.agent, string_field(j, "agent", false, 1 << 20));
+  ECX_ASSIGN_OR_RETURN(p.compat_hash, string_field(j, "compat_hash", false, 256));
+  ECX_ASSIGN_OR_RETURN(std::string hash, string_field(j, "mm_hash", true, 256));
+  ECX_ASSIGN_OR_RETURN(p.mm_hash, MmHash::parse(hash));
+  ECX_ASSIGN_OR_RETURN(p.meta, TensorMeta::from_json(j));
+  ECX_ASSIGN_OR_RETURN(p.num_tokens, uint_field(j, "num_tokens", 1ull << 32));
+  ECX_ASSIGN_OR_RETURN(uint64_t region, uint_field(j, "region", UINT32_MAX));
+  p.region = static_cast<uint32_t>(region);
+  ECX_ASSIGN_OR_RETURN(p.offset, uint_field(j, "offset", 1ull << 48));
+  ECX_ASSIGN_OR_RETURN(p.length, uint_field(j, "length", 1ull << 48));
+  ECX_ASSIGN_OR_RETURN(p.generation, uint_field(j, "generation", UINT64_MAX));
+  ECX_ASSIGN_OR_RETURN(p.pin, uint_field(j, "pin", UINT64_MAX));
+  return p;
+}
+
+Result<EcTransferParams> EcConnector::save_caches(const MmHash& mm_hash, const TensorMeta& meta,
+                                                  std::span<const std::byte> payload) {
+  ECX_RETURN_IF_ERROR(meta.validate());
+  if (payload.size() != meta.byte_size()) {
+    return InvalidArgument("save_caches: " + std::to_string(payload.size()) + " bytes for " +
+                           meta.to_string());
+  }
+  auto begun = begin_save(mm_hash, meta);
+  if (!begun.ok() && begun.status().code() == StatusCode::kAlreadyExists)
+    return saved_params(mm_hash);
+  ECX_ASSIGN_OR_RETURN(SaveSlot slot, std::move(begun));
+  if (!payload.empty()) std::memcpy(slot.payload.data(), payload.data(), payload.size());
+  return commit_save(slot);
+}
+
+LoadOutcome EcConnector::load(const LoadRequest& request, Deadline deadline) {
+  // One request on its own, not through the shared per-step scheduler state: safe to
+  // call from many threads at once.
+  ConnectorMetadata meta;
+  meta.loads.push_back({request, {}});
+  for (size_t i = 0; i < request.items.size(); ++i) meta.loads[0].items.push_back(i);
+  Status started = start_load_caches(meta);
+  if (!started.ok()) {
+    LoadOutcome out;
+    out.status = started;
+    return out;
+  }
+  return wait_for_load(request.request_id, deadline);
+}
+
+}  // namespace ecx::connector

@@ -1,0 +1,42 @@
+// ConnectorOptions: the `extra` object of a connector config, parsed and checked once.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "ecx/common/status.h"
+#include "ecx/connector/ec_connector.h"
+#include "ecx/transfer/types.h"
+
+namespace ecx::connector {
+
+struct ConnectorOptions {
+  // Common to every connector.
+  std::string engine_id;                  // default "<connector>-<pid>"
+  std::string compat_hash = "ecx-ec-v1";  // model + preprocessing + dtype identity
+  FailurePolicy failure_policy = FailurePolicy::kRecompute;
+  int64_t load_timeout_ms = 10000;
+  uint64_t pool_bytes = 1ull << 30;  // producer pool (p2p) and consumer cache
+  int64_t lease_ms = 30000;          // producer pins handed out in params
+  int64_t consumer_pin_ms = 600000;  // consumer pins, released by request_finished
+  int64_t save_wait_ms = 2000;       // producer backpressure when its pool is pinned full
+  int loader_threads = 4;
+  // p2p
+  std::string mode = "pull";  // pull | pull-2step | push
+  transfer::Backend backend = transfer::Backend::kAuto;
+  std::string tcp_host = "127.0.0.1";
+  uint16_t tcp_port = 0;
+  // disk
+  std::string root;  // default <tmp>/ecx-disk-cache
+  int64_t ttl_s = 3600;
+  uint64_t max_bytes = 8ull << 30;
+  bool delete_on_release = true;
+  // store
+  std::string redis = "127.0.0.1:6379";
+
+  static Result<ConnectorOptions> parse(const std::string& connector, const nlohmann::json& extra);
+};
+
+}  // namespace ecx::connector

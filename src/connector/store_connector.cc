@@ -1,0 +1,172 @@
+// store connector: encoder outputs in Redis. Value = compat-hash length (2 bytes LE),
+// compat hash, then the block (header + payload), so GET gets everything the consumer
+// needs to verify in one round trip. Keys expire after ttl_s.
+#include <atomic>
+#include <cstring>
+#include <map>
+
+#include "connector/connector_base.h"
+#include "connector/redis_client.h"
+#include "ecx/common/checksum.h"
+
+namespace ecx::connector {
+namespace {
+
+using nlohmann::json;
+
+std::string key_for(const MmHash& mm_hash) { return "ecx:ec:" + mm_hash.str(); }
+
+class StoreConnector final : public ConnectorBase {
+ public:
+  StoreConnector(ConnectorConfig config, ConnectorOptions options, ConnectorContext context)
+      : ConnectorBase("store", std::move(config), options, std::move(context)) {}
+  ~StoreConnector() override { shutdown_base(); }
+
+  Status init() {
+    ECX_ASSIGN_OR_RETURN(
+        redis_,
+        RedisClient::connect(options().redis, Deadline::after_ms(options().load_timeout_ms)));
+    return init_base(false);
+  }
+
+  size_t prefix_size() const { return 2 + options().compat_hash.size(); }
+
+  Result<SaveSlot> begin_save(const MmHash& mm_hash, const TensorMeta& meta) override {
+    ECX_RETURN_IF_ERROR(meta.validate());
+    uint64_t token = next_token_++;
+    std::lock_guard lock(mu_);
+    std::string& value = staging_[token];
+    // Laid out as the final value, so SET sends it without another copy.
+    value.resize(prefix_size() + cache::kBlockHeaderBytes + meta.byte_size());
+    auto* payload =
+        reinterpret_cast<std::byte*>(value.data() + prefix_size() + cache::kBlockHeaderBytes);
+    return SaveSlot{mm_hash, meta, {payload, meta.byte_size()}, token};
+  }
+
+  Result<EcTransferParams> commit_save(const SaveSlot& slot) override {
+    std::string value;
+    {
+      std::lock_guard lock(mu_);
+      auto it = staging_.find(slot.token);
+      if (it == staging_.end())
+        return NotFound("store connector: no save in progress for " + slot.mm_hash.str());
+      value = std::move(it->second);
+      staging_.erase(it);
+    }
+    const std::string& compat = options().compat_hash;
+    value[0] = static_cast<char>(compat.size() & 0xff);
+    value[1] = static_cast<char>((compat.size() >> 8) & 0xff);
+    std::memcpy(value.data() + 2, compat.data(), compat.size());
+    auto* block = reinterpret_cast<std::byte*>(value.data() + prefix_size());
+    cache::write_block_header(block, slot.mm_hash, slot.meta, 1,
+                              checksum64(block + cache::kBlockHeaderBytes, slot.meta.byte_size()));
+    ECX_RETURN_IF_ERROR(redis_->set(key_for(slot.mm_hash), value, options().ttl_s,
+                                    Deadline::after_ms(options().load_timeout_ms)));
+    saves_++;
+    return params(slot.mm_hash, slot.meta);
+  }
+
+  Result<EcTransferParams> saved_params(const MmHash&) override {
+    // Redis keys expire on their own; re-saving is the safe answer.
+    return NotFound("store connector re-saves items");
+  }
+
+  void abort_save(const SaveSlot& slot) override {
+    std::lock_guard lock(mu_);
+    staging_.erase(slot.token);
+  }
+
+  EcTransferParams params(const MmHash& mm_hash, const TensorMeta& meta) const {
+    EcTransferParams p;
+    p.connector = "store";
+    p.engine_id = options().engine_id;
+    p.compat_hash = options().compat_hash;
+    p.mm_hash = mm_hash;
+    p.meta = meta;
+    p.num_tokens = meta.shape.empty() ? 0 : static_cast<uint64_t>(meta.shape[0]);
+    return p;
+  }
+
+  bool can_load(const LoadItem& item) override {
+    if (item.params) return item.params->connector == "store";
+    auto e = redis_->exists(key_for(item.mm_hash), Deadline::after_ms(options().load_timeout_ms));
+    return e.ok() && *e;
+  }
+
+  void fetch(const LoadRequest&, std::vector<FetchSlot*>& slots, Deadline deadline) override {
+    for (FetchSlot* slot : slots) slot->status = fetch_one(*slot, deadline);
+  }
+
+  Status fetch_one(FetchSlot& slot, Deadline deadline) {
+    const MmHash& mm_hash = slot.item->mm_hash;
+    ECX_ASSIGN_OR_RETURN(std::string value, redis_->get(key_for(mm_hash), deadline));
+    if (value.size() < 2)
+      return Status(StatusCode::kDataLoss, "redis value for " + mm_hash.str() + " is truncated");
+    size_t n =
+        static_cast<uint8_t>(value[0]) | (static_cast<size_t>(static_cast<uint8_t>(value[1])) << 8);
+    if (value.size() < 2u + n)
+      return Status(StatusCode::kDataLoss, "redis value for " + mm_hash.str() + " is truncated");
+    ECX_RETURN_IF_ERROR(check_compat("redis " + options().redis, value.substr(2, n)));
+    size_t block_bytes = value.size() - 2 - n;
+    if (block_bytes != slot.block.block_length) {
+      return InvalidArgument("redis value for " + mm_hash.str() + " holds " +
+                             std::to_string(block_bytes) + " block bytes, expected " +
+                             std::to_string(slot.block.block_length) + " for " +
+                             slot.item->meta.to_string());
+    }
+    std::memcpy(slot.block.block, value.data() + 2 + n, block_bytes);
+    return consumer_cache()->commit_received(
+        mm_hash, slot.block.generation,
+        {mm_hash, slot.item->meta, 0, "redis key " + key_for(mm_hash)});
+  }
+
+ private:
+  std::unique_ptr<RedisClient> redis_;
+  std::atomic<uint64_t> next_token_{1};
+  std::mutex mu_;
+  std::map<uint64_t, std::string> staging_;  // guarded by mu_
+};
+
+class LocalConnector final : public ConnectorBase {
+ public:
+  LocalConnector(ConnectorConfig config, ConnectorOptions options, ConnectorContext context)
+      : ConnectorBase("local", std::move(config), options, std::move(context)) {}
+  ~LocalConnector() override { shutdown_base(); }
+  Status init() { return init_base(false); }
+
+  Result<SaveSlot> begin_save(const MmHash&, const TensorMeta&) override {
+    return Status(StatusCode::kFailedPrecondition,
+                  "the local connector stores nothing: PD encodes itself");
+  }
+  Result<EcTransferParams> commit_save(const SaveSlot&) override {
+    return begin_save({}, {}).status();
+  }
+  Result<EcTransferParams> saved_params(const MmHash&) override {
+    return begin_save({}, {}).status();
+  }
+  void abort_save(const SaveSlot&) override {}
+  bool can_load(const LoadItem&) override { return false; }
+  void fetch(const LoadRequest&, std::vector<FetchSlot*>&, Deadline) override {}
+};
+
+}  // namespace
+
+Result<std::unique_ptr<EcConnector>> create_store_connector(ConnectorConfig config,
+                                                            ConnectorOptions options,
+                                                            ConnectorContext context) {
+  auto c =
+      std::make_unique<StoreConnector>(std::move(config), std::move(options), std::move(context));
+  ECX_RETURN_IF_ERROR(c->init());
+  return std::unique_ptr<EcConnector>(std::move(c));
+}
+
+Result<std::unique_ptr<EcConnector>> create_local_connector(ConnectorConfig config,
+                                                            ConnectorOptions options,
+                                                            ConnectorContext context) {
+  auto c =
+      std::make_unique<LocalConnector>(std::move(config), std::move(options), std::move(context));
+  ECX_RETURN_IF_ERROR(c->init());
+  return std::unique_ptr<EcConnector>(std::move(c));
+}
+
+}  // namespace ecx::connector

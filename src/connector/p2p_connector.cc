@@ -184,10 +184,16 @@ class P2pConnector final : public ConnectorBase {
       json out = {{"mm_hash", item.at("mm_hash")}};
       auto mm_hash = MmHash::parse(item.at("mm_hash").get<std::string>());
       Status s = mm_hash.ok() ? Status::Ok() : mm_hash.status();
-      Result<cache::Pin> pin = s;
+      std::optional<cache::Pin> pin;
       if (s.ok()) s = producer_pool_->wait_ready(*mm_hash, wait).status();
-      if (s.ok()) pin = producer_pool_->pin(*mm_hash, "push:" + peer);
-      if (s.ok() && !pin.ok()) s = pin.status();
+      if (s.ok()) {
+        auto pinned = producer_pool_->pin(*mm_hash, "push:" + peer);
+        if (pinned.ok()) {
+          pin = *pinned;
+        } else {
+          s = pinned.status();
+        }
+      }
       if (s.ok()) {
         uint64_t want = item.value("generation", uint64_t{0});
         uint64_t dst_length = item.at("dst_length").get<uint64_t>();
@@ -201,7 +207,7 @@ class P2pConnector final : public ConnectorBase {
                               " bytes for a block of " + std::to_string(pin->ref.block_length));
         }
       }
-      if (pin.ok()) temp_pins.push_back(pin->pin_id);
+      if (pin) temp_pins.push_back(pin->pin_id);
       if (s.ok()) {
         descs.push_back({pin->ref.block, item.at("dst_region").get<uint32_t>(),
                          item.at("dst_offset").get<uint64_t>(), pin->ref.block_length});

@@ -77,6 +77,9 @@ class [[nodiscard]] Result {
   Result(T value) : value_(std::move(value)) {}        // NOLINT: implicit by design
   Result(Status status) : value_(std::move(status)) {  // NOLINT
     assert(!std::get<Status>(value_).ok() && "Result needs a value or an error");
+    if (std::get<Status>(value_).ok()) {  // never a silent "error" that says ok
+      value_ = Status(StatusCode::kInternal, "Result constructed from an ok Status");
+    }
   }
 
   bool ok() const { return std::holds_alternative<T>(value_); }

@@ -12,6 +12,7 @@
 
 #include "bench.h"
 #include "bench_stats.h"
+#include "connector_bench.h"
 #include "connector_peer.h"
 #include "ecx/common/bytes.h"
 #include "ecx/common/checksum.h"
@@ -38,6 +39,8 @@ struct TransferBenchOptions {
   std::string json_path;
   uint64_t slice_bytes = 4ull << 20;
   int streams = 2;
+  ConnectorBenchOptions connectors;
+  std::string item_size = "1600KiB";
 };
 
 struct Row {
@@ -63,6 +66,12 @@ std::vector<std::string> split(const std::string& text) {
     start = comma + 1;
   }
   return out;
+}
+
+std::string self_exe() {
+  char self[4096] = {};
+  ssize_t n = ::readlink("/proc/self/exe", self, sizeof(self) - 1);
+  return n > 0 ? std::string(self, static_cast<size_t>(n)) : std::string("ecx");
 }
 
 int64_t now_ns() {
@@ -281,7 +290,7 @@ int TransferBench::run() {
     batches_.push_back(v);
   }
   std::vector<Backend> backends;
-  for (const auto& b : split(options_.backends)) {
+  for (const auto& b : split(options_.backends == "none" ? "" : options_.backends)) {
     auto parsed = transfer::parse_backend(b);
     if (!parsed.ok() || *parsed == Backend::kAuto) {
       std::cerr << "bench transfer: --backends: '" << b
@@ -321,13 +330,15 @@ int TransferBench::run() {
     st = dest.ok() ? Status::Ok() : dest.status();
     if (st.ok()) dest_ = *dest;
   }
-  if (st.ok()) st = start_peer();
+  if (st.ok() && !backends.empty()) st = start_peer();
   if (!st.ok()) {
     std::cerr << "bench transfer: " << st.to_string() << "\n";
     return 1;
   }
-  std::printf("ecx bench transfer: producer pid %d, consumer pid %d, %d iterations per case\n",
-              peer_process_->pid(), ::getpid(), options_.iters);
+  if (!backends.empty()) {
+    std::printf("ecx bench transfer: producer pid %d, consumer pid %d, %d iterations per case\n",
+                peer_process_->pid(), ::getpid(), options_.iters);
+  }
 
   std::vector<Row> rows;
   std::vector<Baseline> baselines;
@@ -362,7 +373,7 @@ int TransferBench::run() {
       }
     }
   }
-  for (uint64_t size : sizes_) {
+  for (uint64_t size : backends.empty() ? std::vector<uint64_t>{} : sizes_) {
     auto m = memcpy_baseline(size);
     auto s = socket_baseline(size);
     if (!m.ok() || !s.ok()) {
@@ -373,10 +384,26 @@ int TransferBench::run() {
     baselines.push_back(*m);
     baselines.push_back(*s);
   }
-  print(rows, baselines);
+  if (!rows.empty()) print(rows, baselines);
+
+  std::vector<ConnectorRow> connector_rows;
+  if (!options_.connectors.connectors.empty()) {
+    auto item = parse_bytes(options_.item_size);
+    if (!item.ok() || *item == 0) {
+      std::cerr << "bench transfer: --item-size: " << options_.item_size << " is not a size\n";
+      return 2;
+    }
+    options_.connectors.item_bytes = *item;
+    std::printf("\nconnectors: %d requests of %d x %s each, producer in its own process\n",
+                options_.connectors.requests, options_.connectors.items,
+                format_bytes(*item).c_str());
+    connector_rows = run_connector_bench(options_.connectors, self_exe());
+    print_connector_rows(connector_rows);
+  }
 
   if (!options_.json_path.empty()) {
     json out = {{"results", json::array()}, {"baselines", json::array()}};
+    if (!connector_rows.empty()) out["connectors"] = connector_rows_json(connector_rows);
     for (const auto& r : rows) {
       out["results"].push_back({{"backend", r.backend},
                                 {"mode", r.mode},
@@ -400,10 +427,16 @@ int TransferBench::run() {
     }
     std::printf("\nwrote %s\n", options_.json_path.c_str());
   }
-  agent_->disconnect(peer_name_);
-  peer_process_->close_stdin();
-  auto exited = peer_process_->wait(Deadline::after_ms(10000));
-  if (!exited.ok() || *exited != 0) std::cerr << "bench transfer: producer did not exit cleanly\n";
+  if (peer_process_) {
+    agent_->disconnect(peer_name_);
+    peer_process_->close_stdin();
+    auto exited = peer_process_->wait(Deadline::after_ms(10000));
+    if (!exited.ok() || *exited != 0)
+      std::cerr << "bench transfer: producer did not exit cleanly\n";
+  }
+  for (const auto& r : connector_rows) {
+    if (!r.error.empty() && r.connector != "store") return 1;  // store may lack a Redis
+  }
   return 0;
 }
 
@@ -423,6 +456,17 @@ void add_transfer_commands(CLI::App& bench, int* exit_code) {
   t->add_option("--slice-bytes", options->slice_bytes, "tcp slice size in bytes")
       ->capture_default_str();
   t->add_option("--streams", options->streams, "tcp data connections per peer")
+      ->capture_default_str();
+  t->add_option("--connectors", options->connectors.connectors,
+                "Also measure connectors per request: p2p:pull,p2p:pull-2step,p2p:push,disk,store");
+  t->add_option("--items", options->connectors.items, "Items per request (connectors)")
+      ->capture_default_str();
+  t->add_option("--item-size", options->item_size, "Item size (connectors)")->capture_default_str();
+  t->add_option("--requests", options->connectors.requests, "Requests per connector")
+      ->capture_default_str();
+  t->add_option("--redis", options->connectors.redis, "Redis for the store connector")
+      ->capture_default_str();
+  t->add_option("--connector-backend", options->connectors.backend, "p2p backend: auto, shm or tcp")
       ->capture_default_str();
   t->callback([options, exit_code] { *exit_code = TransferBench(*options).run(); });
 

@@ -32,7 +32,8 @@ BlockHeader read_block_header(const std::byte* block) {
   return h;
 }
 
-Status verify_block(const std::byte* block, uint64_t block_length, const BlockExpectation& e) {
+Status verify_block(const std::byte* block, uint64_t block_length, const BlockExpectation& e,
+                    std::optional<uint64_t> payload_checksum) {
   const std::string& where = e.where;
   if (block_length < kBlockHeaderBytes) {
     return InvalidArgument("block at " + where + " is shorter than its header");
@@ -75,7 +76,8 @@ Status verify_block(const std::byte* block, uint64_t block_length, const BlockEx
                            std::to_string(h.payload_length) + " does not match " +
                            e.meta.to_string());
   }
-  uint64_t sum = checksum64(block + kBlockHeaderBytes, h.payload_length);
+  uint64_t sum = payload_checksum ? *payload_checksum
+                                  : checksum64(block + kBlockHeaderBytes, h.payload_length);
   if (sum != h.checksum) {
     return Status(StatusCode::kDataLoss, "block at " + where + ": payload checksum mismatch");
   }

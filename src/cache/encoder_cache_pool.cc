@@ -93,11 +93,12 @@ class EncoderCachePool::Impl {
   }
 
   Status commit_received(const MmHash& mm_hash, uint64_t generation,
-                         const BlockExpectation& expected) {
+                         const BlockExpectation& expected,
+                         std::optional<uint64_t> payload_checksum) {
     std::unique_lock lock(mu_);
     ECX_ASSIGN_OR_RETURN(Entry * e, writing_entry(mm_hash, generation));
     std::byte* block = region_.data + e->offset;
-    Status verdict = verify_block(block, e->block_length, expected);
+    Status verdict = verify_block(block, e->block_length, expected, payload_checksum);
     if (!verdict.ok()) {
       remove_locked(mm_hash);
       lock.unlock();
@@ -417,8 +418,9 @@ Result<Pin> EncoderCachePool::reserve_pinned(const MmHash& h, const TensorMeta& 
   return impl_->reserve(h, m, room, &holder);
 }
 Status EncoderCachePool::commit(const MmHash& h, uint64_t g) { return impl_->commit(h, g); }
-Status EncoderCachePool::commit_received(const MmHash& h, uint64_t g, const BlockExpectation& e) {
-  return impl_->commit_received(h, g, e);
+Status EncoderCachePool::commit_received(const MmHash& h, uint64_t g, const BlockExpectation& e,
+                                         std::optional<uint64_t> payload_checksum) {
+  return impl_->commit_received(h, g, e, payload_checksum);
 }
 void EncoderCachePool::abort(const MmHash& h, uint64_t g) { impl_->abort(h, g); }
 Result<BlockRef> EncoderCachePool::find(const MmHash& h) { return impl_->find(h); }

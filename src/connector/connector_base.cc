@@ -1,5 +1,7 @@
 #include "connector/connector_base.h"
 
+#include <algorithm>
+
 #include "ecx/common/log.h"
 
 namespace ecx::connector {
@@ -129,8 +131,15 @@ void ConnectorBase::loader_loop() {
     std::shared_ptr<RequestState> state;
     {
       std::unique_lock lock(mu_);
-      work_cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      work_cv_.wait(lock, [&] { return stopping_ || !queue_.empty() || !background_.empty(); });
       if (stopping_) return;
+      if (!background_.empty()) {
+        auto task = std::move(background_.front());
+        background_.pop_front();
+        lock.unlock();
+        task();
+        continue;
+      }
       state = std::move(queue_.front());
       queue_.pop_front();
     }
@@ -288,7 +297,14 @@ void ConnectorBase::run_load(const std::shared_ptr<RequestState>& state) {
     finished_.push_back(request.request_id);
   }
   done_cv_.notify_all();
-  after_load(request, to_fetch);
+  // Releases and the like leave the critical path: a loader thread sends them.
+  {
+    std::lock_guard lock(mu_);
+    if (!stopping_) {
+      background_.push_back([this, state] { after_load(state->request, {}); });
+    }
+  }
+  work_cv_.notify_one();
 }
 
 LoadOutcome ConnectorBase::wait_for_load(const std::string& request_id, Deadline deadline) {
@@ -300,6 +316,15 @@ LoadOutcome ConnectorBase::wait_for_load(const std::string& request_id, Deadline
     return out;
   }
   auto state = it->second;
+  // Not picked up by a loader yet: run it on this thread instead of waiting for one
+  // (saves two thread hand-offs on the critical path).
+  auto queued = std::find(queue_.begin(), queue_.end(), state);
+  if (queued != queue_.end()) {
+    queue_.erase(queued);
+    lock.unlock();
+    run_load(state);
+    lock.lock();
+  }
   if (!done_cv_.wait_until(lock, deadline.time_point(), [&] { return state->done; })) {
     LoadOutcome out;
     out.status = DeadlineExceeded("request " + request_id + ": load still running at the deadline");

@@ -116,9 +116,10 @@ class ConnectorBase : public EcConnector {
   std::map<std::string, ConnectorMetadata::Entry> scheduled_;      // guarded by mu_
   std::map<std::string, std::shared_ptr<RequestState>> requests_;  // guarded by mu_
   std::deque<std::shared_ptr<RequestState>> queue_;                // guarded by mu_
-  std::vector<std::string> finished_;                              // guarded by mu_
-  std::map<std::string, uint64_t> nacks_;                          // guarded by mu_
-  bool stopping_ = false;                                          // guarded by mu_
+  std::deque<std::function<void()>> background_;  // after-load work (releases); guarded by mu_
+  std::vector<std::string> finished_;             // guarded by mu_
+  std::map<std::string, uint64_t> nacks_;         // guarded by mu_
+  bool stopping_ = false;                         // guarded by mu_
   std::vector<std::thread> loaders_;
 
   std::atomic<uint64_t> loads_ok_{0}, loads_failed_{0}, items_loaded_{0}, items_recomputed_{0},

@@ -1,7 +1,9 @@
 #include "connector/p2p_connector.h"
 
+#include <cstring>
 #include <map>
 
+#include "ecx/common/checksum.h"
 #include "ecx/common/log.h"
 
 namespace ecx::connector {
@@ -276,12 +278,25 @@ class P2pConnector final : public ConnectorBase {
 
   Status connect_producer(const EcTransferParams& params, Deadline deadline) {
     ECX_RETURN_IF_ERROR(check_compat(params.engine_id, params.compat_hash));
+    {
+      // Same producer, same metadata as last time: already parsed and connected.
+      std::lock_guard lock(producers_mu_);
+      auto it = known_producers_.find(params.engine_id);
+      if (it != known_producers_.end() && it->second == params.agent &&
+          agent()->peer_backend(params.engine_id).ok()) {
+        return Status::Ok();
+      }
+    }
     ECX_ASSIGN_OR_RETURN(auto meta, transfer::AgentMetadata::parse(params.agent));
     if (meta.name != params.engine_id) {
       return InvalidArgument("ec_transfer_params: engine_id '" + params.engine_id +
                              "' but agent '" + meta.name + "'");
     }
-    return agent()->connect(meta, {.backend = options().backend, .deadline = deadline}).status();
+    ECX_RETURN_IF_ERROR(
+        agent()->connect(meta, {.backend = options().backend, .deadline = deadline}).status());
+    std::lock_guard lock(producers_mu_);
+    known_producers_[params.engine_id] = params.agent;
+    return Status::Ok();
   }
 
   // Asks the producer where the blocks are (and pins them for us). Retries not-ready
@@ -375,7 +390,30 @@ class P2pConnector final : public ConnectorBase {
       moving.push_back(slot);
       moving_where.push_back(loc);
     }
-    if (!descs.empty()) {
+    auto backend = agent()->peer_backend(producer);
+    if (!descs.empty() && backend.ok() && *backend == transfer::Backend::kShm) {
+      // Same host: read through the zero-copy view of the producer's arena (our pin
+      // keeps the block in place) and checksum each chunk while it is in cache.
+      for (size_t k = 0; k < moving.size(); ++k) {
+        FetchSlot* slot = moving[k];
+        const Location& loc = moving_where[k];
+        auto view = agent()->view(producer, loc.region, loc.offset, loc.length);
+        if (!view.ok()) {
+          slot->status = view.status();
+          continue;
+        }
+        std::memcpy(slot->block.block, view->data, cache::kBlockHeaderBytes);
+        uint64_t sum =
+            copy_with_checksum(slot->block.payload(), view->data + cache::kBlockHeaderBytes,
+                               loc.length - cache::kBlockHeaderBytes);
+        slot->status = consumer_cache()->commit_received(
+            slot->item->mm_hash, slot->block.generation,
+            {slot->item->mm_hash, slot->item->meta, loc.generation,
+             "region " + std::to_string(loc.region) + " offset " + std::to_string(loc.offset) +
+                 " on agent " + producer},
+            sum);
+      }
+    } else if (!descs.empty()) {
       auto handle = agent()->read(producer, descs, deadline);
       Status s = handle.ok() ? handle->wait(deadline) : handle.status();
       for (size_t k = 0; k < moving.size(); ++k) {
@@ -502,6 +540,8 @@ class P2pConnector final : public ConnectorBase {
   std::unique_ptr<cache::EncoderCachePool> producer_pool_;
   std::mutex meta_mu_;
   std::string metadata_json_;  // guarded by meta_mu_
+  std::mutex producers_mu_;
+  std::map<std::string, std::string> known_producers_;  // engine_id -> agent JSON; guarded
   std::mutex release_mu_;
   std::map<std::string, json> pending_releases_;  // guarded by release_mu_
   std::atomic<uint64_t> releases_sent_{0}, releases_received_{0};

@@ -279,6 +279,15 @@ Result<AgentMetadata> AgentImpl::connect(const AgentMetadata& meta, ConnectOptio
   if (meta.name == config_.name) {
     return InvalidArgument("connect: peer '" + meta.name + "' has this agent's own name");
   }
+  {
+    // Fast path: already connected (the common case on every load).
+    std::lock_guard lock(mu_);
+    auto it = peers_.find(meta.name);
+    if (it != peers_.end() && it->second.peer && it->second.peer->control->alive() &&
+        it->second.peer->control->peer().compat_hash == meta.compat_hash) {
+      return it->second.peer->control->peer();
+    }
+  }
   AgentMetadata self = metadata();
   if (Status s = check_compatible(self, meta); !s.ok()) {
     stats_.handshakes_rejected++;

@@ -26,7 +26,8 @@ Result<std::shared_ptr<RegionEntry>> create_memfd_region(const std::string& labe
   }
   // Peers map it: its size must never change under them (a shrink would SIGBUS them).
   ::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL);
-  void* p = ::mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
+  // Populated now: page faults on the transfer path would cost more than the copy.
+  void* p = ::mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd.get(), 0);
   if (p == MAP_FAILED) return ErrnoError("mmap " + std::to_string(length) + " bytes", errno);
   auto entry = std::make_shared<RegionEntry>();
   entry->data = static_cast<std::byte*>(p);

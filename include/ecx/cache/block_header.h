@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "ecx/common/mm_hash.h"
@@ -51,8 +52,10 @@ struct BlockExpectation {
 // Checks a received block (header + payload) against what was asked for: magic and
 // version (kInternal), mm_hash and generation (kEvicted: the block was reused), dtype
 // and shape (kInvalidArgument), payload checksum (kDataLoss).
-Status verify_block(const std::byte* block, uint64_t block_length,
-                    const BlockExpectation& expected);
+// `payload_checksum`, when given, is the payload's checksum already computed by the
+// caller (e.g. while copying) and is compared instead of hashing the payload again.
+Status verify_block(const std::byte* block, uint64_t block_length, const BlockExpectation& expected,
+                    std::optional<uint64_t> payload_checksum = std::nullopt);
 
 // Reads the header of a block without trusting it (bounds-checked copy).
 BlockHeader read_block_header(const std::byte* block);

@@ -92,8 +92,10 @@ class EncoderCachePool {
   // For blocks filled by a peer (header + payload): verifies them against `expected`
   // (mm_hash, meta, the producer's generation, checksum), then re-stamps the header with
   // this pool's generation and marks the entry ready. On failure the entry is dropped.
+  // `payload_checksum`: see verify_block.
   Status commit_received(const MmHash& mm_hash, uint64_t generation,
-                         const BlockExpectation& expected);
+                         const BlockExpectation& expected,
+                         std::optional<uint64_t> payload_checksum = std::nullopt);
   // Drops an entry that is still being written (a failed load).
   void abort(const MmHash& mm_hash, uint64_t generation);
   // reserve + copy + commit.

@@ -1,0 +1,40 @@
+// Connector-level part of `ecx bench transfer --connectors ...`: per-request load
+// latency for a request of N items (default 3 x 1600 KiB, the seed's request), through
+// each connector, producer in its own process.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace ecx::bench {
+
+struct ConnectorBenchOptions {
+  std::string connectors;  // "p2p:pull,p2p:pull-2step,p2p:push,disk,store"
+  int items = 3;
+  uint64_t item_bytes = 1600 * 1024;
+  int requests = 50;
+  std::string redis = "127.0.0.1:6379";
+  std::string backend = "auto";
+};
+
+struct ConnectorRow {
+  std::string connector;
+  int items = 0;
+  uint64_t item_bytes = 0;
+  int requests = 0;
+  double p50_us = 0, p99_us = 0, mean_us = 0, gbps = 0;
+  double control_rtts_per_item = 0;
+  double bytes_used_per_payload_byte = 0;  // producer pool (p2p), 0 where there is none
+  std::string error;                       // set when the row could not be measured
+};
+
+// Runs every connector; rows with `error` set were skipped (e.g. Redis unreachable).
+std::vector<ConnectorRow> run_connector_bench(const ConnectorBenchOptions& options,
+                                              const std::string& self_exe);
+void print_connector_rows(const std::vector<ConnectorRow>& rows);
+nlohmann::json connector_rows_json(const std::vector<ConnectorRow>& rows);
+
+}  // namespace ecx::bench

@@ -1,9 +1,44 @@
 // ecx: one binary, one subcommand per job (DESIGN.md §7).
+#include <unistd.h>
+
 #include <CLI/CLI.hpp>
 #include <iostream>
+#include <sstream>
 
 #include "bench.h"
 #include "ecx/common/log.h"
+#include "ecx/engine/model.h"
+#include "ecx/serve/services.h"
+
+namespace {
+
+std::string self_exe() {
+  char buf[4096] = {};
+  ssize_t n = ::readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  return n > 0 ? std::string(buf, static_cast<size_t>(n)) : "ecx";
+}
+
+void add_service_flags(CLI::App* app, ecx::serve::ServiceConfig& c) {
+  app->add_option("--host", c.host, "Listen address")->capture_default_str();
+  app->add_option("--port", c.port, "Listen port (0 = any free port)")->capture_default_str();
+  app->add_option("--model", c.model, "Served model name")->capture_default_str();
+  app->add_option("--connector", c.connector, "p2p, p2p:push, p2p:pull-2step, disk, store or local")
+      ->capture_default_str();
+  app->add_option("--ec-config", c.ec_config,
+                  "Whole connector config JSON (as vLLM's --ec-transfer-config)");
+  app->add_option("--weights", c.weights, "Model weights (safetensors); default: seeded");
+  app->add_option("--allowed-root", c.allowed_root, "Folder local image files may come from");
+  app->add_option("--threads", c.threads, "HTTP worker threads")->capture_default_str();
+  app->add_option("--max-images", c.max_images, "Images per request")->capture_default_str();
+  app->add_option("--max-image-bytes", c.max_image_bytes, "Encoded image size limit")
+      ->capture_default_str();
+  app->add_option("--max-image-pixels", c.max_image_pixels, "Decoded image pixel limit")
+      ->capture_default_str();
+  app->add_option("--request-timeout-ms", c.request_timeout_ms, "Deadline of a request")
+      ->capture_default_str();
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"ecx: encoder-cache transfer for EPD-disaggregated LLM serving"};
@@ -16,6 +51,66 @@ int main(int argc, char** argv) {
   CLI::App* bench = app.add_subcommand("bench", "Benchmarks");
   bench->require_subcommand(1);
   ecx::bench::add_transfer_commands(*bench, &exit_code);
+
+  CLI::App* serve = app.add_subcommand("serve", "Run one service: encoder, pd or proxy");
+  serve->require_subcommand(1);
+  ecx::serve::ServiceConfig cfg;
+  std::string encoders, pds;
+  for (const char* role : {"encoder", "pd", "proxy"}) {
+    CLI::App* s = serve->add_subcommand(role, std::string("The ") + role + " service");
+    add_service_flags(s, cfg);
+    s->add_option("--log-level", log_level, "trace, debug, info, warn, error, off");
+    if (std::string(role) == "proxy") {
+      s->add_option("--encoders", encoders, "Encoder URLs, comma-separated");
+      s->add_option("--pd", pds, "Prefill/decode URLs, comma-separated")->required();
+      s->add_option("--encode-timeout-ms", cfg.encode_timeout_ms, "Deadline of one encode")
+          ->capture_default_str();
+    }
+    std::string r = role;
+    s->callback([&, r] {
+      auto split = [](const std::string& t) {
+        std::vector<std::string> out;
+        std::stringstream ss(t);
+        std::string x;
+        while (std::getline(ss, x, ',')) {
+          if (!x.empty()) out.push_back(x);
+        }
+        return out;
+      };
+      cfg.encoders = split(encoders);
+      cfg.pd = split(pds);
+      ecx::set_log_level(log_level).ignore_error();
+      exit_code = r == "encoder" ? ecx::serve::run_encoder_service(cfg)
+                  : r == "pd"    ? ecx::serve::run_pd_service(cfg)
+                                 : ecx::serve::run_proxy_service(cfg);
+    });
+  }
+
+  ecx::serve::DemoOptions demo;
+  CLI::App* d =
+      app.add_subcommand("demo", "All-in-one on loopback: proxy + 1 E + 1 PD, sample requests");
+  d->add_option("--connector", demo.connector, "Connector to demonstrate")->capture_default_str();
+  d->add_option("--requests", demo.requests, "Requests to send")->capture_default_str();
+  d->add_option("--images", demo.images_per_request, "Images per request")->capture_default_str();
+  d->add_option("--max-tokens", demo.max_tokens, "Tokens per answer")->capture_default_str();
+  d->callback([&] { exit_code = ecx::serve::run_demo(demo, self_exe()); });
+
+  CLI::App* weights = app.add_subcommand("weights", "Model weights");
+  weights->require_subcommand(1);
+  std::string out_path;
+  CLI::App* exp =
+      weights->add_subcommand("export", "Write the seeded reference weights as safetensors");
+  exp->add_option("--out", out_path, "Output file")->required();
+  exp->callback([&] {
+    ecx::engine::ModelConfig mc;
+    ecx::Status s = ecx::engine::Weights::seeded(mc).save(out_path);
+    if (!s.ok()) {
+      std::cerr << "ecx weights export: " << s.to_string() << "\n";
+      exit_code = 1;
+    } else {
+      std::cout << "wrote " << out_path << "\n";
+    }
+  });
 
   app.parse_complete_callback([&] {
     ecx::Status s = ecx::set_log_level(log_level);

@@ -1,0 +1,49 @@
+// The reference EPD stack: encoder (E), prefill/decode (PD) and proxy HTTP services,
+// OpenAI-compatible at the proxy and PD. Each runs until SIGTERM/SIGINT, then drains
+// in-flight requests. On start each prints one line to stdout:
+//   "ecx serve <role> listening on http://HOST:PORT"
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "ecx/common/status.h"
+
+namespace ecx::serve {
+
+struct ServiceConfig {
+  std::string host = "127.0.0.1";
+  uint16_t port = 8000;               // 0 = any free port (printed on start)
+  std::string model = "ecx-tiny-vl";  // the served model name
+  std::string connector = "p2p";      // p2p | p2p:push | p2p:pull-2step | disk | store | local
+  std::string ec_config;              // whole connector config JSON (overrides `connector`)
+  std::string weights;                // safetensors file; empty = seeded weights
+  std::vector<std::string> encoders;  // proxy: E URLs
+  std::vector<std::string> pd;        // proxy: PD URLs
+  std::string allowed_root;           // local image files must be under this folder
+  int threads = 8;                    // HTTP worker threads
+  int max_images = 8;                 // per request
+  uint64_t max_image_bytes = 20ull << 20;
+  uint64_t max_image_pixels = 4096ull * 4096;
+  uint64_t max_body_bytes = 64ull << 20;
+  int max_tokens_limit = 4096;
+  int64_t encode_timeout_ms = 30000;    // proxy -> E
+  int64_t request_timeout_ms = 120000;  // proxy -> PD
+  std::string log_level = "info";
+};
+
+// Each returns the process exit code.
+int run_encoder_service(const ServiceConfig& config);
+int run_pd_service(const ServiceConfig& config);
+int run_proxy_service(const ServiceConfig& config);
+
+struct DemoOptions {
+  std::string connector = "p2p";
+  int requests = 4;
+  int images_per_request = 2;
+  int max_tokens = 24;
+};
+int run_demo(const DemoOptions& options, const std::string& self_exe);
+
+}  // namespace ecx::serve

@@ -149,7 +149,7 @@ std::optional<RequestError> parse_chat_request(const std::string& body, const Se
   if (!j.contains("model") || !j["model"].is_string()) return bad("'model' must be a string");
   out->model = j["model"];
   if (out->model != config.model) {
-    return RequestError{404, "model_not_found",
+    return RequestError{400, "model_not_found",
                         "model '" + out->model.substr(0, 100) + "' is not served here (this is '" +
                             config.model + "')"};
   }

@@ -233,6 +233,12 @@ std::optional<RequestError> parse_chat_request(const std::string& body, const Se
 
 void add_common_routes(httplib::Server& server, const ServiceConfig& config,
                        const std::string& role, const std::function<std::string()>& metrics) {
+  // Structured logs: key=value, one line per request.
+  spdlog::set_pattern("ts=%Y-%m-%dT%H:%M:%S.%e level=%l service=" + role + " pid=%P %v");
+  server.set_logger([](const httplib::Request& req, const httplib::Response& res) {
+    spdlog::info("method={} path={} status={} bytes_in={} bytes_out={}", req.method, req.path,
+                 res.status, req.body.size(), res.body.size());
+  });
   server.Get("/health", [role](const httplib::Request&, httplib::Response& res) {
     res.set_content(json{{"status", "ok"}, {"role", role}}.dump(), "application/json");
   });

@@ -5,6 +5,7 @@
 #include <filesystem>
 
 #include "ecx/common/checksum.h"
+#include "ecx/common/subprocess.h"
 #include "ecx/engine/image.h"
 #include "ecx/engine/model.h"
 
@@ -145,6 +146,23 @@ TEST_F(ModelTest, ExportedWeightsLoadBackToTheSameModel) {
   other.vit_width = 32;
   auto wrong = Weights::load(path.string(), other);
   EXPECT_FALSE(wrong.ok());
+  std::filesystem::remove(path);
+}
+
+TEST_F(ModelTest, CliExportWritesTheSeededWeights) {
+  auto path = std::filesystem::temp_directory_path() /
+              ("ecx-cli-weights-" + std::to_string(::getpid()) + ".safetensors");
+  auto p = Subprocess::spawn({ECX_BINARY, "weights", "export", "--out", path.string()});
+  ASSERT_TRUE(p.ok());
+  auto code = p->wait(Deadline::after_ms(60000));
+  ASSERT_TRUE(code.ok());
+  ASSERT_EQ(*code, 0);
+  auto loaded = Weights::load(path.string(), config_);
+  ASSERT_TRUE(loaded.ok()) << loaded.status().to_string();
+  ASSERT_EQ(loaded->tensors.size(), weights_.tensors.size());
+  for (const auto& [name, t] : weights_.tensors) {
+    ASSERT_EQ(loaded->tensors.at(name).data, t.data) << name;
+  }
   std::filesystem::remove(path);
 }
 

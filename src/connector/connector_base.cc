@@ -289,14 +289,21 @@ void ConnectorBase::run_load(const std::shared_ptr<RequestState>& state) {
   outcome.load_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
   load_us_total_ += static_cast<uint64_t>(outcome.load_ms * 1000);
   (outcome.status.ok() ? loads_ok_ : loads_failed_)++;
+  bool abandoned = false;
   {
     std::lock_guard lock(mu_);
     state->outcome = outcome;
     state->pins = std::move(pins);
     state->done = true;
     finished_.push_back(request.request_id);
+    abandoned = state->abandoned;
+    if (abandoned) requests_.erase(request.request_id);
   }
   done_cv_.notify_all();
+  if (abandoned) {
+    for (uint64_t pin : state->pins) consumer_cache_->unpin(pin).ignore_error();
+    on_request_finished(state->request);
+  }
   // Releases and the like leave the critical path: a loader thread sends them.
   {
     std::lock_guard lock(mu_);
@@ -361,7 +368,11 @@ void ConnectorBase::request_finished(const std::string& request_id) {
     scheduled_.erase(request_id);
     auto it = requests_.find(request_id);
     if (it == requests_.end()) return;
-    if (!it->second->done) return;  // still loading: the caller finishes it after wait_for_load
+    if (!it->second->done) {
+      // Still loading (the caller gave up waiting): the loader releases it when done.
+      it->second->abandoned = true;
+      return;
+    }
     state = it->second;
     requests_.erase(it);
   }

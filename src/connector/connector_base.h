@@ -94,6 +94,7 @@ class ConnectorBase : public EcConnector {
     std::vector<uint64_t> pins;  // consumer cache pins held for the request
     LoadOutcome outcome;
     bool done = false;
+    bool abandoned = false;  // request_finished came before the load ended
   };
 
   void run_load(const std::shared_ptr<RequestState>& state);

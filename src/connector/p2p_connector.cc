@@ -84,7 +84,10 @@ class P2pConnector final : public ConnectorBase {
   Result<EcTransferParams> saved_params(const MmHash& mm_hash) override {
     if (!producer_pool_)
       return Status(StatusCode::kFailedPrecondition, name() + " is not a producer");
-    ECX_RETURN_IF_ERROR(producer_pool_->find(mm_hash).status());
+    // Another request may be encoding this very item: wait for it rather than fail.
+    ECX_RETURN_IF_ERROR(
+        producer_pool_->wait_ready(mm_hash, Deadline::after_ms(options().load_timeout_ms))
+            .status());
     return params_for(mm_hash);
   }
 

@@ -2,6 +2,7 @@
 
 #include <csetjmp>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 // libjpeg needs stdio's FILE declared first.
@@ -69,11 +70,24 @@ void jpeg_error_exit(j_common_ptr cinfo) {
 
 void jpeg_quiet(j_common_ptr, int) {}
 
+// Progressive JPEGs with thousands of scans burn CPU for nothing: stop at 100.
+constexpr int kMaxJpegScans = 100;
+void jpeg_scan_limit(j_common_ptr cinfo) {
+  auto* d = reinterpret_cast<j_decompress_ptr>(cinfo);
+  if (d->input_scan_number > kMaxJpegScans) {
+    std::snprintf(reinterpret_cast<JpegError*>(cinfo->err)->message, JMSG_LENGTH_MAX,
+                  "more than %d progressive scans", kMaxJpegScans);
+    std::longjmp(reinterpret_cast<JpegError*>(cinfo->err)->jump, 1);
+  }
+}
+
 // Only plain C objects live in this frame, so longjmp skips no destructor. Returns 0 on
 // success, 1 on a decode error (message in err), 2 when the image is over max_pixels.
 int decode_jpeg_raw(const unsigned char* data, size_t size, uint64_t max_pixels, JpegError* err,
                     unsigned* width, unsigned* height, std::vector<uint8_t>* rgb) {
   jpeg_decompress_struct cinfo;
+  jpeg_progress_mgr progress;
+  progress.progress_monitor = jpeg_scan_limit;
   cinfo.err = jpeg_std_error(&err->mgr);
   err->mgr.error_exit = jpeg_error_exit;
   err->mgr.emit_message = jpeg_quiet;
@@ -82,6 +96,7 @@ int decode_jpeg_raw(const unsigned char* data, size_t size, uint64_t max_pixels,
     return 1;
   }
   jpeg_create_decompress(&cinfo);
+  cinfo.progress = &progress;
   jpeg_mem_src(&cinfo, data, size);
   jpeg_read_header(&cinfo, TRUE);
   *width = cinfo.image_width;
@@ -154,22 +169,21 @@ Result<std::string> encode_png(const Image& image) {
   return out;
 }
 
-Result<std::string> encode_jpeg(const Image& image, int quality) {
+// Plain C objects only in this frame (see decode_jpeg_raw). *buffer is malloc'd by
+// libjpeg; the caller frees it whatever the result.
+int encode_jpeg_raw(const Image* image, int quality, JpegError* err, unsigned char** buffer,
+                    unsigned long* size) {
   jpeg_compress_struct cinfo;
-  JpegError err;
-  cinfo.err = jpeg_std_error(&err.mgr);
-  err.mgr.error_exit = jpeg_error_exit;
-  unsigned char* buffer = nullptr;
-  unsigned long size = 0;
-  if (setjmp(err.jump)) {
+  cinfo.err = jpeg_std_error(&err->mgr);
+  err->mgr.error_exit = jpeg_error_exit;
+  if (setjmp(err->jump)) {
     jpeg_destroy_compress(&cinfo);
-    std::free(buffer);
-    return Internal(std::string("encode JPEG: ") + err.message);
+    return 1;
   }
   jpeg_create_compress(&cinfo);
-  jpeg_mem_dest(&cinfo, &buffer, &size);
-  cinfo.image_width = static_cast<JDIMENSION>(image.width);
-  cinfo.image_height = static_cast<JDIMENSION>(image.height);
+  jpeg_mem_dest(&cinfo, buffer, size);
+  cinfo.image_width = static_cast<JDIMENSION>(image->width);
+  cinfo.image_height = static_cast<JDIMENSION>(image->height);
   cinfo.input_components = 3;
   cinfo.in_color_space = JCS_RGB;
   jpeg_set_defaults(&cinfo);
@@ -177,13 +191,22 @@ Result<std::string> encode_jpeg(const Image& image, int quality) {
   jpeg_start_compress(&cinfo, TRUE);
   while (cinfo.next_scanline < cinfo.image_height) {
     auto* row = const_cast<unsigned char*>(
-        image.rgb.data() + static_cast<size_t>(cinfo.next_scanline) * image.width * 3);
+        image->rgb.data() + static_cast<size_t>(cinfo.next_scanline) * image->width * 3);
     jpeg_write_scanlines(&cinfo, &row, 1);
   }
   jpeg_finish_compress(&cinfo);
   jpeg_destroy_compress(&cinfo);
-  std::string out(reinterpret_cast<char*>(buffer), size);
+  return 0;
+}
+
+Result<std::string> encode_jpeg(const Image& image, int quality) {
+  JpegError err;
+  unsigned char* buffer = nullptr;
+  unsigned long size = 0;
+  int rc = encode_jpeg_raw(&image, quality, &err, &buffer, &size);
+  std::string out = rc == 0 ? std::string(reinterpret_cast<char*>(buffer), size) : std::string();
   std::free(buffer);
+  if (rc != 0) return Internal(std::string("encode JPEG: ") + err.message);
   return out;
 }
 

@@ -17,6 +17,8 @@ namespace {
 
 using Shape = std::vector<int64_t>;
 
+constexpr int64_t kMaxPromptTokens = 65536;
+
 void block_shapes(std::vector<std::pair<std::string, Shape>>& out, const std::string& p, int d,
                   int ff) {
   out.push_back({p + ".ln1.g", {d}});
@@ -412,7 +414,18 @@ Result<int64_t> LanguageModel::generate(const std::vector<PromptPart>& prompt,
   const int d = c.lm_width;
   auto t0 = std::chrono::steady_clock::now();
   // Embed the prompt: BOS, text bytes, projected image embeddings.
+  // Check the length before allocating anything for it.
+  int64_t expected_len = 1;
+  for (const auto& part : prompt) {
+    expected_len += part.image.empty() ? static_cast<int64_t>(part.text.size()) : part.image_tokens;
+  }
+  if (expected_len > kMaxPromptTokens) {
+    return Status(StatusCode::kResourceExhausted, "prompt of " + std::to_string(expected_len) +
+                                                      " tokens exceeds " +
+                                                      std::to_string(kMaxPromptTokens));
+  }
   std::vector<float> x;
+  x.reserve(static_cast<size_t>(expected_len) * d);
   auto add_position = [&](float* row, int64_t pos) {
     for (int i = 0; i < d; i += 2) {
       double freq = std::pow(10000.0, -static_cast<double>(i) / d);
@@ -443,8 +456,7 @@ Result<int64_t> LanguageModel::generate(const std::vector<PromptPart>& prompt,
                 c.embed_dim, d);
   }
   const int64_t prompt_len = static_cast<int64_t>(x.size() / d);
-  if (prompt_len > 65536)
-    return Status(StatusCode::kResourceExhausted, "prompt longer than 65536 tokens");
+
   for (int64_t pos = 0; pos < prompt_len; ++pos) add_position(x.data() + pos * d, pos);
 
   std::vector<std::vector<float>> k_cache(impl_->blocks.size()), v_cache(impl_->blocks.size());

@@ -36,7 +36,7 @@ int run_encoder_service(const ServiceConfig& config) {
 
   server.Post("/v1/encode", [&](const httplib::Request& req, httplib::Response& res) {
     auto t0 = std::chrono::steady_clock::now();
-    json body = json::parse(req.body, nullptr, false);
+    json body = json_too_deep(req.body) ? json() : json::parse(req.body, nullptr, false);
     if (body.is_discarded() || !body.is_object() || !body.contains("image") ||
         !body["image"].is_string()) {
       metrics.add("ecx_encode_failures_total", "reason=\"bad_request\"", 1);
@@ -77,6 +77,10 @@ int run_encoder_service(const ServiceConfig& config) {
     if (!params.ok()) {
       metrics.add("ecx_encode_failures_total",
                   "reason=\"" + std::string(status_code_name(params.status().code())) + "\"", 1);
+      // A full pool is this server's condition, not the client's: 503, not 413.
+      if (params.status().code() == StatusCode::kResourceExhausted) {
+        return send_error(res, 503, "encoder_busy", params.status().message());
+      }
       return send_status(res, params.status());
     }
     double ms =

@@ -19,11 +19,40 @@ namespace ecx::serve {
 
 using nlohmann::json;
 
+bool json_too_deep(std::string_view text, int max_depth) {
+  int depth = 0;
+  bool in_string = false, escaped = false;
+  for (char c : text) {
+    if (in_string) {
+      if (escaped) {
+        escaped = false;
+      } else if (c == '\\') {
+        escaped = true;
+      } else if (c == '"') {
+        in_string = false;
+      }
+      continue;
+    }
+    if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      if (++depth > max_depth) return true;
+    } else if (c == ']' || c == '}') {
+      --depth;
+    }
+  }
+  return false;
+}
+
+std::string safe_dump(const json& j) {
+  return j.dump(-1, ' ', false, json::error_handler_t::replace);
+}
+
 void send_error(httplib::Response& res, int http_status, const std::string& type,
                 const std::string& message) {
   res.status = http_status;
   res.set_content(
-      json{{"error", {{"message", message}, {"type", type}, {"code", http_status}}}}.dump(),
+      safe_dump(json{{"error", {{"message", message}, {"type", type}, {"code", http_status}}}}),
       "application/json");
 }
 
@@ -142,6 +171,7 @@ std::optional<RequestError> resolve_image(const std::string& url, const ServiceC
 
 std::optional<RequestError> parse_chat_request(const std::string& body, const ServiceConfig& config,
                                                ChatRequest* out) {
+  if (json_too_deep(body)) return bad("request body nests deeper than 64 levels");
   json j = json::parse(body, nullptr, false);
   if (j.is_discarded()) return bad("request body is not valid JSON");
   if (!j.is_object()) return bad("request body must be a JSON object");
@@ -160,17 +190,21 @@ std::optional<RequestError> parse_chat_request(const std::string& body, const Se
   out->stream = j.value("stream", false);
   if (j.contains("stream_options")) {
     if (!j["stream_options"].is_object()) return bad("'stream_options' must be an object");
-    out->include_usage = j["stream_options"].value("include_usage", false);
+    const json& so = j["stream_options"];
+    if (so.contains("include_usage") && !so["include_usage"].is_boolean()) {
+      return bad("'stream_options.include_usage' must be a boolean");
+    }
+    out->include_usage = so.value("include_usage", false);
   }
   for (const char* key : {"max_tokens", "max_completion_tokens"}) {
     if (j.contains(key) && !j[key].is_null()) {
       if (!j[key].is_number_integer()) return bad(std::string("'") + key + "' must be an integer");
-      int v = j[key].get<int>();
+      int64_t v = j[key].get<int64_t>();
       if (v < 1 || v > config.max_tokens_limit) {
         return bad(std::string("'") + key + "' must be between 1 and " +
                    std::to_string(config.max_tokens_limit));
       }
-      out->max_tokens = v;
+      out->max_tokens = static_cast<int>(v);
     }
   }
   if (j.contains("ignore_eos") && !j["ignore_eos"].is_boolean())
@@ -287,7 +321,7 @@ int serve_until_signal(httplib::Server& server, const ServiceConfig& config,
   sigemptyset(&set);
   sigaddset(&set, SIGTERM);
   sigaddset(&set, SIGINT);
-  int threads = config.threads;
+  int threads = std::max(1, config.threads);
   server.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
   server.set_payload_max_length(config.max_body_bytes);
   int port = config.port;
@@ -321,9 +355,13 @@ Result<std::pair<std::string, int>> parse_url(const std::string& url) {
   while (!rest.empty() && rest.back() == '/') rest.pop_back();
   auto colon = rest.rfind(':');
   if (colon == std::string::npos) return InvalidArgument("URL needs a port: " + url);
-  int port = std::atoi(rest.substr(colon + 1).c_str());
-  if (port <= 0 || port > 65535) return InvalidArgument("bad port in URL: " + url);
-  return std::make_pair(rest.substr(0, colon), port);
+  std::string port_text = rest.substr(colon + 1);
+  char* end = nullptr;
+  long port = std::strtol(port_text.c_str(), &end, 10);
+  if (port_text.empty() || *end != '\0' || port <= 0 || port > 65535) {
+    return InvalidArgument("bad port in URL: " + url);
+  }
+  return std::make_pair(rest.substr(0, colon), static_cast<int>(port));
 }
 
 std::string make_id(const std::string& prefix) {

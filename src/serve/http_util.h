@@ -63,6 +63,12 @@ struct ChatRequest {
   int image_count() const;
 };
 
+// True when `text` nests arrays/objects deeper than `max_depth` (checked before parsing:
+// a recursive parser would overflow the stack on a deep enough document).
+bool json_too_deep(std::string_view text, int max_depth = 64);
+// dump() that never throws on invalid UTF-8 (replaces it).
+std::string safe_dump(const nlohmann::json& j);
+
 // Parses and validates a chat completion body; resolves images to bytes (data: URLs,
 // or files under config.allowed_root). Errors carry the HTTP status to answer with.
 struct RequestError {

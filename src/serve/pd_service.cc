@@ -31,6 +31,18 @@ class PreparedImages {
     auto& e = map_[img.mm_hash];
     if (e.refs++ == 0) e.image = std::make_shared<engine::PreparedImage>(img);
   }
+  // Encode time spent on this image by recomputes (per image, so concurrent requests
+  // do not see each other's).
+  void add_encode_us(const MmHash& h, uint64_t us) {
+    std::lock_guard lock(mu_);
+    auto it = map_.find(h);
+    if (it != map_.end()) it->second.encode_us += us;
+  }
+  uint64_t encode_us(const MmHash& h) {
+    std::lock_guard lock(mu_);
+    auto it = map_.find(h);
+    return it == map_.end() ? 0 : it->second.encode_us;
+  }
   void drop(const MmHash& h) {
     std::lock_guard lock(mu_);
     auto it = map_.find(h);
@@ -46,6 +58,7 @@ class PreparedImages {
   struct Entry {
     std::shared_ptr<engine::PreparedImage> image;
     int refs = 0;
+    uint64_t encode_us = 0;
   };
   std::mutex mu_;
   std::map<MmHash, Entry> map_;  // guarded by mu_
@@ -80,14 +93,13 @@ int run_pd_service(const ServiceConfig& config) {
     return 1;
   }
   PreparedImages prepared_images;
-  std::atomic<uint64_t> recompute_us{0};
   connector::ConnectorContext ctx;
   ctx.recompute = [&](const MmHash& h, const TensorMeta&, std::span<std::byte> out) -> Status {
     auto img = prepared_images.get(h);
     if (!img) return NotFound("no prepared image for " + h.str());
     auto t0 = Clock::now();
     Status s = (*encoder)->encode(*img, out);
-    recompute_us += static_cast<uint64_t>(ms_since(t0) * 1000);
+    prepared_images.add_encode_us(h, static_cast<uint64_t>(ms_since(t0) * 1000));
     return s;
   };
   std::string engine_id = "pd-" + std::to_string(::getpid());
@@ -164,14 +176,31 @@ int run_pd_service(const ServiceConfig& config) {
       }
     }
     job->timings["decode_image_ms"] = ms_since(t_decode);
+    // The prompt must fit the model before anything is loaded or allocated.
+    int64_t estimated_tokens = 1;
+    for (const auto& msg : job->request.messages) {
+      estimated_tokens += static_cast<int64_t>(msg.role.size()) + 3;
+      for (const auto& part : msg.parts) estimated_tokens += static_cast<int64_t>(part.text.size());
+    }
+    for (const auto& [hash, tokens] : image_parts) estimated_tokens += tokens;
+    estimated_tokens += 11;  // "assistant: "
+    if (estimated_tokens + job->request.max_tokens > config.max_model_len) {
+      for (const auto& h : job->images) prepared_images.drop(h);
+      return send_error(res, 400, "context_length_exceeded",
+                        "prompt of " + std::to_string(estimated_tokens) +
+                            " tokens plus max_tokens " + std::to_string(job->request.max_tokens) +
+                            " exceeds the model's " + std::to_string(config.max_model_len) +
+                            " tokens");
+    }
     // Load the embeddings (or encode them, per the failure policy).
     auto t_load = Clock::now();
-    uint64_t recompute_before = recompute_us.load();
     connector::LoadOutcome outcome;
     if (!load.items.empty())
       outcome = (*conn)->load(load, Deadline::after_ms(config.request_timeout_ms));
     double load_ms = ms_since(t_load);
-    double encode_ms = static_cast<double>(recompute_us.load() - recompute_before) / 1000.0;
+    double encode_ms = 0;
+    for (const auto& h : job->images)
+      encode_ms += static_cast<double>(prepared_images.encode_us(h)) / 1000.0;
     job->timings["ec_load_ms"] = load_ms - encode_ms;
     job->timings["encode_ms"] = encode_ms;
     int recomputed = 0;
@@ -184,7 +213,8 @@ int run_pd_service(const ServiceConfig& config) {
       finish(job);
       metrics.add("ecx_request_failures_total",
                   "reason=\"" + std::string(status_code_name(outcome.status.code())) + "\"", 1);
-      return send_error(res, 502, "ec_load_failed", outcome.status.to_string());
+      int code = outcome.status.code() == StatusCode::kDeadlineExceeded ? 504 : 502;
+      return send_error(res, code, "ec_load_failed", outcome.status.to_string());
     }
     // Prompt: "<role>: <text and images>\n" per message, then "assistant: ".
     size_t next_image = 0;
@@ -221,10 +251,10 @@ int run_pd_service(const ServiceConfig& config) {
            json::array({{{"index", 0}, {"delta", delta}, {"finish_reason", finish_reason}}})}};
       return "data: " + c.dump() + "\n\n";
     };
-    auto record = [&metrics, job](int generated, double prefill_ms, double total_ms) {
+    auto record = [&metrics, job](bool ok, int generated, double prefill_ms, double total_ms) {
       job->timings["prefill_ms"] = prefill_ms;
       job->timings["decode_ms"] = total_ms - prefill_ms;
-      metrics.add("ecx_requests_total", "status=\"ok\"", 1);
+      metrics.add("ecx_requests_total", ok ? "status=\"ok\"" : "status=\"error\"", 1);
       metrics.observe("ecx_request_seconds", "", ms_since(job->start) / 1000);
       metrics.add("ecx_generated_tokens_total", "", generated);
     };
@@ -240,7 +270,7 @@ int run_pd_service(const ServiceConfig& config) {
             return true;
           },
           &generated, &prefill_ms);
-      record(generated, prefill_ms, ms_since(t_gen));
+      record(prompt_tokens.ok(), generated, prefill_ms, ms_since(t_gen));
       finish(job);
       if (!prompt_tokens.ok()) return send_status(res, prompt_tokens.status());
       json out = {
@@ -257,7 +287,7 @@ int run_pd_service(const ServiceConfig& config) {
             {"completion_tokens", generated},
             {"total_tokens", *prompt_tokens + generated}}},
           {"ecx_timings", job->timings}};
-      res.set_content(out.dump(), "application/json");
+      res.set_content(safe_dump(out), "application/json");
       return;
     }
     // Streaming: generate inside the content provider, one SSE event per token.
@@ -276,8 +306,16 @@ int run_pd_service(const ServiceConfig& config) {
                 return open = open && write(chunk({{"content", t}}, nullptr));
               },
               &generated, &prefill_ms);
-          record(generated, prefill_ms, ms_since(t_gen));
+          record(prompt_tokens.ok() && open, generated, prefill_ms, ms_since(t_gen));
           finish(job);
+          if (open && !prompt_tokens.ok()) {
+            // Headers are sent: report the failure in the stream, and do not claim success.
+            json err = {{"error",
+                         {{"message", prompt_tokens.status().message()},
+                          {"type", std::string(status_code_name(prompt_tokens.status().code()))}}}};
+            write("data: " + safe_dump(err) + "\n\n");
+            return false;
+          }
           if (open) {
             json last = json::parse(
                 chunk(json::object(), generated >= job->request.max_tokens ? "length" : "stop")

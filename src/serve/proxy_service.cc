@@ -9,6 +9,7 @@
 #include <future>
 #include <map>
 #include <mutex>
+#include <set>
 #include <thread>
 
 #include "ecx/common/checksum.h"
@@ -77,7 +78,8 @@ struct StreamPipe {
 
 int run_proxy_service(const ServiceConfig& config) {
   block_shutdown_signals();
-  std::vector<std::unique_ptr<Upstream>> encoders, pds;
+  // Shared: a streaming fetch thread may outlive the handler that started it.
+  std::vector<std::shared_ptr<Upstream>> encoders, pds;
   for (auto* list : {&config.encoders, &config.pd}) {
     for (const auto& url : *list) {
       auto hp = parse_url(url);
@@ -85,7 +87,7 @@ int run_proxy_service(const ServiceConfig& config) {
         std::cerr << "ecx serve proxy: " << hp.status().message() << "\n";
         return 2;
       }
-      auto u = std::make_unique<Upstream>();
+      auto u = std::make_shared<Upstream>();
       u->url = url;
       u->host = hp->first;
       u->port = hp->second;
@@ -111,6 +113,7 @@ int run_proxy_service(const ServiceConfig& config) {
     // 1. Encode every image on an E instance, concurrently; rewrite image URLs as data
     //    URLs so PD can decode images that came from local files.
     std::vector<std::future<EncodeResult>> pending;
+    std::set<uint64_t> sent;  // each distinct image is encoded once per request
     size_t m = 0;
     for (const auto& msg : chat.messages) {
       size_t p = 0;
@@ -121,9 +124,9 @@ int run_proxy_service(const ServiceConfig& config) {
                                      : engine::make_data_url(part.image_bytes, "image/png");
           json& content = forward["messages"][m]["content"][p];
           content["image_url"] = {{"url", data_url}};
-          if (use_encoders) {
+          uint64_t key = checksum64(part.image_bytes.data(), part.image_bytes.size());
+          if (use_encoders && sent.insert(key).second) {
             // Rendezvous hashing: the E with the highest score for these bytes.
-            uint64_t key = checksum64(part.image_bytes.data(), part.image_bytes.size());
             Upstream* best = nullptr;
             uint64_t best_score = 0;
             for (const auto& e : encoders) {
@@ -141,7 +144,8 @@ int run_proxy_service(const ServiceConfig& config) {
       }
       ++m;
     }
-    json params = chat.ec_transfer_params.is_object() ? chat.ec_transfer_params : json::object();
+    // Only params from our encoders travel on: a client must not choose what PD reads.
+    json params = json::object();
     double encode_ms = 0;
     for (auto& f : pending) {
       EncodeResult r = f.get();
@@ -153,7 +157,7 @@ int run_proxy_service(const ServiceConfig& config) {
       }
       // The client's fault (bad image) keeps its 4xx; an E failure is 502, a timeout 504.
       metrics.add("ecx_proxy_failures_total", "reason=\"encoder\"", 1);
-      if (r.http_status >= 400 && r.http_status < 500) {
+      if (r.http_status == 400 || r.http_status == 413 || r.http_status == 422) {
         return send_error(res, r.http_status, "invalid_image", r.error);
       }
       if (r.timed_out) return send_error(res, 504, "encoder_timeout", r.error);
@@ -164,9 +168,9 @@ int run_proxy_service(const ServiceConfig& config) {
     forward["ec_transfer_params"] = params;
     metrics.observe("ecx_proxy_encode_seconds", "", encode_ms / 1000);
     // 2. The least-loaded PD.
-    Upstream* pd = pds.front().get();
+    std::shared_ptr<Upstream> pd = pds.front();
     for (const auto& u : pds) {
-      if (u->in_flight.load() < pd->in_flight.load()) pd = u.get();
+      if (u->in_flight.load() < pd->in_flight.load()) pd = u;
     }
     std::string body = forward.dump();
     if (!chat.stream) {
@@ -189,7 +193,7 @@ int run_proxy_service(const ServiceConfig& config) {
         out["ecx_timings"]["proxy_encode_ms"] = encode_ms;
         out["ecx_timings"]["proxy_total_ms"] =
             std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
-        res.set_content(out.dump(), "application/json");
+        res.set_content(safe_dump(out), "application/json");
       } else {
         res.status = up->status;
         res.set_content(up->body, "application/json");
@@ -275,6 +279,17 @@ int run_proxy_service(const ServiceConfig& config) {
               }
             }
             if (pipe->done) {
+              if (!pipe->error.empty()) {
+                // PD failed mid-stream: say so instead of ending as if complete.
+                std::string err =
+                    "data: " +
+                    safe_dump(nlohmann::json{
+                        {"error", {{"message", pipe->error}, {"type", "pd_failed"}}}}) +
+                    "\n\n";
+                lock.unlock();
+                sink.write(err.data(), err.size());
+                return false;
+              }
               sink.done();
               return true;
             }

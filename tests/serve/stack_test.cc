@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <thread>
 
 #include "ecx/common/subprocess.h"
 #include "ecx/engine/image.h"
@@ -224,6 +225,11 @@ TEST_F(StackTest, BadInputGetsClearErrorsAndTheServerKeepsServing) {
        chat(json::array({image("file://" + (dir_ / ".." / outside.filename()).string())})).dump(),
        400},
       {"remote URL", chat(json::array({image("http://example.com/cat.png")})).dump(), 400},
+      {"nesting bomb", "{\"model\":\"ecx-tiny-vl\",\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"x\":" +
+                           std::string(100000, '[') + std::string(100000, ']') + "}", 400},
+      {"include_usage not a boolean", [] { json j = chat("hi"); j["stream_options"] = {{"include_usage", "yes"}}; return j.dump(); }(), 400},
+      {"max_tokens past 32 bits", [] { json j = chat("hi"); j["max_tokens"] = 4294967297LL; return j.dump(); }(), 400},
+      {"prompt longer than the model", chat(std::string(20000, 'x')).dump(), 400},
   };
   for (const auto& c : cases) {
     auto res = post(stack.proxy, "/v1/chat/completions", c.body);
@@ -267,6 +273,31 @@ TEST_F(StackTest, BadInputGetsClearErrorsAndTheServerKeepsServing) {
   EXPECT_NE(proxy_metrics->body.find("ecx_proxy_failures_total{reason=\"bad_request\"}"),
             std::string::npos)
       << proxy_metrics->body;
+}
+
+TEST_F(StackTest, TheSameImageTwiceInOneRequestIsEncodedOnce) {
+  Stack stack;
+  ASSERT_TRUE(stack.start("p2p", dir_).ok());
+  std::string url = png_url(280, 280, 21);
+  json body = chat(json::array({{{"type", "image_url"}, {"image_url", {{"url", url}}}},
+                                {{"type", "text"}, {"text", "and again"}},
+                                {{"type", "image_url"}, {"image_url", {{"url", url}}}}}));
+  // Several clients at once, all with the same image: every request succeeds.
+  std::vector<std::thread> clients;
+  std::atomic<int> ok{0};
+  for (int i = 0; i < 4; ++i) {
+    clients.emplace_back([&] {
+      auto res = post(stack.proxy, "/v1/chat/completions", body.dump());
+      if (res && res->status == 200) ok++;
+    });
+  }
+  for (auto& t : clients) t.join();
+  EXPECT_EQ(ok.load(), 4);
+  httplib::Client e(stack.encoder.host, stack.encoder.port);
+  auto metrics = e.Get("/metrics");
+  ASSERT_TRUE(metrics);
+  EXPECT_NE(metrics->body.find("ecx_encode_requests_total{cache=\"miss\"} 1"), std::string::npos)
+      << metrics->body;
 }
 
 TEST_F(StackTest, DeadEncoderOrPdGives502AndSigtermDrains) {

@@ -28,6 +28,7 @@ struct ServiceConfig {
   uint64_t max_image_pixels = 4096ull * 4096;
   uint64_t max_body_bytes = 64ull << 20;
   int max_tokens_limit = 4096;
+  int64_t max_model_len = 16384;        // prompt + generated tokens
   int64_t encode_timeout_ms = 30000;    // proxy -> E
   int64_t request_timeout_ms = 120000;  // proxy -> PD
   std::string log_level = "info";

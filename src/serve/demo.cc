@@ -107,6 +107,21 @@ int run_demo(const DemoOptions& o, const std::string& exe) {
                 std::max<size_t>(1, latencies.size());
   std::printf("\n%d requests, mean latency %.1f ms (repeated images hit the encoder's cache)\n",
               o.requests, mean);
+  // A short load run through the same stack (`ecx bench serve`, the seed workload's shape).
+  if (o.bench_prompts > 0) {
+    std::printf("\nshort load run: ecx bench serve --num-prompts %d --output-len 32\n",
+                o.bench_prompts);
+    auto bench = Subprocess::spawn({exe, "bench", "serve", "--base-url", proxy.url, "--num-prompts",
+                                    std::to_string(o.bench_prompts), "--output-len", "32"});
+    if (!bench.ok()) return fail(bench.status());
+    while (true) {
+      auto line = bench->read_line(Deadline::after_ms(300000));
+      if (!line.ok()) break;  // the bench closed its output
+      std::printf("%s\n", line->c_str());
+    }
+    auto bench_code = bench->wait(Deadline::after_ms(60000));
+    if (!bench_code.ok() || *bench_code != 0) return fail(Internal("bench serve failed"));
+  }
   auto metrics = cli.Get("/metrics");
   if (metrics && metrics->status == 200)
     std::printf("proxy /metrics: %zu bytes of Prometheus text\n", metrics->body.size());

@@ -300,6 +300,33 @@ TEST_F(StackTest, TheSameImageTwiceInOneRequestIsEncodedOnce) {
       << metrics->body;
 }
 
+TEST_F(StackTest, BenchServeMeasuresEveryRequest) {
+  Stack stack;
+  ASSERT_TRUE(stack.start("p2p", dir_).ok());
+  auto json_path = dir_ / "serve.json";
+  auto bench = Subprocess::spawn({ECX_BINARY, "bench", "serve", "--base-url", stack.proxy.url(),
+                                  "--num-prompts", "6", "--images", "2", "--input-len", "50",
+                                  "--output-len", "8", "--json", json_path.string()});
+  ASSERT_TRUE(bench.ok());
+  std::string output;
+  while (true) {
+    auto line = bench->read_line(Deadline::after_ms(120000));
+    if (!line.ok()) break;
+    output += *line + "\n";
+  }
+  ASSERT_EQ(*bench->wait(Deadline::after_ms(60000)), 0) << output;
+  for (const char* label :
+       {"Successful requests:", "Mean TTFT (ms):", "P99 ITL (ms):", "Mean EC load (ms):"}) {
+    EXPECT_NE(output.find(label), std::string::npos) << label;
+  }
+  std::ifstream in(json_path);
+  json j = json::parse(in);
+  EXPECT_EQ(j["successful_requests"], 6);
+  EXPECT_EQ(j["failed_requests"], 0);
+  EXPECT_EQ(j["total_output_tokens"], 48);
+  EXPECT_GT(j["mean_ttft_ms"].get<double>(), 0.0);
+}
+
 TEST_F(StackTest, DeadEncoderOrPdGives502AndSigtermDrains) {
   Stack stack;
   ASSERT_TRUE(stack.start("p2p", dir_).ok());

@@ -9,6 +9,7 @@
 #include "ecx/common/log.h"
 #include "ecx/engine/model.h"
 #include "ecx/serve/services.h"
+#include "serve_bench.h"
 
 namespace {
 
@@ -51,6 +52,7 @@ int main(int argc, char** argv) {
   CLI::App* bench = app.add_subcommand("bench", "Benchmarks");
   bench->require_subcommand(1);
   ecx::bench::add_transfer_commands(*bench, &exit_code);
+  ecx::bench::add_serve_command(*bench, &exit_code);
 
   CLI::App* serve = app.add_subcommand("serve", "Run one service: encoder, pd or proxy");
   serve->require_subcommand(1);
@@ -93,6 +95,9 @@ int main(int argc, char** argv) {
   d->add_option("--requests", demo.requests, "Requests to send")->capture_default_str();
   d->add_option("--images", demo.images_per_request, "Images per request")->capture_default_str();
   d->add_option("--max-tokens", demo.max_tokens, "Tokens per answer")->capture_default_str();
+  d->add_option("--bench-prompts", demo.bench_prompts,
+                "Requests in the closing bench serve run (0 = none)")
+      ->capture_default_str();
   d->callback([&] { exit_code = ecx::serve::run_demo(demo, self_exe()); });
 
   CLI::App* weights = app.add_subcommand("weights", "Model weights");

@@ -44,6 +44,7 @@ struct DemoOptions {
   int requests = 4;
   int images_per_request = 2;
   int max_tokens = 24;
+  int bench_prompts = 12;  // the short `ecx bench serve` run at the end (0 = none)
 };
 int run_demo(const DemoOptions& options, const std::string& self_exe);
 

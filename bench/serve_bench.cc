@@ -1,0 +1,308 @@
+#include "serve_bench.h"
+
+#include <httplib.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <thread>
+
+#include "ecx/engine/image.h"
+
+namespace ecx::bench {
+namespace {
+
+using nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+struct Workload {
+  int images = 3, width = 560, height = 560, distinct = 0;  // distinct 0 = every image new
+};
+
+Workload workload_for(const std::string& name) {
+  if (name == "heavy") return {4, 1920, 1080, 0};
+  if (name == "shared") return {3, 560, 560, 20};
+  return {3, 560, 560, 0};
+}
+
+struct Sample {
+  bool ok = false;
+  std::string error;
+  double start_s = 0, ttft_ms = 0, latency_ms = 0, ec_load_ms = 0;
+  int prompt_tokens = 0, output_tokens = 0;
+  std::vector<double> itl_ms;
+  std::vector<double> token_times_s;  // since the benchmark start
+};
+
+double percentile(std::vector<double> v, double p) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  size_t i = static_cast<size_t>(std::ceil(p / 100.0 * static_cast<double>(v.size())));
+  return v[std::min(v.size() - 1, i == 0 ? 0 : i - 1)];
+}
+double mean(const std::vector<double>& v) {
+  double s = 0;
+  for (double x : v) s += x;
+  return v.empty() ? 0 : s / static_cast<double>(v.size());
+}
+
+Sample run_one(const std::string& host, int port, const std::string& body, Clock::time_point t0) {
+  Sample s;
+  auto start = Clock::now();
+  s.start_s = std::chrono::duration<double>(start - t0).count();
+  httplib::Client cli(host, port);
+  cli.set_read_timeout(std::chrono::seconds(600));
+  httplib::Request req;
+  req.method = "POST";
+  req.path = "/v1/chat/completions";
+  req.body = body;
+  req.set_header("Content-Type", "application/json");
+  std::string buffer;
+  bool done = false;
+  Clock::time_point last;
+  req.content_receiver = [&](const char* data, size_t n, uint64_t, uint64_t) {
+    buffer.append(data, n);
+    size_t end;
+    while ((end = buffer.find("\n\n")) != std::string::npos) {
+      std::string event = buffer.substr(0, end);
+      buffer.erase(0, end + 2);
+      if (event.rfind("data: ", 0) != 0) continue;
+      std::string payload = event.substr(6);
+      if (payload == "[DONE]") {
+        done = true;
+        continue;
+      }
+      json j = json::parse(payload, nullptr, false);
+      if (j.is_discarded()) continue;
+      if (j.contains("error")) s.error = j["error"].value("message", "error in stream");
+      if (j.contains("usage") && j["usage"].is_object())
+        s.prompt_tokens = j["usage"].value("prompt_tokens", 0);
+      if (j.contains("ecx_timings")) s.ec_load_ms = j["ecx_timings"].value("ec_load_ms", 0.0);
+      if (!j.contains("choices") || j["choices"].empty()) continue;
+      const json& delta = j["choices"][0]["delta"];
+      if (!delta.contains("content") || delta["content"].get<std::string>().empty()) continue;
+      auto now = Clock::now();
+      if (s.output_tokens == 0) {
+        s.ttft_ms = std::chrono::duration<double, std::milli>(now - start).count();
+      } else {
+        s.itl_ms.push_back(std::chrono::duration<double, std::milli>(now - last).count());
+      }
+      s.token_times_s.push_back(std::chrono::duration<double>(now - t0).count());
+      last = now;
+      s.output_tokens++;
+    }
+    return true;
+  };
+  httplib::Response res;
+  httplib::Error err = httplib::Error::Success;
+  bool sent = cli.send(req, res, err);
+  s.latency_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+  if (!sent) {
+    s.error = httplib::to_string(err);
+  } else if (res.status != 200) {
+    s.error = "HTTP " + std::to_string(res.status) + ": " + buffer.substr(0, 300);
+  } else if (!done && s.error.empty()) {
+    s.error = "stream ended without [DONE]";
+  }
+  s.ok = s.error.empty();
+  return s;
+}
+
+}  // namespace
+
+int run_serve_bench(const ServeBenchOptions& o) {
+  std::string rest = o.base_url;
+  if (rest.rfind("http://", 0) == 0) rest = rest.substr(7);
+  while (!rest.empty() && rest.back() == '/') rest.pop_back();
+  if (rest.size() > 3 && rest.substr(rest.size() - 3) == "/v1") rest.resize(rest.size() - 3);
+  auto colon = rest.rfind(':');
+  if (colon == std::string::npos || o.num_prompts < 1 || o.output_len < 1 || o.input_len < 0) {
+    std::fprintf(
+        stderr,
+        "bench serve: need --base-url http://host:port, --num-prompts >= 1, --output-len >= 1\n");
+    return 2;
+  }
+  std::string host = rest.substr(0, colon);
+  int port = std::atoi(rest.substr(colon + 1).c_str());
+  double rate = o.request_rate == "inf" ? 0 : std::atof(o.request_rate.c_str());
+  if (o.request_rate != "inf" && rate <= 0) {
+    std::fprintf(stderr, "bench serve: --request-rate must be a positive number or inf\n");
+    return 2;
+  }
+  Workload w = workload_for(o.workload);
+  if (o.images_per_request >= 0) w.images = o.images_per_request;
+
+  // Build every request first (image encoding is not part of the measurement).
+  std::mt19937_64 rng(o.seed);
+  std::vector<std::string> pool;  // image data URLs
+  int distinct = w.distinct > 0 ? w.distinct : o.num_prompts * w.images;
+  for (int i = 0; i < distinct; ++i) {
+    auto png = engine::encode_png(engine::synthetic_image(
+        w.width, w.height, o.seed * 1000003 + static_cast<uint64_t>(i) + 1));
+    if (!png.ok()) return 1;
+    pool.push_back(engine::make_data_url(*png, "image/png"));
+  }
+  std::vector<std::string> bodies;
+  for (int r = 0; r < o.num_prompts; ++r) {
+    std::string text;
+    for (int i = 0; i < o.input_len; ++i) text.push_back(static_cast<char>('a' + rng() % 26));
+    json content = json::array({{{"type", "text"}, {"text", text}}});
+    for (int i = 0; i < w.images; ++i) {
+      size_t idx = w.distinct > 0 ? rng() % pool.size() : static_cast<size_t>(r * w.images + i);
+      content.push_back({{"type", "image_url"}, {"image_url", {{"url", pool[idx]}}}});
+    }
+    bodies.push_back(json{{"model", o.model},
+                          {"messages", json::array({{{"role", "user"}, {"content", content}}})},
+                          {"max_tokens", o.output_len},
+                          {"ignore_eos", true},
+                          {"stream", true},
+                          {"stream_options", {{"include_usage", true}}}}
+                         .dump());
+  }
+  // Arrival times: all at once (inf) or Poisson at `rate`.
+  std::vector<double> arrival(bodies.size(), 0.0);
+  std::exponential_distribution<double> gap(rate > 0 ? rate : 1.0);
+  for (size_t i = 1; i < arrival.size() && rate > 0; ++i) arrival[i] = arrival[i - 1] + gap(rng);
+
+  int workers = o.max_concurrency > 0 ? std::min(o.max_concurrency, o.num_prompts) : o.num_prompts;
+  std::vector<Sample> samples(bodies.size());
+  std::atomic<size_t> next{0};
+  std::atomic<int> in_flight{0}, peak{0};
+  auto t0 = Clock::now();
+  std::vector<std::thread> threads;
+  for (int t = 0; t < workers; ++t) {
+    threads.emplace_back([&] {
+      while (true) {
+        size_t i = next.fetch_add(1);
+        if (i >= bodies.size()) return;
+        std::this_thread::sleep_until(
+            t0 + std::chrono::duration_cast<Clock::duration>(
+                     std::chrono::duration<double>(arrival[i])));  // the arrival schedule
+        int now = ++in_flight;
+        int seen = peak.load();
+        while (now > seen && !peak.compare_exchange_weak(seen, now)) {
+        }
+        samples[i] = run_one(host, port, bodies[i], t0);
+        --in_flight;
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  double duration = std::chrono::duration<double>(Clock::now() - t0).count();
+
+  int ok = 0, failed = 0;
+  long total_in = 0, total_out = 0;
+  std::vector<double> ttft, tpot, itl, ec_load;
+  std::map<long, int> per_second;
+  std::string first_error;
+  for (const auto& s : samples) {
+    if (!s.ok) {
+      failed++;
+      if (first_error.empty()) first_error = s.error;
+      continue;
+    }
+    ok++;
+    total_in += s.prompt_tokens;
+    total_out += s.output_tokens;
+    ttft.push_back(s.ttft_ms);
+    if (s.output_tokens > 1) tpot.push_back((s.latency_ms - s.ttft_ms) / (s.output_tokens - 1));
+    itl.insert(itl.end(), s.itl_ms.begin(), s.itl_ms.end());
+    ec_load.push_back(s.ec_load_ms);
+    for (double t : s.token_times_s) per_second[static_cast<long>(t)]++;
+  }
+  int peak_tokens = 0;
+  for (const auto& [sec, n] : per_second) peak_tokens = std::max(peak_tokens, n);
+  json out = {{"successful_requests", ok},
+              {"failed_requests", failed},
+              {"duration_s", duration},
+              {"total_input_tokens", total_in},
+              {"total_output_tokens", total_out},
+              {"request_throughput", ok / duration},
+              {"output_throughput", static_cast<double>(total_out) / duration},
+              {"peak_output_throughput", peak_tokens},
+              {"peak_concurrent_requests", peak.load()},
+              {"total_token_throughput", static_cast<double>(total_in + total_out) / duration},
+              {"mean_ttft_ms", mean(ttft)},
+              {"median_ttft_ms", percentile(ttft, 50)},
+              {"p99_ttft_ms", percentile(ttft, 99)},
+              {"mean_tpot_ms", mean(tpot)},
+              {"median_tpot_ms", percentile(tpot, 50)},
+              {"p99_tpot_ms", percentile(tpot, 99)},
+              {"mean_itl_ms", mean(itl)},
+              {"median_itl_ms", percentile(itl, 50)},
+              {"p99_itl_ms", percentile(itl, 99)},
+              {"mean_ec_load_ms", mean(ec_load)},
+              {"p99_ec_load_ms", percentile(ec_load, 99)},
+              {"workload", o.workload},
+              {"num_prompts", o.num_prompts},
+              {"request_rate", o.request_rate}};
+  if (!first_error.empty()) out["first_error"] = first_error;
+  auto line = [](const char* label, double v, int prec = 2) {
+    std::printf("%-40s %.*f\n", label, prec, v);
+  };
+  std::printf("============ Serving Benchmark Result ============\n");
+  std::printf("%-40s %d\n", "Successful requests:", ok);
+  std::printf("%-40s %d\n", "Failed requests:", failed);
+  line("Benchmark duration (s):", duration);
+  std::printf("%-40s %ld\n", "Total input tokens:", total_in);
+  std::printf("%-40s %ld\n", "Total generated tokens:", total_out);
+  line("Request throughput (req/s):", ok / duration);
+  line("Output token throughput (tok/s):", static_cast<double>(total_out) / duration);
+  line("Peak output token throughput (tok/s):", peak_tokens);
+  std::printf("%-40s %d\n", "Peak concurrent requests:", peak.load());
+  line("Total Token throughput (tok/s):", static_cast<double>(total_in + total_out) / duration);
+  std::printf("---------------Time to First Token----------------\n");
+  line("Mean TTFT (ms):", mean(ttft));
+  line("Median TTFT (ms):", percentile(ttft, 50));
+  line("P99 TTFT (ms):", percentile(ttft, 99));
+  std::printf("-----Time per Output Token (excl. 1st token)------\n");
+  line("Mean TPOT (ms):", mean(tpot));
+  line("Median TPOT (ms):", percentile(tpot, 50));
+  line("P99 TPOT (ms):", percentile(tpot, 99));
+  std::printf("---------------Inter-token Latency----------------\n");
+  line("Mean ITL (ms):", mean(itl));
+  line("Median ITL (ms):", percentile(itl, 50));
+  line("P99 ITL (ms):", percentile(itl, 99));
+  std::printf("----------------EC load (from PD)-----------------\n");
+  line("Mean EC load (ms):", mean(ec_load));
+  line("P99 EC load (ms):", percentile(ec_load, 99));
+  std::printf("==================================================\n");
+  if (!first_error.empty()) std::printf("first error: %s\n", first_error.c_str());
+  if (!o.json_path.empty()) {
+    std::ofstream f(o.json_path);
+    f << out.dump(2) << "\n";
+  }
+  return failed == 0 ? 0 : 1;
+}
+
+void add_serve_command(CLI::App& bench, int* exit_code) {
+  auto o = std::make_shared<ServeBenchOptions>();
+  CLI::App* s = bench.add_subcommand(
+      "serve", "Load generator against an OpenAI-compatible URL (vllm bench serve-like)");
+  s->add_option("--base-url", o->base_url, "Server URL")->capture_default_str();
+  s->add_option("--model", o->model, "Model name")->capture_default_str();
+  s->add_option("--workload", o->workload,
+                "seed (3 x 560x560), heavy (4 x 1920x1080), shared (20 images reused)")
+      ->capture_default_str();
+  s->add_option("--num-prompts", o->num_prompts, "Requests")->capture_default_str();
+  s->add_option("--request-rate", o->request_rate, "Requests per second (Poisson), or inf")
+      ->capture_default_str();
+  s->add_option("--max-concurrency", o->max_concurrency, "In-flight limit (0 = none)")
+      ->capture_default_str();
+  s->add_option("--images", o->images_per_request, "Images per request (default: the workload's)");
+  s->add_option("--input-len", o->input_len, "Text tokens (bytes) per request")
+      ->capture_default_str();
+  s->add_option("--output-len", o->output_len, "Generated tokens per request (ignore_eos)")
+      ->capture_default_str();
+  s->add_option("--seed", o->seed, "Workload seed")->capture_default_str();
+  s->add_option("--json", o->json_path, "Write the figures as JSON");
+  s->callback([o, exit_code] { *exit_code = run_serve_bench(*o); });
+}
+
+}  // namespace ecx::bench

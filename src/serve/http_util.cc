@@ -1,6 +1,7 @@
 #include "serve/http_util.h"
 
 #include <signal.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -324,6 +325,16 @@ int serve_until_signal(httplib::Server& server, const ServiceConfig& config,
   int threads = std::max(1, config.threads);
   server.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
   server.set_payload_max_length(config.max_body_bytes);
+  // The distribution's cpp-httplib listens with a backlog of 5: a burst of concurrent
+  // clients (a proxy encoding 24 images at once) overflows it and connections fail.
+  // Keep the listening socket and raise its backlog after bind. SO_REUSEADDR only: two
+  // servers must never share a port by accident (the library default is SO_REUSEPORT).
+  int listen_fd = -1;
+  server.set_socket_options([&listen_fd](int sock) {
+    int yes = 1;
+    ::setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+    listen_fd = sock;
+  });
   int port = config.port;
   if (port == 0) {
     port = server.bind_to_any_port(config.host);
@@ -336,6 +347,7 @@ int serve_until_signal(httplib::Server& server, const ServiceConfig& config,
               << "\n";
     return 1;
   }
+  if (listen_fd >= 0) ::listen(listen_fd, 1024);
   std::thread listener([&] { server.listen_after_bind(); });
   std::cout << "ecx serve " << role << " listening on http://" << config.host << ":" << port
             << std::endl;

@@ -35,8 +35,9 @@ Result<std::shared_ptr<ShmPeer::Mapping>> ShmPeer::mapping(uint32_t region, Dead
                     std::to_string(grant.length) + " bytes");
   }
   int prot = PROT_READ | (grant.remote_write ? PROT_WRITE : 0);
-  // Populated once here, so reads never take page-table faults on the data path.
-  void* p = ::mmap(nullptr, grant.length, prot, MAP_SHARED | MAP_POPULATE, grant.memfd.get(), 0);
+  // Not populated: a peer's arena can be gigabytes, and populating it all would stall the
+  // first load after a connect. Pages fault in once as they are first read.
+  void* p = ::mmap(nullptr, grant.length, prot, MAP_SHARED, grant.memfd.get(), 0);
   if (p == MAP_FAILED) {
     return ErrnoError("map region " + std::to_string(region) + " of agent " + peer, errno);
   }

@@ -9,6 +9,7 @@
 #include "ecx/common/log.h"
 #include "ecx/engine/model.h"
 #include "ecx/serve/services.h"
+#include "epd_bench.h"
 #include "serve_bench.h"
 
 namespace {
@@ -53,6 +54,7 @@ int main(int argc, char** argv) {
   bench->require_subcommand(1);
   ecx::bench::add_transfer_commands(*bench, &exit_code);
   ecx::bench::add_serve_command(*bench, &exit_code);
+  ecx::bench::add_epd_command(*bench, &exit_code);
 
   CLI::App* serve = app.add_subcommand("serve", "Run one service: encoder, pd or proxy");
   serve->require_subcommand(1);

@@ -1,0 +1,181 @@
+#include "epd_bench.h"
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <sstream>
+
+#include "ecx/common/subprocess.h"
+
+namespace ecx::bench {
+namespace {
+
+using nlohmann::json;
+
+struct EpdOptions {
+  std::string connectors = "local,p2p,p2p:push,p2p:pull-2step,disk,store";
+  std::string workload = "seed";
+  int num_prompts = 50;
+  int output_len = 100;
+  int input_len = 400;
+  std::string request_rate = "inf";
+  std::string redis = "127.0.0.1:6379";
+  std::string pool_bytes = "2GiB";
+  std::string json_path;
+};
+
+std::string self_exe() {
+  char buf[4096] = {};
+  ssize_t n = ::readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  return n > 0 ? std::string(buf, static_cast<size_t>(n)) : "ecx";
+}
+
+struct Proc {
+  std::optional<Subprocess> p;
+  std::string url;
+  ~Proc() {
+    if (p) {
+      p->kill(SIGTERM).ignore_error();
+      if (!p->wait(Deadline::after_ms(15000)).ok()) p->kill(SIGKILL).ignore_error();
+    }
+  }
+};
+
+Status launch(Proc& proc, std::vector<std::string> argv) {
+  ECX_ASSIGN_OR_RETURN(Subprocess p, Subprocess::spawn(argv));
+  proc.p.emplace(std::move(p));
+  ECX_ASSIGN_OR_RETURN(std::string line, proc.p->read_line(Deadline::after_ms(120000)));
+  auto at = line.find("http://");
+  if (at == std::string::npos) return Internal("service did not start: " + line);
+  proc.url = line.substr(at);
+  return Status::Ok();
+}
+
+Result<json> run_connector(const EpdOptions& o, const std::string& connector,
+                           const std::filesystem::path& dir) {
+  const std::string exe = self_exe();
+  bool local = connector == "local";
+  json ec = {{"connector", connector.substr(0, connector.find(':'))},
+             {"extra", {{"pool_bytes", o.pool_bytes}}}};
+  if (connector.find(':') != std::string::npos)
+    ec["extra"]["mode"] = connector.substr(connector.find(':') + 1);
+  if (connector == "disk") ec["extra"]["root"] = (dir / "disk").string();
+  if (connector == "store") ec["extra"]["redis"] = o.redis;
+  std::vector<std::string> common = {"--port",  "0",           "--ec-config",
+                                     ec.dump(), "--log-level", "error"};
+  Proc e, pd, proxy;
+  if (!local) {
+    std::vector<std::string> argv = {exe, "serve", "encoder"};
+    argv.insert(argv.end(), common.begin(), common.end());
+    ECX_RETURN_IF_ERROR(launch(e, argv).with_context(connector + " encoder"));
+  }
+  std::vector<std::string> pd_argv = {exe, "serve", "pd"};
+  pd_argv.insert(pd_argv.end(), common.begin(), common.end());
+  ECX_RETURN_IF_ERROR(launch(pd, pd_argv).with_context(connector + " pd"));
+  std::vector<std::string> proxy_argv = {exe,           "serve",       "proxy",
+                                         "--port",      "0",           "--pd",
+                                         pd.url,        "--connector", local ? "local" : "p2p",
+                                         "--log-level", "error"};
+  if (!local) proxy_argv.insert(proxy_argv.end(), {"--encoders", e.url});
+  ECX_RETURN_IF_ERROR(launch(proxy, proxy_argv).with_context(connector + " proxy"));
+  std::string out_path =
+      (dir / ("serve-" + std::to_string(std::hash<std::string>()(connector)) + ".json")).string();
+  ECX_ASSIGN_OR_RETURN(
+      Subprocess bench,
+      Subprocess::spawn({exe, "bench", "serve", "--base-url", proxy.url, "--workload", o.workload,
+                         "--num-prompts", std::to_string(o.num_prompts), "--output-len",
+                         std::to_string(o.output_len), "--input-len", std::to_string(o.input_len),
+                         "--request-rate", o.request_rate, "--json", out_path}));
+  while (bench.read_line(Deadline::after_ms(1800000)).ok()) {
+  }
+  ECX_ASSIGN_OR_RETURN(int code, bench.wait(Deadline::after_ms(60000)));
+  std::ifstream in(out_path);
+  json j = json::parse(in, nullptr, false);
+  if (j.is_discarded()) return Internal(connector + ": bench serve wrote no results");
+  if (code != 0) j["note"] = "some requests failed";
+  j["connector"] = connector;
+  return j;
+}
+
+int run_epd(const EpdOptions& o) {
+  auto dir =
+      std::filesystem::temp_directory_path() / ("ecx-bench-epd-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  std::vector<json> rows;
+  std::stringstream ss(o.connectors);
+  std::string c;
+  while (std::getline(ss, c, ',')) {
+    if (c.empty()) continue;
+    std::printf("ecx bench epd: %s ...\n", c.c_str());
+    std::fflush(stdout);
+    auto r = run_connector(o, c, dir);
+    if (!r.ok()) {
+      std::printf("  skipped: %s\n", r.status().to_string().c_str());
+      rows.push_back({{"connector", c}, {"error", r.status().to_string()}});
+      continue;
+    }
+    rows.push_back(*r);
+  }
+  std::error_code ec;
+  std::filesystem::remove_all(dir, ec);
+  double ref = 0;
+  for (const auto& r : rows) {
+    if (r["connector"] == "p2p:pull-2step" && !r.contains("error"))
+      ref = r["mean_ttft_ms"].get<double>();
+  }
+  std::printf("\nworkload %s, %d prompts, rate %s, %d output tokens\n", o.workload.c_str(),
+              o.num_prompts, o.request_rate.c_str(), o.output_len);
+  std::printf("%-15s %6s %11s %11s %11s %11s %11s %9s %s\n", "connector", "ok", "mean TTFT",
+              "median", "p99 TTFT", "mean EC ld", "p99 EC ld", "req/s", "TTFT vs pull-2step");
+  for (const auto& r : rows) {
+    std::string name = r["connector"];
+    if (r.contains("error")) {
+      std::printf("%-15s skipped: %s\n", name.c_str(), r["error"].get<std::string>().c_str());
+      continue;
+    }
+    std::printf("%-15s %6d %11.1f %11.1f %11.1f %11.2f %11.2f %9.2f ", name.c_str(),
+                r["successful_requests"].get<int>(), r["mean_ttft_ms"].get<double>(),
+                r["median_ttft_ms"].get<double>(), r["p99_ttft_ms"].get<double>(),
+                r["mean_ec_load_ms"].get<double>(), r["p99_ec_load_ms"].get<double>(),
+                r["request_throughput"].get<double>());
+    if (ref > 0) std::printf("%.2fx", r["mean_ttft_ms"].get<double>() / ref);
+    std::printf("\n");
+  }
+  if (!o.json_path.empty()) {
+    std::ofstream f(o.json_path);
+    f << json{{"workload", o.workload}, {"num_prompts", o.num_prompts}, {"rows", rows}}.dump(2)
+      << "\n";
+  }
+  for (const auto& r : rows) {
+    if (r.contains("error") && r["connector"] != "store") return 1;
+  }
+  return 0;
+}
+
+}  // namespace
+
+void add_epd_command(CLI::App& bench, int* exit_code) {
+  auto o = std::make_shared<EpdOptions>();
+  CLI::App* s =
+      bench.add_subcommand("epd", "A stack per connector, the same workload on each, compared");
+  s->add_option("--connectors", o->connectors, "Connectors to compare")->capture_default_str();
+  s->add_option("--workload", o->workload, "seed, heavy or shared")->capture_default_str();
+  s->add_option("--num-prompts", o->num_prompts, "Requests per connector")->capture_default_str();
+  s->add_option("--output-len", o->output_len, "Generated tokens per request")
+      ->capture_default_str();
+  s->add_option("--input-len", o->input_len, "Text tokens per request")->capture_default_str();
+  s->add_option("--request-rate", o->request_rate, "Requests per second, or inf")
+      ->capture_default_str();
+  s->add_option("--redis", o->redis, "Redis for the store connector")->capture_default_str();
+  s->add_option("--pool-bytes", o->pool_bytes, "Connector pool size per service")
+      ->capture_default_str();
+  s->add_option("--json", o->json_path, "Write all results as JSON");
+  s->callback([o, exit_code] { *exit_code = run_epd(*o); });
+}
+
+}  // namespace ecx::bench

@@ -10,7 +10,10 @@
 #include <optional>
 #include <sstream>
 
+#include <httplib.h>
+
 #include "ecx/common/subprocess.h"
+#include "ecx/engine/image.h"
 
 namespace ecx::bench {
 namespace {
@@ -56,33 +59,45 @@ Status launch(Proc& proc, std::vector<std::string> argv) {
   return Status::Ok();
 }
 
-Result<json> run_connector(const EpdOptions& o, const std::string& connector,
-                           const std::filesystem::path& dir) {
+struct StackProcs {
+  Proc e, pd, proxy;
+};
+
+// Starts proxy + E + PD (PD alone for local) for `connector`.
+Status start_stack(const std::string& connector, const std::string& pool_bytes,
+                   const std::string& redis, const std::filesystem::path& dir, StackProcs& s) {
   const std::string exe = self_exe();
   bool local = connector == "local";
   json ec = {{"connector", connector.substr(0, connector.find(':'))},
-             {"extra", {{"pool_bytes", o.pool_bytes}}}};
+             {"extra", {{"pool_bytes", pool_bytes}}}};
   if (connector.find(':') != std::string::npos)
     ec["extra"]["mode"] = connector.substr(connector.find(':') + 1);
   if (connector == "disk") ec["extra"]["root"] = (dir / "disk").string();
-  if (connector == "store") ec["extra"]["redis"] = o.redis;
+  if (connector == "store") ec["extra"]["redis"] = redis;
   std::vector<std::string> common = {"--port",  "0",           "--ec-config",
                                      ec.dump(), "--log-level", "error"};
-  Proc e, pd, proxy;
   if (!local) {
     std::vector<std::string> argv = {exe, "serve", "encoder"};
     argv.insert(argv.end(), common.begin(), common.end());
-    ECX_RETURN_IF_ERROR(launch(e, argv).with_context(connector + " encoder"));
+    ECX_RETURN_IF_ERROR(launch(s.e, argv).with_context(connector + " encoder"));
   }
   std::vector<std::string> pd_argv = {exe, "serve", "pd"};
   pd_argv.insert(pd_argv.end(), common.begin(), common.end());
-  ECX_RETURN_IF_ERROR(launch(pd, pd_argv).with_context(connector + " pd"));
+  ECX_RETURN_IF_ERROR(launch(s.pd, pd_argv).with_context(connector + " pd"));
   std::vector<std::string> proxy_argv = {exe,           "serve",       "proxy",
                                          "--port",      "0",           "--pd",
-                                         pd.url,        "--connector", local ? "local" : "p2p",
+                                         s.pd.url,      "--connector", local ? "local" : "p2p",
                                          "--log-level", "error"};
-  if (!local) proxy_argv.insert(proxy_argv.end(), {"--encoders", e.url});
-  ECX_RETURN_IF_ERROR(launch(proxy, proxy_argv).with_context(connector + " proxy"));
+  if (!local) proxy_argv.insert(proxy_argv.end(), {"--encoders", s.e.url});
+  return launch(s.proxy, proxy_argv).with_context(connector + " proxy");
+}
+
+Result<json> run_connector(const EpdOptions& o, const std::string& connector,
+                           const std::filesystem::path& dir) {
+  const std::string exe = self_exe();
+  StackProcs stack;
+  ECX_RETURN_IF_ERROR(start_stack(connector, o.pool_bytes, o.redis, dir, stack));
+  Proc& proxy = stack.proxy;
   std::string out_path =
       (dir / ("serve-" + std::to_string(std::hash<std::string>()(connector)) + ".json")).string();
   ECX_ASSIGN_OR_RETURN(
@@ -157,7 +172,92 @@ int run_epd(const EpdOptions& o) {
   return 0;
 }
 
+struct EvalOptions {
+  std::string connectors = "p2p,p2p:push,p2p:pull-2step,disk,store";
+  int requests = 8;
+  int max_tokens = 32;
+  std::string redis = "127.0.0.1:6379";
+};
+
+// Sends the same fixed requests through `connector`'s stack; returns the answers.
+Result<std::vector<std::string>> answers(const EvalOptions& o, const std::string& connector,
+                                         const std::filesystem::path& dir) {
+  StackProcs stack;
+  ECX_RETURN_IF_ERROR(start_stack(connector, "512MiB", o.redis, dir, stack));
+  auto url = stack.proxy.url.substr(7);
+  httplib::Client cli(url.substr(0, url.rfind(':')),
+                      std::atoi(url.substr(url.rfind(':') + 1).c_str()));
+  cli.set_read_timeout(std::chrono::seconds(300));
+  std::vector<std::string> out;
+  for (int r = 0; r < o.requests; ++r) {
+    json content = json::array(
+        {{{"type", "text"}, {"text", "Question " + std::to_string(r) + ": describe."}}});
+    for (int i = 0; i < 3; ++i) {
+      auto png =
+          engine::encode_png(engine::synthetic_image(560, 560, static_cast<uint64_t>(7919 * r + i)))
+              .value();
+      content.push_back({{"type", "image_url"},
+                         {"image_url", {{"url", engine::make_data_url(png, "image/png")}}}});
+    }
+    json body = {{"model", "ecx-tiny-vl"},
+                 {"messages", json::array({{{"role", "user"}, {"content", content}}})},
+                 {"max_tokens", o.max_tokens},
+                 {"ignore_eos", true}};
+    auto res = cli.Post("/v1/chat/completions", body.dump(), "application/json");
+    if (!res) return Unavailable(connector + ": " + httplib::to_string(res.error()));
+    if (res->status != 200)
+      return Internal(connector + ": HTTP " + std::to_string(res->status) + " " + res->body);
+    out.push_back(json::parse(res->body)["choices"][0]["message"]["content"].get<std::string>());
+  }
+  return out;
+}
+
+int run_eval(const EvalOptions& o) {
+  auto dir = std::filesystem::temp_directory_path() / ("ecx-eval-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  std::printf(
+      "ecx eval: %d requests x 3 images of 560x560, %d tokens, greedy; reference: local (PD "
+      "encodes)\n",
+      o.requests, o.max_tokens);
+  auto reference = answers(o, "local", dir);
+  if (!reference.ok()) {
+    std::printf("local: %s\n", reference.status().to_string().c_str());
+    return 1;
+  }
+  int bad = 0;
+  std::stringstream ss(o.connectors);
+  std::string c;
+  while (std::getline(ss, c, ',')) {
+    if (c.empty()) continue;
+    auto got = answers(o, c, dir);
+    if (!got.ok()) {
+      std::printf("%-15s skipped: %s\n", c.c_str(), got.status().to_string().c_str());
+      if (c != "store") bad++;
+      continue;
+    }
+    int same = 0;
+    for (size_t i = 0; i < got->size(); ++i) same += (*got)[i] == (*reference)[i];
+    std::printf("%-15s %d/%d answers identical to local (%.3f)\n", c.c_str(), same, o.requests,
+                static_cast<double>(same) / o.requests);
+    if (same != o.requests) bad++;
+  }
+  std::error_code ec;
+  std::filesystem::remove_all(dir, ec);
+  return bad == 0 ? 0 : 1;
+}
+
 }  // namespace
+
+void add_eval_command(CLI::App& app, int* exit_code) {
+  auto o = std::make_shared<EvalOptions>();
+  CLI::App* s =
+      app.add_subcommand("eval", "Correctness: the same requests through every connector vs local");
+  s->add_option("--connectors", o->connectors, "Connectors to check")->capture_default_str();
+  s->add_option("--requests", o->requests, "Requests")->capture_default_str();
+  s->add_option("--max-tokens", o->max_tokens, "Tokens per answer")->capture_default_str();
+  s->add_option("--redis", o->redis, "Redis for the store connector")->capture_default_str();
+  s->callback([o, exit_code] { *exit_code = run_eval(*o); });
+}
 
 void add_epd_command(CLI::App& bench, int* exit_code) {
   auto o = std::make_shared<EpdOptions>();

@@ -7,5 +7,8 @@
 namespace ecx::bench {
 
 void add_epd_command(CLI::App& bench, int* exit_code);
+// `ecx eval`: the same fixed requests through every connector; answers must be
+// identical to the local (PD encodes) reference.
+void add_eval_command(CLI::App& app, int* exit_code);
 
 }  // namespace ecx::bench

@@ -327,6 +327,23 @@ TEST_F(StackTest, BenchServeMeasuresEveryRequest) {
   EXPECT_GT(j["mean_ttft_ms"].get<double>(), 0.0);
 }
 
+TEST_F(StackTest, EvalReportsIdenticalAnswers) {
+  auto eval = Subprocess::spawn({ECX_BINARY, "eval", "--requests", "2", "--max-tokens", "8",
+                                 "--connectors", "p2p,disk", "--redis", redis_address()});
+  ASSERT_TRUE(eval.ok());
+  std::string output;
+  while (true) {
+    auto line = eval->read_line(Deadline::after_ms(180000));
+    if (!line.ok()) break;
+    output += *line + "\n";
+  }
+  EXPECT_EQ(*eval->wait(Deadline::after_ms(60000)), 0) << output;
+  EXPECT_NE(output.find("p2p             2/2 answers identical to local"), std::string::npos)
+      << output;
+  EXPECT_NE(output.find("disk            2/2 answers identical to local"), std::string::npos)
+      << output;
+}
+
 TEST_F(StackTest, DeadEncoderOrPdGives502AndSigtermDrains) {
   Stack stack;
   ASSERT_TRUE(stack.start("p2p", dir_).ok());

@@ -55,6 +55,7 @@ int main(int argc, char** argv) {
   ecx::bench::add_transfer_commands(*bench, &exit_code);
   ecx::bench::add_serve_command(*bench, &exit_code);
   ecx::bench::add_epd_command(*bench, &exit_code);
+  ecx::bench::add_eval_command(app, &exit_code);
 
   CLI::App* serve = app.add_subcommand("serve", "Run one service: encoder, pd or proxy");
   serve->require_subcommand(1);

@@ -5,8 +5,10 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <condition_variable>
 #include <filesystem>
 #include <fstream>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <thread>
 
@@ -342,6 +344,48 @@ TEST_F(StackTest, EvalReportsIdenticalAnswers) {
       << output;
   EXPECT_NE(output.find("disk            2/2 answers identical to local"), std::string::npos)
       << output;
+}
+
+TEST_F(StackTest, SigtermLetsAStreamInFlightFinish) {
+  Stack stack;
+  ASSERT_TRUE(stack.start("p2p", dir_).ok());
+  json body = two_image_request(true);
+  body["max_tokens"] = 400;
+  std::mutex mu;
+  std::condition_variable cv;
+  bool started = false;
+  std::string received;
+  std::thread client([&] {
+    httplib::Client cli(stack.pd.host, stack.pd.port);
+    cli.set_read_timeout(std::chrono::seconds(120));
+    httplib::Request req;
+    req.method = "POST";
+    req.path = "/v1/chat/completions";
+    req.body = body.dump();
+    req.set_header("Content-Type", "application/json");
+    req.content_receiver = [&](const char* data, size_t n, uint64_t, uint64_t) {
+      std::lock_guard lock(mu);
+      received.append(data, n);
+      started = true;
+      cv.notify_all();
+      return true;
+    };
+    cli.send(req);
+  });
+  {
+    std::unique_lock lock(mu);
+    ASSERT_TRUE(cv.wait_for(lock, std::chrono::seconds(60), [&] { return started; }));
+  }
+  // SIGTERM while the answer is streaming: the PD finishes it, then exits 0.
+  ASSERT_TRUE(stack.pd.process->kill(SIGTERM).ok());
+  client.join();
+  auto code = stack.pd.process->wait(Deadline::after_ms(60000));
+  ASSERT_TRUE(code.ok());
+  EXPECT_EQ(*code, 0);
+  std::string finish;
+  std::string text = parse_sse(received, &finish);
+  EXPECT_EQ(text.size(), 400u);
+  EXPECT_EQ(finish, "length");
 }
 
 TEST_F(StackTest, DeadEncoderOrPdGives502AndSigtermDrains) {

@@ -14,6 +14,7 @@
 
 #include "ecx/common/subprocess.h"
 #include "ecx/engine/image.h"
+#include "ecx/serve/services.h"
 
 namespace ecx::bench {
 namespace {
@@ -42,20 +43,15 @@ struct Proc {
   std::optional<Subprocess> p;
   std::string url;
   ~Proc() {
-    if (p) {
-      p->kill(SIGTERM).ignore_error();
-      if (!p->wait(Deadline::after_ms(15000)).ok()) p->kill(SIGKILL).ignore_error();
-    }
+    if (p) serve::stop_service(*p, Deadline::after_ms(15000));
   }
 };
 
 Status launch(Proc& proc, std::vector<std::string> argv) {
-  ECX_ASSIGN_OR_RETURN(Subprocess p, Subprocess::spawn(argv));
-  proc.p.emplace(std::move(p));
-  ECX_ASSIGN_OR_RETURN(std::string line, proc.p->read_line(Deadline::after_ms(120000)));
-  auto at = line.find("http://");
-  if (at == std::string::npos) return Internal("service did not start: " + line);
-  proc.url = line.substr(at);
+  ECX_ASSIGN_OR_RETURN(serve::RunningService r,
+                       serve::spawn_service(argv, Deadline::after_ms(120000)));
+  proc.p.emplace(std::move(r.process));
+  proc.url = r.url;
   return Status::Ok();
 }
 

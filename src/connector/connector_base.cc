@@ -59,6 +59,17 @@ void ConnectorBase::shutdown_base() {
   done_cv_.notify_all();
 }
 
+EcTransferParams ConnectorBase::keyed_params(const MmHash& mm_hash, const TensorMeta& meta) const {
+  EcTransferParams p;
+  p.connector = config_.connector;
+  p.engine_id = options_.engine_id;
+  p.compat_hash = options_.compat_hash;
+  p.mm_hash = mm_hash;
+  p.meta = meta;
+  p.num_tokens = meta.shape.empty() ? 0 : static_cast<uint64_t>(meta.shape[0]);
+  return p;
+}
+
 Status ConnectorBase::check_compat(const std::string& producer,
                                    const std::string& their_hash) const {
   if (their_hash.empty() || their_hash == options_.compat_hash) return Status::Ok();

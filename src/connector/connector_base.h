@@ -74,6 +74,9 @@ class ConnectorBase : public EcConnector {
   // Connector-specific stats.
   virtual void add_stats(nlohmann::json&) const {}
 
+  // Params for an item this producer stored, for connectors that keep no location
+  // (disk, store): the consumer finds the item by mm_hash.
+  EcTransferParams keyed_params(const MmHash& mm_hash, const TensorMeta& meta) const;
   // Checks a producer's compatibility hash against ours, naming both.
   Status check_compat(const std::string& producer, const std::string& their_hash) const;
   void note_not_ready(const MmHash& mm_hash);
@@ -127,5 +130,15 @@ class ConnectorBase : public EcConnector {
       local_hits_{0}, bytes_loaded_{0};
   std::atomic<uint64_t> load_us_total_{0};
 };
+
+// Constructs a connector of type T and runs its init(): the one way connectors are made.
+template <typename T>
+Result<std::unique_ptr<EcConnector>> make_connector(ConnectorConfig config,
+                                                    ConnectorOptions options,
+                                                    ConnectorContext context) {
+  auto c = std::make_unique<T>(std::move(config), std::move(options), std::move(context));
+  ECX_RETURN_IF_ERROR(c->init());
+  return std::unique_ptr<EcConnector>(std::move(c));
+}
 
 }  // namespace ecx::connector

@@ -93,7 +93,7 @@ class DiskConnector final : public ConnectorBase {
     }
     saves_++;
     enforce_limits();
-    return params(slot.mm_hash, slot.meta);
+    return keyed_params(slot.mm_hash, slot.meta);
   }
 
   Result<EcTransferParams> saved_params(const MmHash& mm_hash) override {
@@ -109,7 +109,7 @@ class DiskConnector final : public ConnectorBase {
     const SafetensorsEntry* e = header->find(kTensorName);
     if (e == nullptr)
       return Status(StatusCode::kDataLoss, path.string() + " has no ec_cache tensor");
-    return params(mm_hash, e->meta);
+    return keyed_params(mm_hash, e->meta);
   }
 
   void abort_save(const SaveSlot& slot) override {
@@ -118,17 +118,6 @@ class DiskConnector final : public ConnectorBase {
     if (it == staging_.end()) return;
     ::unlink(it->second.tmp.c_str());
     staging_.erase(it);
-  }
-
-  EcTransferParams params(const MmHash& mm_hash, const TensorMeta& meta) const {
-    EcTransferParams p;
-    p.connector = "disk";
-    p.engine_id = options().engine_id;
-    p.compat_hash = options().compat_hash;
-    p.mm_hash = mm_hash;
-    p.meta = meta;
-    p.num_tokens = meta.shape.empty() ? 0 : static_cast<uint64_t>(meta.shape[0]);
-    return p;
   }
 
   // TTL and size cap, oldest files first. A reader that has a file open keeps its bytes.
@@ -309,10 +298,7 @@ class DiskConnector final : public ConnectorBase {
 Result<std::unique_ptr<EcConnector>> create_disk_connector(ConnectorConfig config,
                                                            ConnectorOptions options,
                                                            ConnectorContext context) {
-  auto c =
-      std::make_unique<DiskConnector>(std::move(config), std::move(options), std::move(context));
-  ECX_RETURN_IF_ERROR(c->init());
-  return std::unique_ptr<EcConnector>(std::move(c));
+  return make_connector<DiskConnector>(std::move(config), std::move(options), std::move(context));
 }
 
 }  // namespace ecx::connector

@@ -555,10 +555,7 @@ class P2pConnector final : public ConnectorBase {
 Result<std::unique_ptr<EcConnector>> create_p2p_connector(ConnectorConfig config,
                                                           ConnectorOptions options,
                                                           ConnectorContext context) {
-  auto c =
-      std::make_unique<P2pConnector>(std::move(config), std::move(options), std::move(context));
-  ECX_RETURN_IF_ERROR(c->init());
-  return std::unique_ptr<EcConnector>(std::move(c));
+  return make_connector<P2pConnector>(std::move(config), std::move(options), std::move(context));
 }
 
 }  // namespace ecx::connector

@@ -63,7 +63,7 @@ class StoreConnector final : public ConnectorBase {
     ECX_RETURN_IF_ERROR(redis_->set(key_for(slot.mm_hash), value, options().ttl_s,
                                     Deadline::after_ms(options().load_timeout_ms)));
     saves_++;
-    return params(slot.mm_hash, slot.meta);
+    return keyed_params(slot.mm_hash, slot.meta);
   }
 
   Result<EcTransferParams> saved_params(const MmHash&) override {
@@ -74,17 +74,6 @@ class StoreConnector final : public ConnectorBase {
   void abort_save(const SaveSlot& slot) override {
     std::lock_guard lock(mu_);
     staging_.erase(slot.token);
-  }
-
-  EcTransferParams params(const MmHash& mm_hash, const TensorMeta& meta) const {
-    EcTransferParams p;
-    p.connector = "store";
-    p.engine_id = options().engine_id;
-    p.compat_hash = options().compat_hash;
-    p.mm_hash = mm_hash;
-    p.meta = meta;
-    p.num_tokens = meta.shape.empty() ? 0 : static_cast<uint64_t>(meta.shape[0]);
-    return p;
   }
 
   bool can_load(const LoadItem& item) override {
@@ -154,19 +143,13 @@ class LocalConnector final : public ConnectorBase {
 Result<std::unique_ptr<EcConnector>> create_store_connector(ConnectorConfig config,
                                                             ConnectorOptions options,
                                                             ConnectorContext context) {
-  auto c =
-      std::make_unique<StoreConnector>(std::move(config), std::move(options), std::move(context));
-  ECX_RETURN_IF_ERROR(c->init());
-  return std::unique_ptr<EcConnector>(std::move(c));
+  return make_connector<StoreConnector>(std::move(config), std::move(options), std::move(context));
 }
 
 Result<std::unique_ptr<EcConnector>> create_local_connector(ConnectorConfig config,
                                                             ConnectorOptions options,
                                                             ConnectorContext context) {
-  auto c =
-      std::make_unique<LocalConnector>(std::move(config), std::move(options), std::move(context));
-  ECX_RETURN_IF_ERROR(c->init());
-  return std::unique_ptr<EcConnector>(std::move(c));
+  return make_connector<LocalConnector>(std::move(config), std::move(options), std::move(context));
 }
 
 }  // namespace ecx::connector

@@ -24,23 +24,37 @@ struct Service {
 };
 
 Status start(Service& s, const std::vector<std::string>& argv) {
-  ECX_ASSIGN_OR_RETURN(Subprocess p, Subprocess::spawn(argv));
-  s.process.emplace(std::move(p));
-  ECX_ASSIGN_OR_RETURN(std::string line, s.process->read_line(Deadline::after_ms(60000)));
-  auto at = line.find("http://");
-  if (at == std::string::npos) return Internal(s.name + " did not start: " + line);
-  s.url = line.substr(at);
+  ECX_ASSIGN_OR_RETURN(RunningService r, spawn_service(argv, Deadline::after_ms(60000)));
+  s.process.emplace(std::move(r.process));
+  s.url = r.url;
   return Status::Ok();
 }
 
 void stop(Service& s) {
   if (!s.process) return;
-  s.process->kill(SIGTERM).ignore_error();
-  if (!s.process->wait(Deadline::after_ms(10000)).ok()) s.process->kill(SIGKILL).ignore_error();
+  stop_service(*s.process, Deadline::after_ms(10000));
   s.process.reset();
 }
 
 }  // namespace
+
+Result<RunningService> spawn_service(const std::vector<std::string>& argv, Deadline deadline) {
+  ECX_ASSIGN_OR_RETURN(Subprocess p, Subprocess::spawn(argv));
+  ECX_ASSIGN_OR_RETURN(std::string line, p.read_line(deadline));
+  auto at = line.find("listening on http://");
+  if (at == std::string::npos) {
+    return Internal((argv.size() > 2 ? argv[2] : argv[0]) + " did not start: " + line);
+  }
+  return RunningService{std::move(p), line.substr(at + 13)};
+}
+
+void stop_service(Subprocess& process, Deadline deadline) {
+  process.kill(SIGTERM).ignore_error();
+  if (!process.wait(deadline).ok()) {
+    process.kill(SIGKILL).ignore_error();
+    process.wait(Deadline::after_ms(10000)).status().ignore_error();
+  }
+}
 
 int run_demo(const DemoOptions& o, const std::string& exe) {
   // Ctrl-C reaches the children too (same process group); they drain and exit, and

@@ -8,7 +8,9 @@
 #include <string>
 #include <vector>
 
+#include "ecx/common/deadline.h"
 #include "ecx/common/status.h"
+#include "ecx/common/subprocess.h"
 
 namespace ecx::serve {
 
@@ -33,6 +35,17 @@ struct ServiceConfig {
   int64_t request_timeout_ms = 120000;  // proxy -> PD
   std::string log_level = "info";
 };
+
+// A service started as a child process, once it listens.
+struct RunningService {
+  Subprocess process;
+  std::string url;  // "http://HOST:PORT"
+};
+// Starts `argv` (an `ecx serve ...` command line) and waits, until `deadline`, for its
+// "listening on http://HOST:PORT" line.
+Result<RunningService> spawn_service(const std::vector<std::string>& argv, Deadline deadline);
+// SIGTERM (drain), then SIGKILL if it has not exited by `deadline`.
+void stop_service(Subprocess& process, Deadline deadline);
 
 // Each returns the process exit code.
 int run_encoder_service(const ServiceConfig& config);

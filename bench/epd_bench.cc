@@ -186,20 +186,11 @@ Result<std::vector<std::string>> answers(const EvalOptions& o, const std::string
   cli.set_read_timeout(std::chrono::seconds(300));
   std::vector<std::string> out;
   for (int r = 0; r < o.requests; ++r) {
-    json content = json::array(
-        {{{"type", "text"}, {"text", "Question " + std::to_string(r) + ": describe."}}});
-    for (int i = 0; i < 3; ++i) {
-      auto png =
-          engine::encode_png(engine::synthetic_image(560, 560, static_cast<uint64_t>(7919 * r + i)))
-              .value();
-      content.push_back({{"type", "image_url"},
-                         {"image_url", {{"url", engine::make_data_url(png, "image/png")}}}});
-    }
-    json body = {{"model", "ecx-tiny-vl"},
-                 {"messages", json::array({{{"role", "user"}, {"content", content}}})},
-                 {"max_tokens", o.max_tokens},
-                 {"ignore_eos", true}};
-    auto res = cli.Post("/v1/chat/completions", body.dump(), "application/json");
+    std::vector<uint64_t> seeds;
+    for (int i = 0; i < 3; ++i) seeds.push_back(static_cast<uint64_t>(7919 * r + i));
+    std::string body = serve::sample_chat_request("Question " + std::to_string(r) + ": describe.",
+                                                  seeds, o.max_tokens);
+    auto res = cli.Post("/v1/chat/completions", body, "application/json");
     if (!res) return Unavailable(connector + ": " + httplib::to_string(res.error()));
     if (res->status != 200)
       return Internal(connector + ": HTTP " + std::to_string(res->status) + " " + res->body);

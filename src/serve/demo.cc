@@ -56,6 +56,21 @@ void stop_service(Subprocess& process, Deadline deadline) {
   }
 }
 
+std::string sample_chat_request(const std::string& text, const std::vector<uint64_t>& image_seeds,
+                                int max_tokens) {
+  json content = json::array({{{"type", "text"}, {"text", text}}});
+  for (uint64_t seed : image_seeds) {
+    auto png = engine::encode_png(engine::synthetic_image(560, 560, seed)).value();
+    content.push_back(
+        {{"type", "image_url"}, {"image_url", {{"url", engine::make_data_url(png, "image/png")}}}});
+  }
+  return json{{"model", "ecx-tiny-vl"},
+              {"messages", json::array({{{"role", "user"}, {"content", content}}})},
+              {"max_tokens", max_tokens},
+              {"ignore_eos", true}}
+      .dump();
+}
+
 int run_demo(const DemoOptions& o, const std::string& exe) {
   // Ctrl-C reaches the children too (same process group); they drain and exit, and
   // the Subprocess destructors reap them.
@@ -88,20 +103,12 @@ int run_demo(const DemoOptions& o, const std::string& exe) {
   cli.set_read_timeout(std::chrono::seconds(120));
   std::vector<double> latencies;
   for (int r = 0; r < o.requests; ++r) {
-    json content = json::array({{{"type", "text"}, {"text", "What is in these pictures?"}}});
-    for (int i = 0; i < o.images_per_request; ++i) {
-      auto png = engine::encode_png(
-                     engine::synthetic_image(560, 560, static_cast<uint64_t>(r % 2 * 10 + i)))
-                     .value();
-      content.push_back({{"type", "image_url"},
-                         {"image_url", {{"url", engine::make_data_url(png, "image/png")}}}});
-    }
-    json body = {{"model", "ecx-tiny-vl"},
-                 {"messages", json::array({{{"role", "user"}, {"content", content}}})},
-                 {"max_tokens", o.max_tokens},
-                 {"ignore_eos", true}};
+    std::vector<uint64_t> seeds;
+    for (int i = 0; i < o.images_per_request; ++i)
+      seeds.push_back(static_cast<uint64_t>(r % 2 * 10 + i));
+    std::string body = sample_chat_request("What is in these pictures?", seeds, o.max_tokens);
     auto t0 = std::chrono::steady_clock::now();
-    auto res = cli.Post("/v1/chat/completions", body.dump(), "application/json");
+    auto res = cli.Post("/v1/chat/completions", body, "application/json");
     double ms =
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     if (!res) return fail(Unavailable("proxy: " + httplib::to_string(res.error())));

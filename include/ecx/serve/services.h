@@ -47,6 +47,11 @@ Result<RunningService> spawn_service(const std::vector<std::string>& argv, Deadl
 // SIGTERM (drain), then SIGKILL if it has not exited by `deadline`.
 void stop_service(Subprocess& process, Deadline deadline);
 
+// A chat completion body (JSON text): `text`, then one 560x560 synthetic PNG per seed,
+// greedy with ignore_eos. What the demo and `ecx eval` send.
+std::string sample_chat_request(const std::string& text, const std::vector<uint64_t>& image_seeds,
+                                int max_tokens);
+
 // Each returns the process exit code.
 int run_encoder_service(const ServiceConfig& config);
 int run_pd_service(const ServiceConfig& config);

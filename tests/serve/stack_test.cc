@@ -388,6 +388,24 @@ TEST_F(StackTest, SigtermLetsAStreamInFlightFinish) {
   EXPECT_EQ(finish, "length");
 }
 
+TEST_F(StackTest, ServicesReadAConfigFile) {
+  std::ofstream(dir_ / "pd.toml") << "port = 0\nmodel = \"renamed-model\"\nconnector = \"local\"\n";
+  Service pd;
+  ASSERT_TRUE(Stack::launch(pd, "pd", {"--config", (dir_ / "pd.toml").string()}).ok());
+  httplib::Client cli(pd.host, pd.port);
+  auto models = cli.Get("/v1/models");
+  ASSERT_TRUE(models);
+  EXPECT_EQ(json::parse(models->body)["data"][0]["id"], "renamed-model");
+  // A flag on the command line wins over the file.
+  Service pd2;
+  ASSERT_TRUE(
+      Stack::launch(pd2, "pd", {"--config", (dir_ / "pd.toml").string(), "--model", "flag-model"})
+          .ok());
+  auto models2 = httplib::Client(pd2.host, pd2.port).Get("/v1/models");
+  ASSERT_TRUE(models2);
+  EXPECT_EQ(json::parse(models2->body)["data"][0]["id"], "flag-model");
+}
+
 TEST_F(StackTest, DeadEncoderOrPdGives502AndSigtermDrains) {
   Stack stack;
   ASSERT_TRUE(stack.start("p2p", dir_).ok());

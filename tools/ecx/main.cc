@@ -2,6 +2,8 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
+#include <fstream>
 #include <iostream>
 #include <sstream>
 
@@ -20,24 +22,90 @@ std::string self_exe() {
   return n > 0 ? std::string(buf, static_cast<size_t>(n)) : "ecx";
 }
 
+// Every service flag can also come from a config file (--config) or an ECX_* environment
+// variable. Precedence: a flag on the command line, then the file, then the
+// environment, then the default shown in --help.
 void add_service_flags(CLI::App* app, ecx::serve::ServiceConfig& c) {
-  app->add_option("--host", c.host, "Listen address")->capture_default_str();
-  app->add_option("--port", c.port, "Listen port (0 = any free port)")->capture_default_str();
-  app->add_option("--model", c.model, "Served model name")->capture_default_str();
+  app->option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  app->add_option("--config", "Read flags from a file of `key = value` lines (keys = flag names)");
+  app->add_option("--host", c.host, "Listen address")->envname("ECX_HOST")->capture_default_str();
+  app->add_option("--port", c.port, "Listen port (0 = any free port)")
+      ->envname("ECX_PORT")
+      ->capture_default_str();
+  app->add_option("--model", c.model, "Served model name")
+      ->envname("ECX_MODEL")
+      ->capture_default_str();
   app->add_option("--connector", c.connector, "p2p, p2p:push, p2p:pull-2step, disk, store or local")
+      ->envname("ECX_CONNECTOR")
       ->capture_default_str();
   app->add_option("--ec-config", c.ec_config,
-                  "Whole connector config JSON (as vLLM's --ec-transfer-config)");
-  app->add_option("--weights", c.weights, "Model weights (safetensors); default: seeded");
-  app->add_option("--allowed-root", c.allowed_root, "Folder local image files may come from");
-  app->add_option("--threads", c.threads, "HTTP worker threads")->capture_default_str();
-  app->add_option("--max-images", c.max_images, "Images per request")->capture_default_str();
+                  "Whole connector config JSON (as vLLM's --ec-transfer-config)")
+      ->envname("ECX_EC_CONFIG");
+  app->add_option("--weights", c.weights, "Model weights (safetensors); default: seeded")
+      ->envname("ECX_WEIGHTS");
+  app->add_option("--allowed-root", c.allowed_root, "Folder local image files may come from")
+      ->envname("ECX_ALLOWED_ROOT");
+  app->add_option("--threads", c.threads, "HTTP worker threads")
+      ->envname("ECX_THREADS")
+      ->capture_default_str();
+  app->add_option("--max-images", c.max_images, "Images per request")
+      ->envname("ECX_MAX_IMAGES")
+      ->capture_default_str();
   app->add_option("--max-image-bytes", c.max_image_bytes, "Encoded image size limit")
+      ->envname("ECX_MAX_IMAGE_BYTES")
       ->capture_default_str();
   app->add_option("--max-image-pixels", c.max_image_pixels, "Decoded image pixel limit")
+      ->envname("ECX_MAX_IMAGE_PIXELS")
+      ->capture_default_str();
+  app->add_option("--max-model-len", c.max_model_len, "Prompt + generated tokens limit")
+      ->envname("ECX_MAX_MODEL_LEN")
       ->capture_default_str();
   app->add_option("--request-timeout-ms", c.request_timeout_ms, "Deadline of a request")
+      ->envname("ECX_REQUEST_TIMEOUT_MS")
       ->capture_default_str();
+}
+
+// Expands `--config FILE` into flags placed before the command line's own, so a flag
+// given on the command line wins (options take the last value). The file has one
+// `key = value` per line (TOML-like; quotes optional; # comments and [sections] ignored).
+bool expand_config(std::vector<std::string>& args) {
+  for (size_t i = 0; i < args.size(); ++i) {
+    std::string path;
+    if (args[i] == "--config" && i + 1 < args.size()) {
+      path = args[i + 1];
+    } else if (args[i].rfind("--config=", 0) == 0) {
+      path = args[i].substr(9);
+    } else {
+      continue;
+    }
+    std::ifstream in(path);
+    if (!in) {
+      std::cerr << "ecx: cannot read config file " << path << "\n";
+      return false;
+    }
+    std::vector<std::string> flags;
+    std::string line;
+    while (std::getline(in, line)) {
+      auto hash = line.find('#');
+      if (hash != std::string::npos) line.resize(hash);
+      auto eq = line.find('=');
+      auto trim = [](std::string t) {
+        t.erase(0, t.find_first_not_of(" \t\r"));
+        t.erase(t.find_last_not_of(" \t\r") + 1);
+        if (t.size() >= 2 && (t.front() == '"' || t.front() == '\'') && t.back() == t.front())
+          t = t.substr(1, t.size() - 2);
+        return t;
+      };
+      if (eq == std::string::npos || trim(line).rfind('[', 0) == 0) continue;
+      flags.push_back("--" + trim(line.substr(0, eq)));
+      flags.push_back(trim(line.substr(eq + 1)));
+    }
+    // Insert after "serve <role>" (the first three arguments) and before the rest.
+    size_t at = std::min<size_t>(3, args.size());
+    args.insert(args.begin() + static_cast<long>(at), flags.begin(), flags.end());
+    return true;
+  }
+  return true;
 }
 
 }  // namespace
@@ -66,8 +134,11 @@ int main(int argc, char** argv) {
     add_service_flags(s, cfg);
     s->add_option("--log-level", log_level, "trace, debug, info, warn, error, off");
     if (std::string(role) == "proxy") {
-      s->add_option("--encoders", encoders, "Encoder URLs, comma-separated");
-      s->add_option("--pd", pds, "Prefill/decode URLs, comma-separated")->required();
+      s->add_option("--encoders", encoders, "Encoder URLs, comma-separated")
+          ->envname("ECX_ENCODERS");
+      s->add_option("--pd", pds, "Prefill/decode URLs, comma-separated")
+          ->envname("ECX_PD")
+          ->required();
       s->add_option("--encode-timeout-ms", cfg.encode_timeout_ms, "Deadline of one encode")
           ->capture_default_str();
     }
@@ -127,6 +198,14 @@ int main(int argc, char** argv) {
       std::exit(2);
     }
   });
-  CLI11_PARSE(app, argc, argv);
+  std::vector<std::string> args(argv, argv + argc);
+  if (args.size() > 2 && args[1] == "serve" && !expand_config(args)) return 2;
+  std::reverse(args.begin() + 1, args.end());  // CLI11 parses a reversed vector
+  args.erase(args.begin());
+  try {
+    app.parse(std::move(args));
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
   return exit_code;
 }

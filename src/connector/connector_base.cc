@@ -266,16 +266,19 @@ void ConnectorBase::run_load(const std::shared_ptr<RequestState>& state) {
       auto reserved = reserve_or_join(item, holder, deadline);
       Status s = reserved.ok() ? Status::Ok() : reserved.status();
       if (s.ok()) pins.push_back(reserved->first.pin_id);
+      double recompute_ms = 0;
       if (s.ok() && !reserved->second) {
         const cache::BlockRef& ref = reserved->first.ref;
+        auto t_encode = Clock::now();
         s = context_.recompute(item.mm_hash, item.meta,
                                std::span<std::byte>(ref.payload(), item.meta.byte_size()));
+        recompute_ms = std::chrono::duration<double, std::milli>(Clock::now() - t_encode).count();
         if (s.ok()) s = consumer_cache_->commit(item.mm_hash, ref.generation);
         if (!s.ok()) consumer_cache_->abort(item.mm_hash, ref.generation);
       }
       if (s.ok()) {
         items_recomputed_++;
-        outcome.items.push_back({item.mm_hash, Status::Ok(), true, false});
+        outcome.items.push_back({item.mm_hash, Status::Ok(), true, false, recompute_ms});
         continue;
       }
       failure = s.with_context("recompute after '" + failure.message() + "'");

@@ -31,18 +31,7 @@ class PreparedImages {
     auto& e = map_[img.mm_hash];
     if (e.refs++ == 0) e.image = std::make_shared<engine::PreparedImage>(img);
   }
-  // Encode time spent on this image by recomputes (per image, so concurrent requests
-  // do not see each other's).
-  void add_encode_us(const MmHash& h, uint64_t us) {
-    std::lock_guard lock(mu_);
-    auto it = map_.find(h);
-    if (it != map_.end()) it->second.encode_us += us;
-  }
-  uint64_t encode_us(const MmHash& h) {
-    std::lock_guard lock(mu_);
-    auto it = map_.find(h);
-    return it == map_.end() ? 0 : it->second.encode_us;
-  }
+
   void drop(const MmHash& h) {
     std::lock_guard lock(mu_);
     auto it = map_.find(h);
@@ -58,7 +47,6 @@ class PreparedImages {
   struct Entry {
     std::shared_ptr<engine::PreparedImage> image;
     int refs = 0;
-    uint64_t encode_us = 0;
   };
   std::mutex mu_;
   std::map<MmHash, Entry> map_;  // guarded by mu_
@@ -97,10 +85,7 @@ int run_pd_service(const ServiceConfig& config) {
   ctx.recompute = [&](const MmHash& h, const TensorMeta&, std::span<std::byte> out) -> Status {
     auto img = prepared_images.get(h);
     if (!img) return NotFound("no prepared image for " + h.str());
-    auto t0 = Clock::now();
-    Status s = (*encoder)->encode(*img, out);
-    prepared_images.add_encode_us(h, static_cast<uint64_t>(ms_since(t0) * 1000));
-    return s;
+    return (*encoder)->encode(*img, out);
   };
   std::string engine_id = "pd-" + std::to_string(::getpid());
   auto cc = connector_config(config, connector::Role::kConsumer, model->config, engine_id);
@@ -199,8 +184,7 @@ int run_pd_service(const ServiceConfig& config) {
       outcome = (*conn)->load(load, Deadline::after_ms(config.request_timeout_ms));
     double load_ms = ms_since(t_load);
     double encode_ms = 0;
-    for (const auto& h : job->images)
-      encode_ms += static_cast<double>(prepared_images.encode_us(h)) / 1000.0;
+    for (const auto& item : outcome.items) encode_ms += item.recompute_ms;
     job->timings["ec_load_ms"] = load_ms - encode_ms;
     job->timings["encode_ms"] = encode_ms;
     int recomputed = 0;

@@ -160,6 +160,13 @@ TEST_F(StackTest, EveryConnectorGivesTheSameTextAsLocal) {
     EXPECT_EQ(out["usage"]["completion_tokens"], 16);
     // The embeddings really travelled: nothing was recomputed, except in local mode.
     EXPECT_EQ(out["ecx_timings"]["items_recomputed"], connector == "local" ? 2 : 0) << connector;
+    // Timings are this request's own: encoding only where PD encoded, never negative.
+    EXPECT_GE(out["ecx_timings"]["ec_load_ms"].get<double>(), 0.0) << connector;
+    if (connector == "local") {
+      EXPECT_GT(out["ecx_timings"]["encode_ms"].get<double>(), 0.0);
+    } else {
+      EXPECT_EQ(out["ecx_timings"]["encode_ms"].get<double>(), 0.0) << connector;
+    }
     // Streaming gives the same text, framed as OpenAI SSE.
     auto streamed = post(stack.proxy, "/v1/chat/completions", two_image_request(true).dump());
     ASSERT_TRUE(streamed);

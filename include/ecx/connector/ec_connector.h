@@ -78,6 +78,7 @@ struct ItemOutcome {
   Status status;
   bool recomputed = false;  // encoded locally after the load failed
   bool local_hit = false;   // already in this consumer's cache
+  double recompute_ms = 0;  // time spent encoding it locally (this request only)
 };
 
 struct LoadOutcome {

@@ -69,6 +69,12 @@ int run_connector_peer(const std::string& config_json) {
           continue;
         }
         auto slot = conn->begin_save(*mm_hash, *meta);
+        if (cmd == "save" && slot.status().code() == StatusCode::kAlreadyExists) {
+          // Saved before: fresh params for it, as an encoder answers a repeated image.
+          auto again = conn->saved_params(*mm_hash);
+          again.ok() ? reply_ok(again->to_json().dump()) : reply(again.status());
+          continue;
+        }
         if (!slot.ok()) {
           reply(slot.status());
           continue;
@@ -112,8 +118,9 @@ int run_connector_peer(const std::string& config_json) {
         Status s = meta.ok() ? reader->connect(*meta).status() : meta.status();
         std::vector<std::byte> buf(params->length);
         if (s.ok()) {
-          transfer::TransferDescriptor d{buf.data(), params->region, params->offset,
-                                         params->length};
+          auto cap = transfer::Capability::parse_hex(params->capability);
+          transfer::TransferDescriptor d{buf.data(), params->region, params->offset, params->length,
+                                         cap.ok() ? *cap : transfer::Capability{}};
           auto h = reader->read(params->engine_id, {&d, 1});
           s = h.ok() ? h->wait(Deadline::after_ms(10000)) : h.status();
         }

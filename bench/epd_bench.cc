@@ -64,6 +64,7 @@ Status start_stack(const std::string& connector, const std::string& pool_bytes,
                    const std::string& redis, const std::filesystem::path& dir, StackProcs& s) {
   const std::string exe = self_exe();
   bool local = connector == "local";
+  serve::use_new_stack_secret();  // each stack's E and PD share a secret of their own
   json ec = {{"connector", connector.substr(0, connector.find(':'))},
              {"extra", {{"pool_bytes", pool_bytes}}}};
   if (connector.find(':') != std::string::npos)

@@ -175,6 +175,52 @@ class EncoderCachePool::Impl {
     return p;
   }
 
+  Result<Pin> pin_for_peer(const MmHash& mm_hash, const std::string& peer,
+                           std::chrono::milliseconds lease) {
+    std::unique_lock lock(mu_);
+    auto it = entries_.find(mm_hash);
+    if (it == entries_.end()) {
+      return NotFound("mm_hash " + mm_hash.str() + " is not in pool " + config_.name);
+    }
+    Entry& e = it->second;
+    if (!e.ready) {
+      return Status(StatusCode::kNotReady, "mm_hash " + mm_hash.str() + " is still being written");
+    }
+    ECX_ASSIGN_OR_RETURN(transfer::Capability cap,
+                         agent_->grant(region_.id, e.offset, e.block_length, false, peer));
+    touch_locked(e);
+    uint64_t id = add_pin_locked(e, peer.empty() ? std::string("params") : peer, lease);
+    pins_.at(id).capability = cap;
+    pins_by_capability_.emplace(cap, id);
+    return Pin{ref_of(e), id, cap};
+  }
+
+  Result<Pin> pin_of_capability(const MmHash& mm_hash, const transfer::Capability& capability) {
+    std::unique_lock lock(mu_);
+    auto by_cap = pins_by_capability_.find(capability);
+    Status none = NotFound("mm_hash " + mm_hash.str() + ": no live pin in pool " + config_.name +
+                           " with that capability");
+    if (capability.empty() || by_cap == pins_by_capability_.end()) return none;
+    const PinRecord& record = pins_.at(by_cap->second);
+    if (!(record.mm_hash == mm_hash)) return none;
+    auto e = entries_.find(mm_hash);
+    if (e == entries_.end()) return none;
+    return Pin{ref_of(e->second), by_cap->second, capability};
+  }
+
+  Status release_granted(uint64_t pin_id, const transfer::Capability& capability) {
+    std::unique_lock lock(mu_);
+    auto it = pins_.find(pin_id);
+    if (it == pins_.end() || capability.empty() || !(it->second.capability == capability)) {
+      return NotFound("pin " + std::to_string(pin_id) + " in pool " + config_.name +
+                      ": no such pin held with that capability");
+    }
+    end_pin_locked(pin_id);
+    lock.unlock();
+    cv_.notify_all();
+    return Status::Ok();
+  }
+
   Status unpin(uint64_t pin_id) {
     std::unique_lock lock(mu_);
     if (!end_pin_locked(pin_id)) {
@@ -259,6 +305,7 @@ class EncoderCachePool::Impl {
     MmHash mm_hash;
     std::string holder;
     Clock::time_point expiry;
+    transfer::Capability capability;  // from pin_for_peer; revoked when the pin ends
   };
 
   BlockRef ref_of(const Entry& e) const {
@@ -304,6 +351,7 @@ class EncoderCachePool::Impl {
       for (auto p = pins_.begin(); p != pins_.end();) {
         if (p->second.mm_hash == e.mm_hash) {
           expiries_.erase({p->second.expiry, p->first});
+          forget_capability_locked(p->second.capability);
           p = pins_.erase(p);
         } else {
           ++p;
@@ -344,8 +392,15 @@ class EncoderCachePool::Impl {
     expiries_.erase({it->second.expiry, pin_id});
     auto e = entries_.find(it->second.mm_hash);
     if (e != entries_.end() && e->second.pins > 0) e->second.pins--;
+    forget_capability_locked(it->second.capability);
     pins_.erase(it);
     return true;
+  }
+
+  void forget_capability_locked(const transfer::Capability& capability) {
+    if (capability.empty()) return;
+    agent_->revoke(capability);  // the agent's grant table has its own lock; never calls back
+    pins_by_capability_.erase(capability);
   }
 
   void reap_leases() {
@@ -381,6 +436,7 @@ class EncoderCachePool::Impl {
   std::unordered_map<MmHash, Entry> entries_;  // guarded by mu_
   std::list<MmHash> lru_;                      // guarded by mu_; front = most recent
   std::map<uint64_t, PinRecord> pins_;         // guarded by mu_
+  std::map<transfer::Capability, uint64_t> pins_by_capability_;          // guarded by mu_
   std::set<std::pair<Clock::time_point, uint64_t>> expiries_;            // guarded by mu_
   uint64_t next_generation_ = 1;                                         // guarded by mu_
   uint64_t next_pin_ = 1;                                                // guarded by mu_
@@ -398,9 +454,11 @@ Result<std::unique_ptr<EncoderCachePool>> EncoderCachePool::create(transfer::Age
   }
   if (config.lease.count() <= 0)
     return InvalidArgument("pool " + config.name + ": lease must be positive");
-  ECX_ASSIGN_OR_RETURN(transfer::LocalRegion region,
-                       agent->allocate(config.capacity_bytes,
-                                       {.remote_read = true, .remote_write = config.remote_write}));
+  ECX_ASSIGN_OR_RETURN(
+      transfer::LocalRegion region,
+      agent->allocate(config.capacity_bytes, {.remote_read = true,
+                                              .remote_write = config.remote_write,
+                                              .require_grant = config.require_grant}));
   return std::unique_ptr<EncoderCachePool>(
       new EncoderCachePool(std::make_unique<Impl>(agent, std::move(config), region)));
 }
@@ -432,6 +490,16 @@ Result<Pin> EncoderCachePool::pin(const MmHash& h, const std::string& holder,
   return impl_->pin(h, holder, lease.value_or(impl_->default_lease()));
 }
 Status EncoderCachePool::unpin(uint64_t id) { return impl_->unpin(id); }
+Result<Pin> EncoderCachePool::pin_for_peer(const MmHash& h, const std::string& peer,
+                                           std::optional<std::chrono::milliseconds> lease) {
+  return impl_->pin_for_peer(h, peer, lease.value_or(impl_->default_lease()));
+}
+Result<Pin> EncoderCachePool::pin_of_capability(const MmHash& h, const transfer::Capability& c) {
+  return impl_->pin_of_capability(h, c);
+}
+Status EncoderCachePool::release_granted(uint64_t id, const transfer::Capability& c) {
+  return impl_->release_granted(id, c);
+}
 size_t EncoderCachePool::release_holder(const std::string& holder) {
   return impl_->release_holder(holder);
 }

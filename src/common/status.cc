@@ -6,7 +6,7 @@
 namespace ecx {
 namespace {
 
-constexpr std::array<std::pair<StatusCode, std::string_view>, 17> kNames = {{
+constexpr std::array<std::pair<StatusCode, std::string_view>, 18> kNames = {{
     {StatusCode::kOk, "ok"},
     {StatusCode::kInvalidArgument, "invalid_argument"},
     {StatusCode::kNotFound, "missing"},
@@ -24,6 +24,7 @@ constexpr std::array<std::pair<StatusCode, std::string_view>, 17> kNames = {{
     {StatusCode::kIoError, "io_error"},
     {StatusCode::kDataLoss, "data_loss"},
     {StatusCode::kInternal, "internal"},
+    {StatusCode::kPermissionDenied, "permission_denied"},
 }};
 
 }  // namespace

@@ -2,6 +2,7 @@
 
 #include <cstring>
 
+#include "ecx/common/auth.h"
 #include "ecx/connector/ec_connector.h"
 
 namespace ecx::connector {
@@ -85,7 +86,33 @@ json EcTransferParams::to_json() const {
     j["generation"] = generation;
     j["pin"] = pin;
   }
+  if (!capability.empty()) j["capability"] = capability;
+  if (!signature.empty()) j["signature"] = signature;
   return j;
+}
+
+namespace {
+
+Mac params_mac(const EcTransferParams& params, std::string_view secret) {
+  EcTransferParams unsigned_params = params;
+  unsigned_params.signature.clear();
+  // nlohmann::json keeps object keys sorted: the dump is canonical.
+  return hmac_sha256(secret, {"ecx-ec-transfer-params", unsigned_params.to_json().dump()});
+}
+
+}  // namespace
+
+void EcTransferParams::sign(std::string_view secret) {
+  signature = mac_hex(params_mac(*this, secret));
+}
+
+Status EcTransferParams::verify(std::string_view secret) const {
+  auto given = parse_mac_hex(signature);
+  if (!given.ok() || !macs_equal(*given, params_mac(*this, secret))) {
+    return PermissionDenied("ec_transfer_params for " + mm_hash.str() + " from '" + engine_id +
+                            "' are not signed by an encoder of this deployment");
+  }
+  return Status::Ok();
 }
 
 namespace {
@@ -136,6 +163,8 @@ Result<EcTransferParams> EcTransferParams::from_json(const json& j) {
   ECX_ASSIGN_OR_RETURN(p.length, uint_field(j, "length", 1ull << 48));
   ECX_ASSIGN_OR_RETURN(p.generation, uint_field(j, "generation", UINT64_MAX));
   ECX_ASSIGN_OR_RETURN(p.pin, uint_field(j, "pin", UINT64_MAX));
+  ECX_ASSIGN_OR_RETURN(p.capability, string_field(j, "capability", false, 32));
+  ECX_ASSIGN_OR_RETURN(p.signature, string_field(j, "signature", false, 64));
   return p;
 }
 
@@ -159,6 +188,9 @@ LoadOutcome EcConnector::load(const LoadRequest& request, Deadline deadline) {
   // call from many threads at once.
   ConnectorMetadata meta;
   meta.loads.push_back({request, {}});
+  // The load gives up by the earlier of the connector's load timeout and this deadline.
+  auto& own = meta.loads[0].request.deadline;
+  own = own ? Deadline::earliest(*own, deadline) : deadline;
   for (size_t i = 0; i < request.items.size(); ++i) meta.loads[0].items.push_back(i);
   Status started = start_load_caches(meta);
   if (!started.ok()) {

@@ -24,6 +24,9 @@ Status ConnectorBase::init_base(bool consumer_cache_remote_write) {
   ac.tcp_host = options_.tcp_host;
   ac.tcp_port = options_.tcp_port;
   ac.transfer_timeout_ms = options_.load_timeout_ms;
+  ac.auth_secret = options_.auth_secret;
+  ac.max_connections = options_.max_connections;
+  ac.idle_timeout_ms = options_.idle_timeout_ms;
   ECX_ASSIGN_OR_RETURN(agent_, transfer::Agent::create(ac));
   if (is_consumer()) {
     cache::PoolConfig pc;
@@ -31,6 +34,7 @@ Status ConnectorBase::init_base(bool consumer_cache_remote_write) {
     pc.capacity_bytes = options_.pool_bytes;
     pc.lease = std::chrono::milliseconds(options_.consumer_pin_ms);
     pc.remote_write = consumer_cache_remote_write;
+    pc.require_grant = true;  // no peer reads our cache; push producers write only grants
     ECX_ASSIGN_OR_RETURN(consumer_cache_, cache::EncoderCachePool::create(agent_.get(), pc));
     for (int i = 0; i < options_.loader_threads; ++i)
       loaders_.emplace_back([this] { loader_loop(); });
@@ -148,13 +152,17 @@ void ConnectorBase::loader_loop() {
         auto task = std::move(background_.front());
         background_.pop_front();
         lock.unlock();
-        task();
+        try {
+          task();
+        } catch (const std::exception& e) {
+          spdlog::error("connector {}: background task failed: {}", name_, e.what());
+        }
         continue;
       }
       state = std::move(queue_.front());
       queue_.pop_front();
     }
-    run_load(state);
+    run_load(state);  // catches what its connector throws (fetch_guarded)
   }
 }
 
@@ -182,10 +190,32 @@ Result<std::pair<cache::Pin, bool>> ConnectorBase::reserve_or_join(const LoadIte
   }
 }
 
+void ConnectorBase::fetch_guarded(const LoadRequest& request, std::vector<FetchSlot*>& slots,
+                                  Deadline deadline) {
+  try {
+    fetch(request, slots, deadline);
+  } catch (const std::exception& e) {
+    // A bug in a connector must not take the process down nor leave entries "writing".
+    for (FetchSlot* slot : slots) {
+      slot->status = Internal("connector " + name_ + " failed while loading " +
+                              slot->item->mm_hash.str() + ": " + e.what());
+    }
+  }
+  // Success means committed: an entry still being written is a failure, and is dropped.
+  for (FetchSlot* slot : slots) {
+    if (slot->status.ok() && !consumer_cache_->find(slot->item->mm_hash).ok()) {
+      slot->status = Internal("connector " + name_ + " reported " + slot->item->mm_hash.str() +
+                              " loaded but did not commit it");
+    }
+  }
+}
+
 void ConnectorBase::run_load(const std::shared_ptr<RequestState>& state) {
   const auto start = Clock::now();
-  const Deadline deadline = Deadline::after_ms(options_.load_timeout_ms);
   const LoadRequest& request = state->request;
+  // The earlier of the connector's load timeout and the request's own deadline.
+  Deadline deadline = Deadline::after_ms(options_.load_timeout_ms);
+  if (request.deadline) deadline = Deadline::earliest(deadline, *request.deadline);
   const std::string holder = "request:" + request.request_id;
   LoadOutcome outcome;
   std::vector<FetchSlot> slots(state->items.size());
@@ -244,7 +274,7 @@ void ConnectorBase::run_load(const std::shared_ptr<RequestState>& state) {
     to_fetch.push_back(&slot);
   }
 
-  if (!to_fetch.empty()) fetch(request, to_fetch, deadline);
+  if (!to_fetch.empty()) fetch_guarded(request, to_fetch, deadline);
 
   for (FetchSlot* slot : to_fetch) {
     if (!slot->status.ok()) {
@@ -270,8 +300,12 @@ void ConnectorBase::run_load(const std::shared_ptr<RequestState>& state) {
       if (s.ok() && !reserved->second) {
         const cache::BlockRef& ref = reserved->first.ref;
         auto t_encode = Clock::now();
-        s = context_.recompute(item.mm_hash, item.meta,
-                               std::span<std::byte>(ref.payload(), item.meta.byte_size()));
+        try {
+          s = context_.recompute(item.mm_hash, item.meta,
+                                 std::span<std::byte>(ref.payload(), item.meta.byte_size()));
+        } catch (const std::exception& e) {
+          s = Internal(std::string("local encode threw: ") + e.what());
+        }
         recompute_ms = std::chrono::duration<double, std::milli>(Clock::now() - t_encode).count();
         if (s.ok()) s = consumer_cache_->commit(item.mm_hash, ref.generation);
         if (!s.ok()) consumer_cache_->abort(item.mm_hash, ref.generation);

@@ -101,6 +101,9 @@ class ConnectorBase : public EcConnector {
   };
 
   void run_load(const std::shared_ptr<RequestState>& state);
+  // fetch(), with anything it throws turned into failed slots, and every slot that
+  // claims success checked to be committed.
+  void fetch_guarded(const LoadRequest& request, std::vector<FetchSlot*>& slots, Deadline deadline);
   // A pinned block to write (second = false), or the entry another loader wrote
   // (second = true), for `item` in the consumer cache.
   Result<std::pair<cache::Pin, bool>> reserve_or_join(const LoadItem& item,

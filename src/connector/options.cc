@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <set>
 
+#include "ecx/common/auth.h"
 #include "ecx/common/bytes.h"
 
 namespace ecx::connector {
@@ -13,11 +14,12 @@ namespace {
 using nlohmann::json;
 
 const std::set<std::string> kKnownKeys = {
-    "engine_id",         "compat_hash", "failure_policy",  "load_timeout_ms",
-    "pool_bytes",        "lease_ms",    "consumer_pin_ms", "save_wait_ms",
-    "loader_threads",    "mode",        "backend",         "tcp_host",
-    "tcp_port",          "root",        "ttl_s",           "max_bytes",
-    "delete_on_release", "redis"};
+    "engine_id",         "compat_hash",    "failure_policy",  "load_timeout_ms",
+    "pool_bytes",        "lease_ms",       "consumer_pin_ms", "save_wait_ms",
+    "loader_threads",    "mode",           "backend",         "tcp_host",
+    "tcp_port",          "root",           "ttl_s",           "max_bytes",
+    "delete_on_release", "redis",          "auth_token",      "auth_token_file",
+    "max_connections",   "idle_timeout_ms"};
 
 Status get_string(const json& extra, const char* key, std::string* out) {
   auto it = extra.find(key);
@@ -66,6 +68,14 @@ Result<ConnectorOptions> ConnectorOptions::parse(const std::string& connector, c
   o.engine_id = connector + "-" + std::to_string(::getpid());
   o.root = (std::filesystem::temp_directory_path() / "ecx-disk-cache").string();
   ECX_RETURN_IF_ERROR(get_string(extra, "engine_id", &o.engine_id));
+  std::string token, token_file;
+  ECX_RETURN_IF_ERROR(get_string(extra, "auth_token", &token));
+  ECX_RETURN_IF_ERROR(get_string(extra, "auth_token_file", &token_file));
+  ECX_ASSIGN_OR_RETURN(o.auth_secret, load_secret(token, token_file));
+  int64_t max_connections = o.max_connections;
+  ECX_RETURN_IF_ERROR(get_int(extra, "max_connections", 1, 65536, &max_connections));
+  o.max_connections = static_cast<int>(max_connections);
+  ECX_RETURN_IF_ERROR(get_int(extra, "idle_timeout_ms", 100, 86'400'000, &o.idle_timeout_ms));
   ECX_RETURN_IF_ERROR(get_string(extra, "compat_hash", &o.compat_hash));
   std::string policy = "recompute";
   ECX_RETURN_IF_ERROR(get_string(extra, "failure_policy", &policy));

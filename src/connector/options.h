@@ -23,6 +23,11 @@ struct ConnectorOptions {
   int64_t consumer_pin_ms = 600000;  // consumer pins, released by request_finished
   int64_t save_wait_ms = 2000;       // producer backpressure when its pool is pinned full
   int loader_threads = 4;
+  // The deployment secret (auth_token, or auth_token_file): authenticates agents and signs
+  // ec_transfer_params. Empty: no secret, agents on loopback only.
+  std::string auth_secret;
+  int max_connections = 256;        // per agent
+  int64_t idle_timeout_ms = 60000;  // served agent connections idle this long close
   // p2p
   std::string mode = "pull";  // pull | pull-2step | push
   transfer::Backend backend = transfer::Backend::kAuto;

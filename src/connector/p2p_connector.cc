@@ -3,6 +3,7 @@
 #include <cstring>
 #include <map>
 
+#include "connector/control_messages.h"
 #include "ecx/common/checksum.h"
 #include "ecx/common/log.h"
 
@@ -21,16 +22,11 @@ struct Location {
   uint64_t length = 0;
   uint64_t generation = 0;
   uint64_t pin = 0;
+  transfer::Capability capability;
 };
 
-json status_json(const Status& s) {
-  return {{"status", std::string(status_code_name(s.code()))}, {"message", s.message()}};
-}
-
-Status status_from_json(const json& j) {
-  auto code = status_code_from_name(j.value("status", "internal")).value_or(StatusCode::kInternal);
-  return Status(code, j.value("message", std::string()));
-}
+// Producers remembered by the consumer (engine id -> metadata) before the map is reset.
+constexpr size_t kMaxKnownProducers = 1024;
 
 class P2pConnector final : public ConnectorBase {
  public:
@@ -49,6 +45,7 @@ class P2pConnector final : public ConnectorBase {
       pc.name = options().engine_id;
       pc.capacity_bytes = options().pool_bytes;
       pc.lease = std::chrono::milliseconds(options().lease_ms);
+      pc.require_grant = true;  // peers read only the blocks they were handed
       ECX_ASSIGN_OR_RETURN(producer_pool_, cache::EncoderCachePool::create(agent(), pc));
       agent()->set_call_handler([this](const std::string& peer, std::string_view body) {
         return handle_call(peer, body);
@@ -101,8 +98,9 @@ class P2pConnector final : public ConnectorBase {
 
   // An entry that is already cached is not written again: E can skip the encoder.
   Result<EcTransferParams> params_for(const MmHash& mm_hash) {
-    // The pin keeps the block in place until the consumer's RELEASE or the lease ends.
-    ECX_ASSIGN_OR_RETURN(cache::Pin pin, producer_pool_->pin(mm_hash, "params"));
+    // The pin keeps the block in place until the consumer's RELEASE or the lease ends;
+    // its capability is the only way in for whoever the proxy hands the params to.
+    ECX_ASSIGN_OR_RETURN(cache::Pin pin, producer_pool_->pin_for_peer(mm_hash, ""));
     EcTransferParams p;
     p.connector = "p2p";
     p.mode = options().mode;
@@ -117,6 +115,8 @@ class P2pConnector final : public ConnectorBase {
     p.length = pin.ref.block_length;
     p.generation = pin.ref.generation;
     p.pin = pin.pin_id;
+    p.capability = pin.capability.hex();
+    p.sign(options().auth_secret);
     return p;
   }
 
@@ -127,131 +127,132 @@ class P2pConnector final : public ConnectorBase {
   }
 
   Result<std::string> handle_call(const std::string& peer, std::string_view body) {
-    json req = json::parse(body, nullptr, false);
-    if (req.is_discarded() || !req.is_object() || !req.contains("op") || !req["op"].is_string()) {
-      return InvalidArgument(name() + ": request is not a JSON object with an 'op'");
-    }
-    try {
-      std::string op = req["op"];
-      if (op == "lookup") return handle_lookup(peer, req).dump();
-      if (op == "load") return handle_load(peer, req);
-      return InvalidArgument(name() + ": unknown op '" + op + "'");
-    } catch (const json::exception& e) {
-      return InvalidArgument(name() + ": malformed request: " + e.what());
-    }
-  }
-
-  json handle_lookup(const std::string& peer, const json& req) {
-    int64_t wait_ms = std::clamp<int64_t>(req.value("wait_ms", int64_t{0}), 0, kMaxLookupWaitMs);
-    Deadline wait = Deadline::after_ms(wait_ms);
-    json items = json::array();
-    for (const auto& item : req.at("items")) {
-      auto mm_hash = MmHash::parse(item.at("mm_hash").get<std::string>());
-      Status s = mm_hash.ok() ? Status::Ok() : mm_hash.status();
-      json out = {{"mm_hash", item.at("mm_hash")}};
-      if (s.ok()) {
-        auto ready = producer_pool_->wait_ready(*mm_hash, wait);
-        if (ready.ok()) {
-          auto pin = producer_pool_->pin(*mm_hash, peer);  // released by RELEASE or peer death
-          if (pin.ok()) {
-            out.update({{"region", pin->ref.region},
-                        {"offset", pin->ref.offset},
-                        {"length", pin->ref.block_length},
-                        {"generation", pin->ref.generation},
-                        {"pin", pin->pin_id}});
-          }
-          s = pin.ok() ? Status::Ok() : pin.status();
-        } else {
-          s = ready.status();
-        }
+    auto request = parse_control_request(body);
+    if (!request.ok()) return request.status().with_context(name() + " from " + peer);
+    try {  // nothing below throws by design; this keeps a bug from killing the server thread
+      if (auto* lookup = std::get_if<LookupRequest>(&*request)) {
+        return to_json(handle_lookup(peer, *lookup));
       }
-      out.update(status_json(s));
-      items.push_back(out);
+      return handle_load(peer, std::get<LoadBlocksRequest>(*request));
+    } catch (const std::exception& e) {
+      return Internal(name() + ": request from " + peer + " failed: " + e.what());
     }
-    return {{"items", items}};
   }
 
-  Result<std::string> handle_load(const std::string& peer, const json& req) {
-    ECX_ASSIGN_OR_RETURN(auto consumer,
-                         transfer::AgentMetadata::parse(req.at("consumer").get<std::string>()));
+  // The entry a consumer asks for, pinned for that consumer alone. With a capability,
+  // the consumer proves it was handed the entry (the params' pin must still be live);
+  // without one it is a lookup by key: knowing the mm_hash (a SHA-256 of the image) is
+  // the proof, and only authenticated agents of the deployment get this far.
+  Result<cache::Pin> entry_for(const std::string& peer, const MmHash& mm_hash,
+                               const transfer::Capability& capability, Deadline wait) {
+    if (!capability.empty()) {
+      ECX_RETURN_IF_ERROR(producer_pool_->pin_of_capability(mm_hash, capability).status());
+    }
+    ECX_RETURN_IF_ERROR(producer_pool_->wait_ready(mm_hash, wait).status());
+    return producer_pool_->pin_for_peer(mm_hash, peer);  // ends by RELEASE or peer death
+  }
+
+  ItemsReply handle_lookup(const std::string& peer, const LookupRequest& req) {
+    Deadline wait = Deadline::after_ms(std::min<int64_t>(req.wait_ms, kMaxLookupWaitMs));
+    ItemsReply reply;
+    for (const auto& item : req.items) {
+      ItemReply out{.mm_hash = item.mm_hash};
+      auto pin = entry_for(peer, item.mm_hash, item.capability, wait);
+      if (pin.ok()) {
+        out.region = pin->ref.region;
+        out.offset = pin->ref.offset;
+        out.length = pin->ref.block_length;
+        out.generation = pin->ref.generation;
+        out.pin = pin->pin_id;
+        out.capability = pin->capability;
+      }
+      out.status = pin.status();
+      reply.items.push_back(std::move(out));
+    }
+    return reply;
+  }
+
+  // push: writes each block the consumer asks for (entry_for) into the window the
+  // consumer granted us for it, then ends the pins: ours, and the params' it names.
+  Result<std::string> handle_load(const std::string& peer, const LoadBlocksRequest& req) {
+    ECX_ASSIGN_OR_RETURN(auto consumer, transfer::AgentMetadata::parse(req.consumer));
     if (consumer.name != peer)
       return InvalidArgument("load: consumer metadata names '" + consumer.name +
                              "', not the caller");
-    ECX_ASSIGN_OR_RETURN(auto backend, transfer::parse_backend(req.value("backend", "auto")));
-    ECX_RETURN_IF_ERROR(agent()->connect(consumer, {.backend = backend}).status());
-    int64_t wait_ms = std::clamp<int64_t>(req.value("wait_ms", int64_t{0}), 0, kMaxLookupWaitMs);
-    Deadline wait = Deadline::after_ms(wait_ms);
+    ECX_RETURN_IF_ERROR(agent()->connect(consumer, {.backend = req.backend}).status());
+    Deadline wait = Deadline::after_ms(std::min<int64_t>(req.wait_ms, kMaxLookupWaitMs));
     std::vector<transfer::TransferDescriptor> descs;
-    std::vector<uint64_t> temp_pins;
-    json items = json::array();
-    std::vector<size_t> moving;  // index into items of each descriptor
-    for (const auto& item : req.at("items")) {
-      json out = {{"mm_hash", item.at("mm_hash")}};
-      auto mm_hash = MmHash::parse(item.at("mm_hash").get<std::string>());
-      Status s = mm_hash.ok() ? Status::Ok() : mm_hash.status();
-      std::optional<cache::Pin> pin;
-      if (s.ok()) s = producer_pool_->wait_ready(*mm_hash, wait).status();
-      if (s.ok()) {
-        auto pinned = producer_pool_->pin(*mm_hash, "push:" + peer);
-        if (pinned.ok()) {
-          pin = *pinned;
-        } else {
-          s = pinned.status();
-        }
+    std::vector<size_t> moving;  // reply index of each descriptor
+    std::vector<uint64_t> our_pins;
+    ItemsReply reply;
+    for (const auto& item : req.items) {
+      ItemReply out{.mm_hash = item.mm_hash};
+      auto pin = entry_for(peer, item.mm_hash, item.capability, wait);
+      Status s = pin.status();
+      if (pin.ok()) our_pins.push_back(pin->pin_id);
+      if (s.ok() && item.generation != 0 && item.generation != pin->ref.generation) {
+        s = Status(StatusCode::kEvicted, "mm_hash " + item.mm_hash.str() + ": generation " +
+                                             std::to_string(pin->ref.generation) + " != expected " +
+                                             std::to_string(item.generation) + " (evicted)");
+      } else if (s.ok() && item.dst_length != pin->ref.block_length) {
+        s = InvalidArgument("load: destination of " + std::to_string(item.dst_length) +
+                            " bytes for a block of " + std::to_string(pin->ref.block_length));
       }
       if (s.ok()) {
-        uint64_t want = item.value("generation", uint64_t{0});
-        uint64_t dst_length = item.at("dst_length").get<uint64_t>();
-        if (want != 0 && want != pin->ref.generation) {
-          s = Status(StatusCode::kEvicted, "mm_hash " + mm_hash->str() + ": generation " +
-                                               std::to_string(pin->ref.generation) +
-                                               " != expected " + std::to_string(want) +
-                                               " (evicted)");
-        } else if (dst_length != pin->ref.block_length) {
-          s = InvalidArgument("load: destination of " + std::to_string(dst_length) +
-                              " bytes for a block of " + std::to_string(pin->ref.block_length));
-        }
+        descs.push_back({pin->ref.block, item.dst_region, item.dst_offset, pin->ref.block_length,
+                         item.dst_capability});
+        moving.push_back(reply.items.size());
       }
-      if (pin) temp_pins.push_back(pin->pin_id);
-      if (s.ok()) {
-        descs.push_back({pin->ref.block, item.at("dst_region").get<uint32_t>(),
-                         item.at("dst_offset").get<uint64_t>(), pin->ref.block_length});
-        moving.push_back(items.size());
-        if (item.contains("pin")) producer_pool_->unpin(item["pin"].get<uint64_t>()).ignore_error();
-      }
-      out.update(status_json(s));
-      items.push_back(out);
+      out.status = s;
+      reply.items.push_back(std::move(out));
     }
     if (!descs.empty()) {
       auto handle = agent()->write(peer, descs);
       Status s = handle.ok() ? handle->wait(Deadline::after_ms(options().load_timeout_ms))
                              : handle.status();
       if (!s.ok()) {
-        for (size_t i : moving) items[i].update(status_json(s));
+        for (size_t i : moving) reply.items[i].status = s;
       }
     }
-    for (uint64_t p : temp_pins) producer_pool_->unpin(p).ignore_error();
-    return json{{"items", items}}.dump();
+    for (uint64_t pin : our_pins) producer_pool_->unpin(pin).ignore_error();
+    for (const auto& item : req.items) {
+      if (item.pin != 0) producer_pool_->release_granted(item.pin, item.capability).ignore_error();
+    }
+    return to_json(reply);
   }
 
   void handle_notification(const transfer::Notification& n) {
-    json msg = json::parse(n.message, nullptr, false);
-    if (msg.is_discarded() || msg.value("op", "") != "release" || !msg.contains("pins") ||
-        !msg["pins"].is_array()) {
-      spdlog::warn("{}: ignored a malformed notification from {}", name(), n.from);
+    auto notice = parse_release_notice(n.message);
+    if (!notice.ok()) {
+      spdlog::warn("{}: ignored a notification from {}: {}", name(), n.from,
+                   notice.status().message());
       return;
     }
-    for (const auto& p : msg["pins"]) {
-      if (p.is_number_unsigned()) {
-        if (producer_pool_->unpin(p.get<uint64_t>()).ok()) releases_received_++;
-      }
+    // Only pins whose capability the sender holds: nobody ends another reader's pin.
+    for (const auto& p : notice->pins) {
+      if (producer_pool_->release_granted(p.pin, p.capability).ok()) releases_received_++;
     }
   }
 
   // ---------------- consumer ----------------
 
   bool can_load(const LoadItem& item) override {
-    return item.params && item.params->connector == "p2p" && !item.params->agent.empty();
+    if (!item.params || item.params->connector != "p2p" || item.params->agent.empty()) {
+      return false;
+    }
+    // Only params an encoder of this deployment issued, for this very item: anything
+    // else (a client's forgery, a mix-up) is ignored, and the item is computed here.
+    Status trusted =
+        item.params->mm_hash == item.mm_hash
+            ? item.params->verify(options().auth_secret)
+            : PermissionDenied("ec_transfer_params name mm_hash " + item.params->mm_hash.str() +
+                               ", not " + item.mm_hash.str());
+    if (!trusted.ok()) {
+      params_rejected_++;
+      spdlog::warn("{}: ignoring ec_transfer_params: {}", name(), trusted.message());
+      return false;
+    }
+    return true;
   }
 
   void fetch(const LoadRequest& request, std::vector<FetchSlot*>& slots,
@@ -298,60 +299,58 @@ class P2pConnector final : public ConnectorBase {
     ECX_RETURN_IF_ERROR(
         agent()->connect(meta, {.backend = options().backend, .deadline = deadline}).status());
     std::lock_guard lock(producers_mu_);
+    if (known_producers_.size() >= kMaxKnownProducers) known_producers_.clear();
     known_producers_[params.engine_id] = params.agent;
     return Status::Ok();
   }
 
-  // Asks the producer where the blocks are (and pins them for us). Retries not-ready
-  // items, each retry waiting at the producer, until the deadline.
+  // Asks the producer where the blocks are (and pins them for us), proving with each
+  // item's params capability. Retries not-ready items, each retry waiting at the
+  // producer, until the deadline.
   void lookup(const std::string& producer, std::vector<FetchSlot*>& group,
               std::vector<Location>& where, Deadline deadline) {
     std::vector<size_t> pending;
     for (size_t i = 0; i < group.size(); ++i) pending.push_back(i);
     int64_t wait_ms = 0;
     while (!pending.empty()) {
-      json items = json::array();
-      for (size_t i : pending) items.push_back({{"mm_hash", group[i]->item->mm_hash.str()}});
-      json req = {{"op", "lookup"}, {"items", items}, {"wait_ms", wait_ms}};
-      auto reply = agent()->call(producer, req.dump(), deadline);
-      if (!reply.ok()) {
-        for (size_t i : pending) group[i]->status = reply.status();
-        return;
+      LookupRequest req{.wait_ms = wait_ms};
+      for (size_t i : pending) {
+        auto cap = params_capability(*group[i]->item->params);
+        req.items.push_back({group[i]->item->mm_hash, cap.ok() ? *cap : transfer::Capability{}});
       }
-      json r = json::parse(*reply, nullptr, false);
-      if (r.is_discarded() || !r.contains("items") || !r["items"].is_array() ||
-          r["items"].size() != pending.size()) {
-        for (size_t i : pending)
-          group[i]->status = Internal("malformed lookup reply from " + producer);
+      auto answer = agent()->call(producer, to_json(req), deadline);
+      Result<ItemsReply> reply = answer.ok() ? parse_items_reply(*answer, pending.size())
+                                             : Result<ItemsReply>(answer.status());
+      if (!reply.ok()) {
+        for (size_t i : pending) {
+          group[i]->status = reply.status().with_context("lookup at " + producer);
+        }
         return;
       }
       std::vector<size_t> again;
       for (size_t k = 0; k < pending.size(); ++k) {
-        const json& it = r["items"][k];
-        Status s = status_from_json(it);
+        const ItemReply& it = reply->items[k];
         FetchSlot* slot = group[pending[k]];
-        if (s.code() == StatusCode::kNotReady && !deadline.expired()) {
+        if (it.status.code() == StatusCode::kNotReady && !deadline.expired()) {
           note_not_ready(slot->item->mm_hash);
           again.push_back(pending[k]);
           continue;
         }
-        if (!s.ok()) {
-          slot->status = s;
-          continue;
-        }
-        Location& loc = where[pending[k]];
-        loc.region = it.value("region", 0u);
-        loc.offset = it.value("offset", uint64_t{0});
-        loc.length = it.value("length", uint64_t{0});
-        loc.generation = it.value("generation", uint64_t{0});
-        loc.pin = it.value("pin", uint64_t{0});
-        slot->status = Status::Ok();
+        slot->status = it.status;
+        if (!it.status.ok()) continue;
+        where[pending[k]] = {it.region, it.offset, it.length, it.generation, it.pin, it.capability};
       }
       pending.swap(again);
       auto left =
           std::chrono::duration_cast<std::chrono::milliseconds>(deadline.remaining()).count();
       wait_ms = std::min<int64_t>(left, kMaxLookupWaitMs);
     }
+  }
+
+  static Result<transfer::Capability> params_capability(const EcTransferParams& p) {
+    auto cap = transfer::Capability::parse_hex(p.capability);
+    if (!cap.ok()) return cap.status().with_context("ec_transfer_params for " + p.mm_hash.str());
+    return cap;
   }
 
   void fetch_pull(const std::string& producer, std::vector<FetchSlot*>& group, Deadline deadline,
@@ -365,9 +364,14 @@ class P2pConnector final : public ConnectorBase {
       if (force_lookup || !p.has_location()) {
         need_lookup.push_back(group[i]);
         lookup_index.push_back(i);
-      } else {
-        where[i] = {p.region, p.offset, p.length, p.generation, p.pin};
+        continue;
       }
+      auto cap = params_capability(p);
+      if (!cap.ok()) {
+        group[i]->status = cap.status();
+        continue;
+      }
+      where[i] = {p.region, p.offset, p.length, p.generation, p.pin, *cap};
     }
     if (!need_lookup.empty()) {
       std::vector<Location> found(need_lookup.size());
@@ -389,7 +393,7 @@ class P2pConnector final : public ConnectorBase {
             std::to_string(slot->block.block_length) + " bytes with header)");
         continue;
       }
-      descs.push_back({slot->block.block, loc.region, loc.offset, loc.length});
+      descs.push_back({slot->block.block, loc.region, loc.offset, loc.length, loc.capability});
       moving.push_back(slot);
       moving_where.push_back(loc);
     }
@@ -400,7 +404,7 @@ class P2pConnector final : public ConnectorBase {
       for (size_t k = 0; k < moving.size(); ++k) {
         FetchSlot* slot = moving[k];
         const Location& loc = moving_where[k];
-        auto view = agent()->view(producer, loc.region, loc.offset, loc.length);
+        auto view = agent()->view(producer, loc.region, loc.offset, loc.length, loc.capability);
         if (!view.ok()) {
           slot->status = view.status();
           continue;
@@ -432,53 +436,67 @@ class P2pConnector final : public ConnectorBase {
         }
       }
     }
+    // A grant the producer no longer holds: its pin ended (released, expired), so the
+    // block may be gone. That is the "evicted" NACK, not an error of ours.
+    for (FetchSlot* slot : group) {
+      if (slot->status.code() == StatusCode::kPermissionDenied) {
+        slot->status = Status(StatusCode::kEvicted,
+                              slot->status.message() + " (the producer no longer grants it)");
+      }
+    }
     // Release what we pinned at the producer (params pins and lookup pins), in one
     // message, whether the read worked or not.
-    json pins = json::array();
+    ReleaseNotice release;
     for (size_t i = 0; i < group.size(); ++i) {
-      if (where[i].pin != 0) pins.push_back(where[i].pin);
+      if (where[i].pin != 0) release.pins.push_back({where[i].pin, where[i].capability});
       // pull-2step looked the item up again: the pin from E's params is released too.
-      uint64_t params_pin = group[i]->item->params->pin;
-      if (params_pin != 0 && params_pin != where[i].pin) pins.push_back(params_pin);
+      const auto& p = *group[i]->item->params;
+      auto cap = params_capability(p);
+      if (p.pin != 0 && p.pin != where[i].pin && cap.ok()) release.pins.push_back({p.pin, *cap});
     }
-    if (!pins.empty()) queue_release(producer, std::move(pins));
+    if (!release.pins.empty()) queue_release(producer, std::move(release.pins));
   }
 
   void fetch_push(const std::string& producer, std::vector<FetchSlot*>& all, Deadline deadline) {
     std::vector<FetchSlot*> group = all;
     int64_t wait_ms = 0;
+    // The producer may write our reserved blocks, and nothing else, until the call ends.
+    std::vector<transfer::Capability> grants;
+    auto revoke_all = [&] {
+      for (const auto& g : grants) agent()->revoke(g);
+      grants.clear();
+    };
     while (!group.empty()) {
-      json items = json::array();
+      LoadBlocksRequest req{.consumer = agent()->metadata().to_json(),
+                            .backend = options().backend,
+                            .wait_ms = wait_ms};
       for (FetchSlot* slot : group) {
         const auto& p = *slot->item->params;
-        json it = {{"mm_hash", slot->item->mm_hash.str()},
-                   {"dst_region", consumer_cache()->region_id()},
-                   {"dst_offset", slot->block.offset},
-                   {"dst_length", slot->block.block_length}};
-        if (p.generation) it["generation"] = p.generation;
-        if (p.pin) it["pin"] = p.pin;
-        items.push_back(it);
+        auto cap = params_capability(p);
+        auto window = agent()->grant(consumer_cache()->region_id(), slot->block.offset,
+                                     slot->block.block_length, /*write=*/true, producer);
+        if (window.ok()) grants.push_back(*window);
+        req.items.push_back({.mm_hash = slot->item->mm_hash,
+                             .capability = cap.ok() ? *cap : transfer::Capability{},
+                             .dst_region = consumer_cache()->region_id(),
+                             .dst_offset = slot->block.offset,
+                             .dst_length = slot->block.block_length,
+                             .dst_capability = window.ok() ? *window : transfer::Capability{},
+                             .generation = p.generation,
+                             .pin = p.pin});
       }
-      json req = {{"op", "load"},
-                  {"consumer", agent()->metadata().to_json()},
-                  {"backend", std::string(transfer::backend_name(options().backend))},
-                  {"wait_ms", wait_ms},
-                  {"items", items}};
-      auto reply = agent()->call(producer, req.dump(), deadline);
+      auto answer = agent()->call(producer, to_json(req), deadline);
+      revoke_all();
+      Result<ItemsReply> reply = answer.ok() ? parse_items_reply(*answer, group.size())
+                                             : Result<ItemsReply>(answer.status());
       if (!reply.ok()) {
-        for (FetchSlot* s : group) s->status = reply.status();
-        return;
-      }
-      json r = json::parse(*reply, nullptr, false);
-      if (r.is_discarded() || !r.contains("items") || !r["items"].is_array() ||
-          r["items"].size() != group.size()) {
-        for (FetchSlot* s : group) s->status = Internal("malformed load reply from " + producer);
+        for (FetchSlot* s : group) s->status = reply.status().with_context("load at " + producer);
         return;
       }
       std::vector<FetchSlot*> again;
       for (size_t i = 0; i < group.size(); ++i) {
         FetchSlot* slot = group[i];
-        Status s = status_from_json(r["items"][i]);
+        Status s = reply->items[i].status;
         if (s.code() == StatusCode::kNotReady && !deadline.expired()) {
           note_not_ready(slot->item->mm_hash);
           again.push_back(slot);
@@ -501,27 +519,29 @@ class P2pConnector final : public ConnectorBase {
   }
 
   // RELEASE travels off the critical path: queued here, sent after the load completes.
-  void queue_release(const std::string& producer, json pins) {
+  void queue_release(const std::string& producer, std::vector<ReleasedPin> pins) {
     std::lock_guard lock(release_mu_);
     auto& q = pending_releases_[producer];
-    for (auto& p : pins) q.push_back(p);
+    q.insert(q.end(), pins.begin(), pins.end());
   }
 
   void after_load(const LoadRequest&, const std::vector<FetchSlot*>&) override {
-    std::map<std::string, json> batch;
+    std::map<std::string, std::vector<ReleasedPin>> batch;
     {
       std::lock_guard lock(release_mu_);
       batch.swap(pending_releases_);
     }
     for (auto& [producer, pins] : batch) {
-      Status s = agent()->notify(producer, json{{"op", "release"}, {"pins", pins}}.dump());
-      if (s.ok()) releases_sent_ += pins.size();
+      size_t n = pins.size();
+      Status s = agent()->notify(producer, to_json(ReleaseNotice{std::move(pins)}));
+      if (s.ok()) releases_sent_ += n;
     }
   }
 
   void add_stats(json& j) const override {
     j["releases_sent"] = releases_sent_.load();
     j["releases_received"] = releases_received_.load();
+    j["params_rejected"] = params_rejected_.load();
     if (producer_pool_) {
       auto s = producer_pool_->stats();
       j["producer_pool"] = {{"capacity_bytes", s.capacity_bytes},
@@ -546,8 +566,8 @@ class P2pConnector final : public ConnectorBase {
   std::mutex producers_mu_;
   std::map<std::string, std::string> known_producers_;  // engine_id -> agent JSON; guarded
   std::mutex release_mu_;
-  std::map<std::string, json> pending_releases_;  // guarded by release_mu_
-  std::atomic<uint64_t> releases_sent_{0}, releases_received_{0};
+  std::map<std::string, std::vector<ReleasedPin>> pending_releases_;  // guarded by release_mu_
+  std::atomic<uint64_t> releases_sent_{0}, releases_received_{0}, params_rejected_{0};
 };
 
 }  // namespace

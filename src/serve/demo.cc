@@ -8,6 +8,7 @@
 #include <iostream>
 #include <numeric>
 
+#include "ecx/common/auth.h"
 #include "ecx/common/subprocess.h"
 #include "ecx/engine/image.h"
 #include "serve/http_util.h"
@@ -48,6 +49,16 @@ Result<RunningService> spawn_service(const std::vector<std::string>& argv, Deadl
   return RunningService{std::move(p), line.substr(at + 13)};
 }
 
+void use_new_stack_secret() {
+  std::string secret;
+  for (unsigned char c : random_bytes(32)) {
+    static const char* kDigits = "0123456789abcdef";
+    secret.push_back(kDigits[c >> 4]);
+    secret.push_back(kDigits[c & 15]);
+  }
+  ::setenv("ECX_AUTH_TOKEN", secret.c_str(), /*overwrite=*/1);
+}
+
 void stop_service(Subprocess& process, Deadline deadline) {
   process.kill(SIGTERM).ignore_error();
   if (!process.wait(deadline).ok()) {
@@ -83,6 +94,7 @@ int run_demo(const DemoOptions& o, const std::string& exe) {
   };
   std::printf("ecx demo: connector %s; starting encoder, pd and proxy on loopback...\n",
               o.connector.c_str());
+  use_new_stack_secret();  // E and PD authenticate each other with a secret of this run
   if (Status s = start(e, {exe, "serve", "encoder", "--port", "0", "--connector", o.connector,
                            "--log-level", "warn"});
       !s.ok())

@@ -26,6 +26,13 @@ Result<connector::ConnectorConfig> connector_config(const ServiceConfig& config,
   }
   if (!cc.extra.contains("compat_hash")) cc.extra["compat_hash"] = model.compat_hash();
   if (!cc.extra.contains("engine_id")) cc.extra["engine_id"] = engine_id;
+  if (!cc.extra.contains("auth_token") && !cc.extra.contains("auth_token_file")) {
+    if (!config.auth_token.empty()) {
+      cc.extra["auth_token"] = config.auth_token;
+    } else if (!config.auth_token_file.empty()) {
+      cc.extra["auth_token_file"] = config.auth_token_file;
+    }
+  }
   return cc;
 }
 

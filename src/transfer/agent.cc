@@ -5,6 +5,8 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <thread>
+#include <vector>
 
 #include "ecx/common/log.h"
 #include "transfer/connection.h"
@@ -29,11 +31,15 @@ struct Peer {
   std::shared_ptr<ControlChannel> control;
   std::unique_ptr<ShmPeer> shm;
   std::shared_ptr<TcpDataPool> tcp;  // shared: cancel hooks hold weak references
-  uint64_t connection_id = 0;        // tells this connection from later ones to the same name
+  // Same-host peers: WRITEs go over a unix data stream (their memory is never mapped
+  // writable here). Null for tcp peers, whose `tcp` pool carries both directions.
+  std::shared_ptr<TcpDataPool> unix_writes;
+  uint64_t connection_id = 0;  // tells this connection from later ones to the same name
 
   ~Peer() {
     // Data workers first (they may be mid-transfer), then the control channel.
     tcp.reset();
+    unix_writes.reset();
     shm.reset();
     control.reset();
   }
@@ -58,6 +64,11 @@ class AgentImpl final : public Agent {
   Result<LocalRegion> allocate(uint64_t length, RegionAccess access) override;
   Result<LocalRegion> register_memory(void* data, uint64_t length, MemoryKind kind,
                                       RegionAccess access) override;
+  Result<Capability> grant(uint32_t region_id, uint64_t offset, uint64_t length, bool write,
+                           const std::string& holder) override {
+    return regions_.grant(region_id, offset, length, write, holder);
+  }
+  void revoke(const Capability& capability) override { regions_.revoke(capability); }
   Status deregister(uint32_t region_id) override { return regions_.remove(region_id); }
   AgentMetadata metadata() const override;
   Result<AgentMetadata> connect(const AgentMetadata& peer, ConnectOptions options) override;
@@ -82,7 +93,7 @@ class AgentImpl final : public Agent {
   void set_notification_handler(NotificationHandler handler) override;
   Result<Notification> wait_notification(Deadline deadline) override;
   Result<RemoteView> view(const std::string& peer, uint32_t region, uint64_t offset,
-                          uint64_t length) override;
+                          uint64_t length, const Capability& capability) override;
   AgentStats stats() const override { return stats_.snapshot(); }
   void shutdown() override;
 
@@ -95,6 +106,8 @@ class AgentImpl final : public Agent {
                                   std::optional<std::string> notification,
                                   std::optional<Deadline> deadline);
   void on_peer_death(const std::string& name, uint64_t connection_id, const Status& reason);
+  // Destroys dead peers (joins their threads, unmaps their memory) off their own threads.
+  void reap_dead_peers();
 
   const AgentConfig config_;
   RegionTable regions_;
@@ -110,6 +123,10 @@ class AgentImpl final : public Agent {
   PeerGoneHandler peer_gone_handler_;         // guarded by mu_
   NotificationHandler notification_handler_;  // guarded by mu_
   bool stopped_ = false;                      // guarded by mu_
+  // Peers whose connection died, waiting for the reaper thread to destroy them.
+  std::vector<std::shared_ptr<Peer>> dead_peers_;  // guarded by mu_
+  std::condition_variable reaper_cv_;
+  std::thread reaper_;
 
   std::mutex notify_mu_;
   std::condition_variable notify_cv_;
@@ -126,13 +143,31 @@ void AgentImpl::shutdown() {
     std::lock_guard lock(mu_);
     stopped_ = true;
   }
+  reaper_cv_.notify_all();
+  if (reaper_.joinable()) reaper_.join();
   if (server_) server_->stop();
   std::map<std::string, PeerSlot> peers;
+  std::vector<std::shared_ptr<Peer>> dead;
   {
     std::lock_guard lock(mu_);
     peers.swap(peers_);
+    dead.swap(dead_peers_);
   }
   peers.clear();
+  dead.clear();
+}
+
+void AgentImpl::reap_dead_peers() {
+  std::unique_lock lock(mu_);
+  while (true) {
+    reaper_cv_.wait(lock, [&] { return stopped_ || !dead_peers_.empty(); });
+    if (stopped_) return;
+    std::vector<std::shared_ptr<Peer>> dead;
+    dead.swap(dead_peers_);
+    lock.unlock();
+    dead.clear();  // joins the peer's threads, closes its fds, drops its mappings
+    lock.lock();
+  }
 }
 
 Status AgentImpl::start() {
@@ -185,6 +220,7 @@ Status AgentImpl::start() {
   };
   ECX_ASSIGN_OR_RETURN(server_, Server::start(config_, &regions_, &stats_, std::move(hooks)));
   server_->run();
+  reaper_ = std::thread([this] { reap_dead_peers(); });
   return Status::Ok();
 }
 
@@ -253,19 +289,33 @@ Result<std::shared_ptr<Peer>> AgentImpl::open_peer(const AgentMetadata& meta, Ba
       return Unavailable("agent '" + meta.name + "' has no shm endpoint");
     }
     ECX_ASSIGN_OR_RETURN(UniqueFd fd, connect_unix(meta.shm_endpoint, deadline));
-    ECX_ASSIGN_OR_RETURN(peer->control,
-                         ControlChannel::open(std::move(fd), true, self, deadline, on_death));
+    ECX_ASSIGN_OR_RETURN(
+        peer->control,
+        ControlChannel::open(std::move(fd), true, self, config_.auth_secret, deadline, on_death));
     peer->shm = std::make_unique<ShmPeer>(peer->control.get(), &stats_);
+    std::string endpoint = meta.shm_endpoint;
+    peer->unix_writes = std::make_shared<TcpDataPool>(
+        config_, self, peer->control->peer(),
+        [endpoint](Deadline d) { return connect_unix(endpoint, d); }, "unix @" + endpoint, 1,
+        &stats_);
   } else {
     if (meta.tcp_endpoint.empty()) {
       return Unavailable("agent '" + meta.name + "' has no tcp endpoint");
     }
     ECX_ASSIGN_OR_RETURN(HostPort address, parse_host_port(meta.tcp_endpoint));
     ECX_ASSIGN_OR_RETURN(UniqueFd fd, connect_tcp(address, deadline));
-    ECX_ASSIGN_OR_RETURN(peer->control,
-                         ControlChannel::open(std::move(fd), false, self, deadline, on_death));
-    peer->tcp =
-        std::make_shared<TcpDataPool>(config_, self, peer->control->peer(), address, &stats_);
+    ECX_ASSIGN_OR_RETURN(
+        peer->control,
+        ControlChannel::open(std::move(fd), false, self, config_.auth_secret, deadline, on_death));
+    int buffer = config_.tcp_socket_buffer;
+    peer->tcp = std::make_shared<TcpDataPool>(
+        config_, self, peer->control->peer(),
+        [address, buffer](Deadline d) -> Result<UniqueFd> {
+          ECX_ASSIGN_OR_RETURN(UniqueFd fd, connect_tcp(address, d));
+          tune_tcp_socket(fd.get(), buffer);
+          return fd;
+        },
+        address.to_string(), config_.tcp_streams, &stats_);
   }
   if (peer->control->peer().name != meta.name) {
     return Unavailable("endpoint of agent '" + meta.name + "' is now served by agent '" +
@@ -350,13 +400,23 @@ void AgentImpl::on_peer_death(const std::string& name, uint64_t connection_id,
   }
   stats_.peer_failures++;
   spdlog::debug("agent {}: peer {} gone: {}", config_.name, name, reason.to_string());
-  if (it->second.peer->tcp) it->second.peer->tcp->fail_all(reason);
+  auto& peer = it->second.peer;
+  if (peer->tcp) peer->tcp->fail_all(reason);
+  if (peer->unix_writes) peer->unix_writes->fail_all(reason);
+  // Its threads, fds and mappings go now, not at the next connect: a restarted producer
+  // must not cost another arena's worth of mapped memory each time.
+  it->second.error = reason;
+  dead_peers_.push_back(std::move(peer));
+  reaper_cv_.notify_one();
 }
 
 Result<std::shared_ptr<Peer>> AgentImpl::connected_peer(const std::string& name) const {
   std::lock_guard lock(mu_);
   auto it = peers_.find(name);
   if (it == peers_.end() || !it->second.peer) {
+    if (it != peers_.end() && !it->second.error.ok()) {
+      return Unavailable("agent '" + name + "' is disconnected: " + it->second.error.message());
+    }
     return Unavailable("agent '" + name + "' is not connected to agent '" + config_.name + "'");
   }
   const auto& peer = it->second.peer;
@@ -389,7 +449,7 @@ Result<TransferHandle> AgentImpl::transfer(const std::string& peer_name,
     total += d.length;
   }
   ECX_ASSIGN_OR_RETURN(auto peer, connected_peer(peer_name));
-  if (peer->tcp) {
+  if (peer->tcp || (write && peer->unix_writes)) {
     // Validate the whole batch against the regions the peer announced before any byte
     // moves (the server re-checks each request; regions added later are checked there).
     const auto& regions = peer->control->peer().regions;
@@ -424,7 +484,8 @@ Result<TransferHandle> AgentImpl::transfer(const std::string& peer_name,
   // acknowledged slice, so it arrives after the data.
   std::weak_ptr<ControlChannel> weak = peer->control;
   StatsCounters* stats = &stats_;
-  bool via_tcp = peer->tcp != nullptr;
+  TcpDataPool* stream = peer->tcp ? peer->tcp.get() : (write ? peer->unix_writes.get() : nullptr);
+  bool via_tcp = stream != nullptr;
   std::optional<std::string> tcp_notification = via_tcp ? notification : std::nullopt;
   auto finalizer = [weak, stats, total, write,
                     tcp_notification = std::move(tcp_notification)](const Status& s) {
@@ -445,15 +506,14 @@ Result<TransferHandle> AgentImpl::transfer(const std::string& peer_name,
     return result;
   };
   std::shared_ptr<TransferState> state;
-  if (peer->shm) {
+  if (!via_tcp) {
     state = std::make_shared<TransferState>(description, 1);
     state->set_finalizer(std::move(finalizer));
-    Status s =
-        write ? peer->shm->write(descriptors, deadline) : peer->shm->read(descriptors, deadline);
+    Status s = peer->shm->read(descriptors, deadline);
     if (s.ok() && notification) s = peer->control->notify(*notification);
     state->part_done(s.with_context(description));
   } else {
-    state = peer->tcp->submit(descriptors, write, deadline, description, std::move(finalizer));
+    state = stream->submit(descriptors, write, deadline, description, std::move(finalizer));
   }
   return TransferHandle(std::move(state));
 }
@@ -497,14 +557,15 @@ Result<Notification> AgentImpl::wait_notification(Deadline deadline) {
 }
 
 Result<RemoteView> AgentImpl::view(const std::string& peer_name, uint32_t region, uint64_t offset,
-                                   uint64_t length) {
+                                   uint64_t length, const Capability& capability) {
   ECX_ASSIGN_OR_RETURN(auto peer, connected_peer(peer_name));
   if (!peer->shm) {
     return Status(StatusCode::kFailedPrecondition, "zero-copy view of agent '" + peer_name +
                                                        "' needs the shm backend, not " +
                                                        std::string(backend_name(peer->backend)));
   }
-  return peer->shm->view(region, offset, length, Deadline::after_ms(config_.connect_timeout_ms));
+  return peer->shm->view(region, offset, length, capability,
+                         Deadline::after_ms(config_.connect_timeout_ms));
 }
 
 }  // namespace
@@ -514,6 +575,14 @@ Result<std::unique_ptr<Agent>> Agent::create(AgentConfig config) {
   if (config.name.size() > 200) return InvalidArgument("agent name longer than 200 characters");
   if (!config.enable_shm && !config.enable_tcp) {
     return InvalidArgument("agent '" + config.name + "' has neither shm nor tcp enabled");
+  }
+  if (config.auth_secret.empty() && config.enable_tcp && config.tcp_host != "127.0.0.1" &&
+      config.tcp_host != "localhost") {
+    spdlog::warn(
+        "agent {}: no deployment secret (auth_token) configured: listening on 127.0.0.1 only, "
+        "not {}",
+        config.name, config.tcp_host);
+    config.tcp_host = "127.0.0.1";
   }
   auto agent = std::make_unique<AgentImpl>(std::move(config));
   ECX_RETURN_IF_ERROR(agent->start());

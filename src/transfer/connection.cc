@@ -3,6 +3,10 @@
 #include <poll.h>
 #include <sys/socket.h>
 
+#include <cstring>
+
+#include "ecx/common/auth.h"
+#include "ecx/common/log.h"
 #include "transfer/wire.h"
 
 namespace ecx::transfer {
@@ -22,30 +26,123 @@ Status check_compatible(const AgentMetadata& self, const AgentMetadata& peer) {
   return Status::Ok();
 }
 
-Result<AgentMetadata> client_handshake(int fd, const AgentMetadata& self, uint16_t flags,
-                                       Deadline deadline) {
+namespace {
+
+Mac client_proof(const std::string& secret, std::string_view server_nonce,
+                 std::string_view client_nonce, std::string_view metadata) {
+  return hmac_sha256(secret, {"ecx-hello-client", server_nonce, client_nonce, metadata});
+}
+
+Mac server_proof(const std::string& secret, std::string_view server_nonce,
+                 std::string_view client_nonce, std::string_view metadata) {
+  return hmac_sha256(secret, {"ecx-hello-server", server_nonce, client_nonce, metadata});
+}
+
+Mac mac_from(std::string_view bytes) {
+  Mac mac{};
+  std::memcpy(mac.data(), bytes.data(), mac.size());
+  return mac;
+}
+
+std::string_view as_view(const Mac& mac) {
+  return {reinterpret_cast<const char*>(mac.data()), mac.size()};
+}
+
+}  // namespace
+
+Result<AgentMetadata> client_handshake(int fd, const AgentMetadata& self, const std::string& secret,
+                                       uint16_t flags, Deadline deadline) {
+  // An ERROR (a full server, a refused uid) may come instead of the challenge.
+  ECX_ASSIGN_OR_RETURN(Frame challenge, recv_frame(fd, deadline, nullptr, 8192));
+  if (challenge.header.type == static_cast<uint16_t>(FrameType::kError)) {
+    return status_from_error_frame(challenge);
+  }
+  if (challenge.header.type != static_cast<uint16_t>(FrameType::kChallenge) ||
+      challenge.payload.size() != kNonceBytes) {
+    return InvalidArgument(std::string("handshake: expected CHALLENGE, got ") +
+                           frame_type_name(challenge.header.type) + " (not an ecx v" +
+                           std::to_string(kProtocolVersion) + " agent?)");
+  }
+  const std::string client_nonce = random_bytes(kNonceBytes);
+  const std::string metadata = self.to_json();
+  Mac proof = client_proof(secret, challenge.payload, client_nonce, metadata);
   FrameHeader hello;
   hello.type = static_cast<uint16_t>(FrameType::kHello);
   hello.flags = flags;
-  ECX_RETURN_IF_ERROR(send_frame(fd, hello, self.to_json(), deadline));
-  ECX_ASSIGN_OR_RETURN(Frame reply, recv_frame(fd, deadline));
+  ECX_RETURN_IF_ERROR(
+      send_frame(fd, hello, client_nonce + std::string(as_view(proof)) + metadata, deadline));
+  ECX_ASSIGN_OR_RETURN(Frame reply, recv_frame(fd, deadline, nullptr, kMaxHelloPayload));
   if (reply.header.type == static_cast<uint16_t>(FrameType::kError)) {
     return status_from_error_frame(reply);
   }
-  if (reply.header.type != static_cast<uint16_t>(FrameType::kHelloOk)) {
+  if (reply.header.type != static_cast<uint16_t>(FrameType::kHelloOk) ||
+      reply.payload.size() < sizeof(Mac)) {
     return InvalidArgument(std::string("handshake: expected HELLO_OK, got ") +
                            frame_type_name(reply.header.type));
   }
-  ECX_ASSIGN_OR_RETURN(AgentMetadata peer, AgentMetadata::parse(reply.payload));
+  std::string_view peer_metadata = std::string_view(reply.payload).substr(sizeof(Mac));
+  Mac expected = server_proof(secret, challenge.payload, client_nonce, peer_metadata);
+  if (!macs_equal(expected, mac_from(reply.payload))) {
+    return PermissionDenied(
+        "handshake: the peer could not prove it holds this deployment's secret");
+  }
+  ECX_ASSIGN_OR_RETURN(AgentMetadata peer, AgentMetadata::parse(peer_metadata));
   ECX_RETURN_IF_ERROR(check_compatible(self, peer));
   return peer;
 }
 
+Result<AcceptedPeer> server_handshake(int fd, const AgentMetadata& self, const std::string& secret,
+                                      Deadline deadline, std::atomic<uint64_t>* refused) {
+  const std::string server_nonce = random_bytes(kNonceBytes);
+  FrameHeader challenge;
+  challenge.type = static_cast<uint16_t>(FrameType::kChallenge);
+  ECX_RETURN_IF_ERROR(send_frame(fd, challenge, server_nonce, deadline));
+  ECX_ASSIGN_OR_RETURN(Frame hello, recv_frame(fd, deadline, nullptr, kMaxHelloPayload));
+  const FrameHeader& h = hello.header;
+  auto refuse = [&](const Status& why) {
+    if (refused != nullptr) (*refused)++;
+    send_error(fd, h.id, why).ignore_error();
+    return why;
+  };
+  if (h.type != static_cast<uint16_t>(FrameType::kHello) ||
+      hello.payload.size() < kNonceBytes + sizeof(Mac)) {
+    return refuse(InvalidArgument("expected HELLO as the first frame"));
+  }
+  std::string_view payload = hello.payload;
+  std::string_view client_nonce = payload.substr(0, kNonceBytes);
+  std::string_view metadata = payload.substr(kNonceBytes + sizeof(Mac));
+  Mac expected = client_proof(secret, server_nonce, client_nonce, metadata);
+  if (!macs_equal(expected, mac_from(payload.substr(kNonceBytes)))) {
+    return refuse(PermissionDenied("authentication failed: agent '" + self.name +
+                                   "' does not accept this peer's proof of the deployment secret"));
+  }
+  auto peer = AgentMetadata::parse(metadata);
+  if (!peer.ok()) return refuse(peer.status());
+  if (peer->protocol_version != kProtocolVersion) {
+    return refuse(check_compatible(self, *peer));
+  }
+  if (peer->compat_hash != self.compat_hash) {
+    // The log gets both hashes; the peer learns only that its own was refused.
+    spdlog::warn("agent {}: {}", self.name, check_compatible(self, *peer).to_string());
+    return refuse(Status(StatusCode::kIncompatible, "agent '" + self.name +
+                                                        "' does not accept compatibility hash '" +
+                                                        peer->compat_hash + "'"));
+  }
+  const std::string own = self.to_json();
+  Mac proof = server_proof(secret, server_nonce, client_nonce, own);
+  FrameHeader ok;
+  ok.type = static_cast<uint16_t>(FrameType::kHelloOk);
+  ok.id = h.id;
+  ECX_RETURN_IF_ERROR(send_frame(fd, ok, std::string(as_view(proof)) + own, deadline));
+  return AcceptedPeer{std::move(*peer), h.flags};
+}
+
 Result<std::unique_ptr<ControlChannel>> ControlChannel::open(UniqueFd fd, bool unix_socket,
                                                              const AgentMetadata& self,
+                                                             const std::string& secret,
                                                              Deadline deadline,
                                                              DeathHandler on_death) {
-  ECX_ASSIGN_OR_RETURN(AgentMetadata peer, client_handshake(fd.get(), self, 0, deadline));
+  ECX_ASSIGN_OR_RETURN(AgentMetadata peer, client_handshake(fd.get(), self, secret, 0, deadline));
   return std::unique_ptr<ControlChannel>(
       new ControlChannel(std::move(fd), unix_socket, std::move(peer), std::move(on_death)));
 }
@@ -93,6 +190,11 @@ void ControlChannel::reader_loop() {
       break;
     }
     const FrameHeader& h = frame->header;
+    if (!is_reply(h.type)) {
+      reason = Unavailable("connection to agent '" + peer_.name + "' dropped: unexpected " +
+                           frame_type_name(h.type) + " frame from it");
+      break;
+    }
     std::lock_guard lock(mu_);
     auto it = pending_.find(h.id);
     if (it == pending_.end()) continue;  // reply to a request that timed out
@@ -172,9 +274,25 @@ Status ControlChannel::notify(const std::string& message) {
       .with_context("notify agent '" + peer_.name + "'");
 }
 
-Result<RegionGrant> ControlChannel::query_region(uint32_t region, Deadline deadline) {
+bool ControlChannel::is_reply(uint16_t type) {
+  switch (static_cast<FrameType>(type)) {
+    case FrameType::kCallReply:
+    case FrameType::kRegionInfo:
+    case FrameType::kError:
+      return true;
+    default:
+      return false;
+  }
+}
+
+Result<RegionGrant> ControlChannel::query_region(uint32_t region, const Capability& capability,
+                                                 Deadline deadline) {
+  std::string payload;
+  if (!capability.empty()) {
+    payload.assign(reinterpret_cast<const char*>(capability.bytes.data()), capability.bytes.size());
+  }
   ECX_ASSIGN_OR_RETURN(Pending p, request(static_cast<uint16_t>(FrameType::kRegionQuery), region,
-                                          std::string(), deadline));
+                                          payload, deadline));
   RegionGrant grant;
   grant.length = p.length;
   grant.remote_write = (p.flags & kRegionRemoteWrite) != 0;

@@ -23,13 +23,33 @@ namespace ecx::transfer {
 constexpr uint16_t kHelloDataConnection = 1;
 
 // Checks that `peer` can talk to an agent with `self`'s version and compatibility hash.
-// The messages name both agents and both values.
+// The messages name both agents and both values (for this process's own log: a server
+// answers a peer with server_refusal instead, which does not reveal its hash).
 Status check_compatible(const AgentMetadata& self, const AgentMetadata& peer);
 
-// Sends HELLO(self) on a connected socket and waits for HELLO_OK. Returns the peer's
-// metadata as it answered (current regions).
-Result<AgentMetadata> client_handshake(int fd, const AgentMetadata& self, uint16_t flags,
-                                       Deadline deadline);
+// The handshake (protocol version 2): the server sends CHALLENGE(32-byte nonce); the
+// client answers HELLO(client nonce | HMAC_secret("client", both nonces, metadata) |
+// metadata JSON); the server verifies it and answers HELLO_OK(HMAC_secret("server", both
+// nonces, its metadata) | its metadata JSON), which the client verifies. Both sides
+// prove they hold the deployment secret without sending it, and each side's metadata is
+// bound to the proof. Authentication comes before the compatibility check, so an
+// outsider learns nothing about the deployment.
+constexpr size_t kNonceBytes = 32;
+
+// Client side, on a connected socket. Returns the peer's metadata as it answered
+// (current regions). kPermissionDenied when either side's proof fails.
+Result<AgentMetadata> client_handshake(int fd, const AgentMetadata& self, const std::string& secret,
+                                       uint16_t flags, Deadline deadline);
+
+struct AcceptedPeer {
+  AgentMetadata metadata;
+  uint16_t flags = 0;  // HELLO flags (kHelloDataConnection)
+};
+// Server side: challenges, verifies the client's proof and compatibility, answers. On
+// failure the client gets an ERROR frame that reveals neither the secret nor our hash,
+// and `refused` (if set) is counted before it is sent.
+Result<AcceptedPeer> server_handshake(int fd, const AgentMetadata& self, const std::string& secret,
+                                      Deadline deadline, std::atomic<uint64_t>* refused = nullptr);
 
 struct RegionGrant {
   uint64_t length = 0;
@@ -45,7 +65,8 @@ class ControlChannel {
   // Takes a connected socket, shakes hands and starts the reader thread. `on_death` runs
   // once, on the reader thread, when the peer closes or the socket fails.
   static Result<std::unique_ptr<ControlChannel>> open(UniqueFd fd, bool unix_socket,
-                                                      const AgentMetadata& self, Deadline deadline,
+                                                      const AgentMetadata& self,
+                                                      const std::string& secret, Deadline deadline,
                                                       DeathHandler on_death);
   ~ControlChannel();
 
@@ -59,7 +80,10 @@ class ControlChannel {
 
   Result<std::string> call(const std::string& request, Deadline deadline);
   Status notify(const std::string& message);
-  Result<RegionGrant> query_region(uint32_t region, Deadline deadline);
+  // Asks for a region's length and access (and, over unix, its memfd), presenting
+  // `capability` for regions that require a grant.
+  Result<RegionGrant> query_region(uint32_t region, const Capability& capability,
+                                   Deadline deadline);
   // Shuts the socket down; pending requests fail with kUnavailable.
   void close();
 
@@ -77,6 +101,8 @@ class ControlChannel {
   void reader_loop();
   Result<Pending> request(uint16_t type, uint32_t region, const std::string& payload,
                           Deadline deadline);
+  // Whether a frame from the peer is a reply this channel can take.
+  static bool is_reply(uint16_t type);
 
   UniqueFd fd_;
   const bool unix_socket_;

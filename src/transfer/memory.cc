@@ -2,11 +2,38 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
 
 namespace ecx::transfer {
+namespace {
+#ifdef F_SEAL_FUTURE_WRITE
+constexpr int kSealFutureWrite = F_SEAL_FUTURE_WRITE;
+#else
+constexpr int kSealFutureWrite = 0x0010;  // Linux 5.1+
+#endif
+}  // namespace
+
+Status check_received_memfd(int fd, uint64_t length, const std::string& what) {
+  int seals = ::fcntl(fd, F_GET_SEALS);
+  if (seals < 0) return PermissionDenied(what + ": shared memory is not a sealable memfd");
+  const int required = F_SEAL_SHRINK | F_SEAL_SEAL;
+  if ((seals & required) != required || (seals & (kSealFutureWrite | F_SEAL_WRITE)) == 0) {
+    return PermissionDenied(what +
+                            ": shared memory is not sealed against shrinking and writing "
+                            "(seals 0x" +
+                            std::to_string(seals) + "); refusing to map it");
+  }
+  // Never trust the announced length: a mapping past the end of the file would SIGBUS.
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || static_cast<uint64_t>(st.st_size) < length) {
+    return PermissionDenied(what + ": shared memory is smaller than its announced " +
+                            std::to_string(length) + " bytes");
+  }
+  return Status::Ok();
+}
 
 RegionEntry::~RegionEntry() {
   if (owns_mapping && data != nullptr && length > 0) ::munmap(data, length);
@@ -24,11 +51,18 @@ Result<std::shared_ptr<RegionEntry>> create_memfd_region(const std::string& labe
   if (::ftruncate(fd.get(), static_cast<off_t>(length)) != 0) {
     return ErrnoError("ftruncate memfd to " + std::to_string(length) + " bytes", errno);
   }
-  // Peers map it: its size must never change under them (a shrink would SIGBUS them).
-  ::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL);
   // Populated now: page faults on the transfer path would cost more than the copy.
   void* p = ::mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd.get(), 0);
   if (p == MAP_FAILED) return ErrnoError("mmap " + std::to_string(length) + " bytes", errno);
+  // Peers map it: its size must never change under them (a shrink would SIGBUS them),
+  // and no one may map it writable from now on (this process keeps its mapping). A
+  // reopened /proc/self/fd/N is sealed too: the seals belong to the file, not the fd.
+  if (::fcntl(fd.get(), F_ADD_SEALS,
+              F_SEAL_SHRINK | F_SEAL_GROW | kSealFutureWrite | F_SEAL_SEAL) != 0) {
+    int err = errno;
+    ::munmap(p, length);
+    return ErrnoError("seal memfd of " + label, err);
+  }
   auto entry = std::make_shared<RegionEntry>();
   entry->data = static_cast<std::byte*>(p);
   entry->length = length;
@@ -53,6 +87,7 @@ LocalRegion RegionTable::add(std::shared_ptr<RegionEntry> entry) {
 
 Status RegionTable::remove(uint32_t id) {
   std::lock_guard lock(mu_);
+  std::erase_if(grants_, [id](const auto& g) { return g.second.region == id; });
   if (regions_.erase(id) == 0) {
     return NotFound("region " + std::to_string(id) + " is not registered on agent " + agent_name_);
   }
@@ -74,10 +109,20 @@ std::shared_ptr<RegionEntry> RegionTable::find(uint32_t id) const {
 }
 
 Result<std::shared_ptr<RegionEntry>> RegionTable::check_access(uint32_t id, uint64_t offset,
-                                                               uint64_t length, bool write) const {
-  auto entry = find(id);
+                                                               uint64_t length, bool write,
+                                                               const std::string& peer,
+                                                               const Capability& capability) const {
+  std::shared_ptr<RegionEntry> entry;
   std::string what = describe_access(write, length, offset, id, agent_name_);
-  if (!entry) return NotFound(what + ": no such region");
+  {
+    std::lock_guard lock(mu_);
+    auto it = regions_.find(id);
+    if (it == regions_.end()) return NotFound(what + ": no such region");
+    entry = it->second;
+    if (entry->access.require_grant) {
+      ECX_RETURN_IF_ERROR(check_grant_locked(id, offset, length, write, peer, capability, what));
+    }
+  }
   if (write && !entry->access.remote_write) {
     return Status(StatusCode::kFailedPrecondition, what + ": region is not remotely writable");
   }
@@ -88,6 +133,70 @@ Result<std::shared_ptr<RegionEntry>> RegionTable::check_access(uint32_t id, uint
     return OutOfRange(what + ": outside the region's " + std::to_string(entry->length) + " bytes");
   }
   return entry;
+}
+
+Status RegionTable::check_grant_locked(uint32_t id, uint64_t offset, uint64_t length, bool write,
+                                       const std::string& peer, const Capability& capability,
+                                       const std::string& what) const {
+  // One message for every refusal: a prober learns nothing about which tokens exist.
+  Status denied = PermissionDenied(what + ": no grant of agent " + agent_name_ +
+                                   " covers it for agent '" + peer + "'");
+  if (capability.empty()) return denied;
+  auto it = grants_.find(capability);
+  if (it == grants_.end()) return denied;
+  const Grant& g = it->second;
+  if (g.region != id || (write && !g.write) || (!g.holder.empty() && g.holder != peer)) {
+    return denied;
+  }
+  if (offset < g.offset || length > g.length || offset - g.offset > g.length - length) {
+    return denied;
+  }
+  return Status::Ok();
+}
+
+Status RegionTable::check_region_grant(uint32_t id, const std::string& peer,
+                                       const Capability& capability) const {
+  std::lock_guard lock(mu_);
+  auto it = regions_.find(id);
+  if (it == regions_.end()) {
+    return NotFound("region " + std::to_string(id) + " on agent " + agent_name_ +
+                    ": no such region");
+  }
+  if (!it->second->access.require_grant) return Status::Ok();
+  auto g = grants_.find(capability);
+  if (capability.empty() || g == grants_.end() || g->second.region != id ||
+      (!g->second.holder.empty() && g->second.holder != peer)) {
+    return PermissionDenied("map region " + std::to_string(id) + " of agent " + agent_name_ +
+                            ": agent '" + peer + "' holds no grant in it");
+  }
+  return Status::Ok();
+}
+
+Result<Capability> RegionTable::grant(uint32_t id, uint64_t offset, uint64_t length, bool write,
+                                      const std::string& holder) {
+  std::lock_guard lock(mu_);
+  auto it = regions_.find(id);
+  if (it == regions_.end()) {
+    return NotFound("grant on region " + std::to_string(id) + " of agent " + agent_name_ +
+                    ": no such region");
+  }
+  if (offset > it->second->length || length > it->second->length - offset) {
+    return OutOfRange("grant of " + std::to_string(length) + " bytes at offset " +
+                      std::to_string(offset) + " outside region " + std::to_string(id));
+  }
+  Capability cap = Capability::random();
+  grants_.emplace(cap, Grant{id, offset, length, write, holder});
+  return cap;
+}
+
+void RegionTable::revoke(const Capability& capability) {
+  std::lock_guard lock(mu_);
+  grants_.erase(capability);
+}
+
+size_t RegionTable::grant_count() const {
+  std::lock_guard lock(mu_);
+  return grants_.size();
 }
 
 }  // namespace ecx::transfer

@@ -32,8 +32,14 @@ struct RegionEntry {
   RegionInfo info() const;
 };
 
-// Creates a zeroed memfd arena of `length` bytes, mapped read-write in this process.
+// Creates a zeroed memfd arena of `length` bytes, mapped read-write in this process, then
+// sealed so that nobody can map it writable again, nor resize it (F_SEAL_FUTURE_WRITE,
+// SHRINK, GROW, SEAL): the fd can be handed to peers, who can only read.
 Result<std::shared_ptr<RegionEntry>> create_memfd_region(const std::string& label, uint64_t length);
+
+// The seals a receiver requires before it maps a peer's memfd: nobody can shrink it (no
+// SIGBUS) and nobody else can write through a new mapping.
+Status check_received_memfd(int fd, uint64_t length, const std::string& what);
 
 // Describes a one-sided access for error messages:
 // "read 1638400 bytes at offset 96 of region 3 on agent e-0".
@@ -50,15 +56,39 @@ class RegionTable {
   std::vector<RegionInfo> list() const;
   std::shared_ptr<RegionEntry> find(uint32_t id) const;
   // Validates a peer's request against the region: exists, access allowed, and
-  // [offset, offset + length) inside it (overflow-safe). Returns the region, held.
+  // [offset, offset + length) inside it (overflow-safe); for a region that requires
+  // grants, `capability` must be a grant of that region covering the range, for `peer`
+  // (or any peer). Returns the region, held.
   Result<std::shared_ptr<RegionEntry>> check_access(uint32_t id, uint64_t offset, uint64_t length,
-                                                    bool write) const;
+                                                    bool write, const std::string& peer = {},
+                                                    const Capability& capability = {}) const;
+  // Whether `peer` may have the region's memfd: the region needs no grant, or
+  // `capability` is a grant of `peer` (or of any peer) in it.
+  Status check_region_grant(uint32_t id, const std::string& peer,
+                            const Capability& capability) const;
+
+  Result<Capability> grant(uint32_t id, uint64_t offset, uint64_t length, bool write,
+                           const std::string& holder);
+  void revoke(const Capability& capability);
+  size_t grant_count() const;
 
  private:
+  struct Grant {
+    uint32_t region = 0;
+    uint64_t offset = 0;
+    uint64_t length = 0;
+    bool write = false;
+    std::string holder;  // empty: any authenticated peer
+  };
+  Status check_grant_locked(uint32_t id, uint64_t offset, uint64_t length, bool write,
+                            const std::string& peer, const Capability& capability,
+                            const std::string& what) const;
+
   const std::string agent_name_;
   mutable std::mutex mu_;
   uint32_t next_id_ = 1;                                      // guarded by mu_
   std::map<uint32_t, std::shared_ptr<RegionEntry>> regions_;  // guarded by mu_
+  std::map<Capability, Grant> grants_;                        // guarded by mu_
 };
 
 }  // namespace ecx::transfer

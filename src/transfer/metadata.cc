@@ -1,5 +1,9 @@
 #include "ecx/transfer/metadata.h"
 
+#include <cstring>
+
+#include "ecx/common/auth.h"
+
 #include <unistd.h>
 
 #include <fstream>
@@ -135,6 +139,47 @@ Result<Backend> parse_backend(std::string_view name) {
   if (name == "shm") return Backend::kShm;
   if (name == "tcp") return Backend::kTcp;
   return InvalidArgument("unknown backend '" + std::string(name) + "' (expected auto, shm or tcp)");
+}
+
+bool Capability::empty() const {
+  for (uint8_t b : bytes) {
+    if (b != 0) return false;
+  }
+  return true;
+}
+
+std::string Capability::hex() const {
+  static const char* kDigits = "0123456789abcdef";
+  std::string s;
+  s.reserve(32);
+  for (uint8_t b : bytes) {
+    s.push_back(kDigits[b >> 4]);
+    s.push_back(kDigits[b & 15]);
+  }
+  return s;
+}
+
+Result<Capability> Capability::parse_hex(std::string_view hex) {
+  if (hex.size() != 32) return InvalidArgument("a capability is 32 hex digits");
+  auto digit = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    return -1;
+  };
+  Capability cap;
+  for (size_t i = 0; i < cap.bytes.size(); ++i) {
+    int hi = digit(hex[2 * i]), lo = digit(hex[2 * i + 1]);
+    if (hi < 0 || lo < 0) return InvalidArgument("a capability is lower-case hex");
+    cap.bytes[i] = static_cast<uint8_t>(hi << 4 | lo);
+  }
+  return cap;
+}
+
+Capability Capability::random() {
+  Capability cap;
+  std::string r = random_bytes(cap.bytes.size());
+  std::memcpy(cap.bytes.data(), r.data(), cap.bytes.size());
+  return cap;
 }
 
 }  // namespace ecx::transfer

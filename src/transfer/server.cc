@@ -3,7 +3,9 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <vector>
 
 #include "ecx/common/log.h"
@@ -116,8 +118,28 @@ void Server::accept_loop(int listen_fd, bool unix_socket) {
     }
     if (!accepted->valid()) return;  // listener shut down
     reap_finished();
+    if (unix_socket) {
+      // Abstract unix names carry no file permissions: refuse other users here.
+      if (Status same = check_same_uid(accepted->get(), "agent " + config_.name); !same.ok()) {
+        stats_->connections_refused++;
+        spdlog::warn("agent {}: refused a unix connection: {}", config_.name, same.message());
+        continue;
+      }
+    }
     std::lock_guard lock(mu_);
     if (stopping_) return;
+    size_t active = 0;
+    for (const auto& c : connections_) active += c.finished ? 0 : 1;
+    if (active >= static_cast<size_t>(std::max(1, config_.max_connections))) {
+      stats_->connections_refused++;
+      send_error(accepted->get(), 0,
+                 Status(StatusCode::kResourceExhausted,
+                        "agent " + config_.name + " serves at most " +
+                            std::to_string(config_.max_connections) + " connections"),
+                 Deadline::after_ms(100))
+          .ignore_error();
+      continue;
+    }
     connections_.emplace_back();
     Connection* c = &connections_.back();
     c->fd = std::move(*accepted);
@@ -129,36 +151,27 @@ void Server::accept_loop(int listen_fd, bool unix_socket) {
 
 void Server::serve(Connection* connection) {
   int fd = connection->fd.get();
-  std::string peer;
-  bool data_only = false;
-  auto hello = recv_frame(fd, Deadline::after_ms(kHelloTimeoutMs));
-  if (hello.ok() && hello->header.type == static_cast<uint16_t>(FrameType::kHello)) {
-    auto meta = AgentMetadata::parse(hello->payload);
-    AgentMetadata self = hooks_.metadata();
-    Status verdict = meta.ok() ? check_compatible(self, *meta) : meta.status();
-    if (verdict.ok()) {
-      peer = meta->name;
-      data_only = (hello->header.flags & kHelloDataConnection) != 0;
-      send_frame(fd, reply_header(FrameType::kHelloOk, hello->header.id), self.to_json(),
-                 Deadline::after_ms(kHelloTimeoutMs))
-          .ignore_error();
-    } else {
-      stats_->handshakes_rejected++;
-      spdlog::warn("agent {}: refused handshake: {}", config_.name, verdict.to_string());
-      send_error(fd, hello->header.id, verdict).ignore_error();
+  auto accepted =
+      server_handshake(fd, hooks_.metadata(), config_.auth_secret,
+                       Deadline::after_ms(kHelloTimeoutMs), &stats_->handshakes_rejected);
+  if (!accepted.ok()) {
+    if (accepted.status().code() != StatusCode::kUnavailable &&
+        accepted.status().code() != StatusCode::kDeadlineExceeded) {
+      spdlog::warn("agent {}: refused handshake: {}", config_.name, accepted.status().to_string());
     }
-  } else if (hello.ok()) {
-    stats_->handshakes_rejected++;
-    send_error(fd, hello->header.id, InvalidArgument("expected HELLO as the first frame"))
-        .ignore_error();
-  }
-  if (!peer.empty()) {
+  } else {
+    const std::string& peer = accepted->metadata.name;
+    const bool data_only = (accepted->flags & kHelloDataConnection) != 0;
+    const int64_t idle_ms = config_.idle_timeout_ms > 0 ? config_.idle_timeout_ms : 60000;
     while (true) {
-      auto frame = recv_frame(fd, Deadline::never());
+      // A connection that sends nothing for idle_timeout_ms is closed; a peer reconnects.
+      auto frame = recv_frame(fd, Deadline::after_ms(idle_ms));
       if (!frame.ok()) {
         if (frame.status().code() == StatusCode::kInvalidArgument) {
           stats_->rejected_requests++;
           send_error(fd, 0, frame.status()).ignore_error();
+        } else if (frame.status().code() == StatusCode::kDeadlineExceeded) {
+          spdlog::debug("agent {}: closed idle connection of {}", config_.name, peer);
         }
         break;
       }
@@ -175,9 +188,14 @@ bool Server::handle_frame(Connection* connection, const std::string& peer, Frame
   int fd = connection->fd.get();
   const FrameHeader& h = frame.header;
   Deadline reply_deadline = Deadline::never();  // data replies rely on the peer reading
+  Capability capability;
+  if (frame.payload.size() == capability.bytes.size()) {
+    std::memcpy(capability.bytes.data(), frame.payload.data(), capability.bytes.size());
+  }
   switch (static_cast<FrameType>(h.type)) {
     case FrameType::kRead: {
-      auto region = regions_->check_access(h.region, h.offset, h.length, /*write=*/false);
+      auto region =
+          regions_->check_access(h.region, h.offset, h.length, /*write=*/false, peer, capability);
       if (!region.ok()) {
         stats_->rejected_requests++;
         return send_error(fd, h.id, region.status()).ok();
@@ -197,7 +215,8 @@ bool Server::handle_frame(Connection* connection, const std::string& peer, Frame
       return send_all(fd, src, length, reply_deadline, "send READ data").ok();
     }
     case FrameType::kWrite: {
-      auto region = regions_->check_access(h.region, h.offset, h.length, /*write=*/true);
+      auto region =
+          regions_->check_access(h.region, h.offset, h.length, /*write=*/true, peer, capability);
       if (!region.ok()) {
         stats_->rejected_requests++;
         if (h.length > kMaxDrainBytes) {
@@ -223,6 +242,11 @@ bool Server::handle_frame(Connection* connection, const std::string& peer, Frame
           .ok();
     }
     case FrameType::kRegionQuery: {
+      if (Status allowed = regions_->check_region_grant(h.region, peer, capability);
+          !allowed.ok()) {
+        stats_->rejected_requests++;
+        return send_error(fd, h.id, allowed).ok();
+      }
       auto region = regions_->find(h.region);
       if (!region) {
         stats_->rejected_requests++;

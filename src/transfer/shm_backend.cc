@@ -14,37 +14,34 @@ ShmPeer::Mapping::~Mapping() {
   if (data != nullptr) ::munmap(data, length);
 }
 
-Result<std::shared_ptr<ShmPeer::Mapping>> ShmPeer::mapping(uint32_t region, Deadline deadline) {
+Result<std::shared_ptr<ShmPeer::Mapping>> ShmPeer::mapping(uint32_t region,
+                                                           const Capability& capability,
+                                                           Deadline deadline) {
   {
     std::lock_guard lock(mu_);
     auto it = mappings_.find(region);
     if (it != mappings_.end()) return it->second;
   }
-  ECX_ASSIGN_OR_RETURN(RegionGrant grant, control_->query_region(region, deadline));
+  ECX_ASSIGN_OR_RETURN(RegionGrant grant, control_->query_region(region, capability, deadline));
   const std::string& peer = control_->peer().name;
   if (!grant.memfd.valid()) {
     return Status(StatusCode::kFailedPrecondition,
                   "region " + std::to_string(region) + " on agent " + peer +
                       " is not a shared-memory arena; use the tcp backend for it");
   }
-  // Never trust the announced length: a mapping past the end of the file would SIGBUS.
-  struct stat st {};
-  if (::fstat(grant.memfd.get(), &st) != 0 || static_cast<uint64_t>(st.st_size) < grant.length) {
-    return Internal("region " + std::to_string(region) + " of agent " + peer +
-                    ": shared memory is smaller than its announced " +
-                    std::to_string(grant.length) + " bytes");
-  }
-  int prot = PROT_READ | (grant.remote_write ? PROT_WRITE : 0);
-  // Not populated: a peer's arena can be gigabytes, and populating it all would stall the
-  // first load after a connect. Pages fault in once as they are first read.
-  void* p = ::mmap(nullptr, grant.length, prot, MAP_SHARED, grant.memfd.get(), 0);
+  // Sealed against shrinking (no SIGBUS, ever) and against writers, and as long as it
+  // says: otherwise it is not mapped at all.
+  ECX_RETURN_IF_ERROR(check_received_memfd(
+      grant.memfd.get(), grant.length, "region " + std::to_string(region) + " of agent " + peer));
+  // Read-only, always. Not populated: a peer's arena can be gigabytes, and populating it
+  // all would stall the first load after a connect. Pages fault in once as first read.
+  void* p = ::mmap(nullptr, grant.length, PROT_READ, MAP_SHARED, grant.memfd.get(), 0);
   if (p == MAP_FAILED) {
     return ErrnoError("map region " + std::to_string(region) + " of agent " + peer, errno);
   }
   auto m = std::make_shared<Mapping>();
   m->data = static_cast<std::byte*>(p);
   m->length = grant.length;
-  m->writable = grant.remote_write;
   m->readable = grant.remote_read;
   std::lock_guard lock(mu_);
   auto [it, inserted] = mappings_.emplace(region, m);
@@ -52,7 +49,8 @@ Result<std::shared_ptr<ShmPeer::Mapping>> ShmPeer::mapping(uint32_t region, Dead
 }
 
 Result<std::vector<std::shared_ptr<ShmPeer::Mapping>>> ShmPeer::resolve(
-    std::span<const TransferDescriptor> descriptors, bool write, Deadline deadline) {
+    std::span<const TransferDescriptor> descriptors, Deadline deadline) {
+  const bool write = false;
   const std::string& peer = control_->peer().name;
   std::vector<std::shared_ptr<Mapping>> maps;
   maps.reserve(descriptors.size());
@@ -60,19 +58,15 @@ Result<std::vector<std::shared_ptr<ShmPeer::Mapping>>> ShmPeer::resolve(
     const auto& d = descriptors[i];
     std::string what = "descriptor " + std::to_string(i) + ": " +
                        describe_access(write, d.length, d.remote_offset, d.remote_region, peer);
-    auto m = mapping(d.remote_region, deadline);
+    auto m = mapping(d.remote_region, d.capability, deadline);
     if (!m.ok()) return m.status().with_context(what);  // counted by the owner if refused
     if (d.remote_offset > (*m)->length || d.length > (*m)->length - d.remote_offset) {
       stats_->rejected_descriptors++;
       return OutOfRange(what + ": outside the region's " + std::to_string((*m)->length) + " bytes");
     }
-    if (!write && !(*m)->readable) {
+    if (!(*m)->readable) {
       stats_->rejected_descriptors++;
       return Status(StatusCode::kFailedPrecondition, what + ": region is not remotely readable");
-    }
-    if (write && !(*m)->writable) {
-      stats_->rejected_descriptors++;
-      return Status(StatusCode::kFailedPrecondition, what + ": region is not remotely writable");
     }
     maps.push_back(std::move(*m));
   }
@@ -80,7 +74,7 @@ Result<std::vector<std::shared_ptr<ShmPeer::Mapping>>> ShmPeer::resolve(
 }
 
 Status ShmPeer::read(std::span<const TransferDescriptor> descriptors, Deadline deadline) {
-  ECX_ASSIGN_OR_RETURN(auto maps, resolve(descriptors, false, deadline));
+  ECX_ASSIGN_OR_RETURN(auto maps, resolve(descriptors, deadline));
   for (size_t i = 0; i < descriptors.size(); ++i) {
     const auto& d = descriptors[i];
     std::memcpy(d.local, maps[i]->data + d.remote_offset, d.length);
@@ -90,20 +84,10 @@ Status ShmPeer::read(std::span<const TransferDescriptor> descriptors, Deadline d
   return Status::Ok();
 }
 
-Status ShmPeer::write(std::span<const TransferDescriptor> descriptors, Deadline deadline) {
-  ECX_ASSIGN_OR_RETURN(auto maps, resolve(descriptors, true, deadline));
-  for (size_t i = 0; i < descriptors.size(); ++i) {
-    const auto& d = descriptors[i];
-    std::memcpy(maps[i]->data + d.remote_offset, d.local, d.length);
-  }
-  if (!control_->alive_now()) return control_->death_status();
-  return Status::Ok();
-}
-
 Result<RemoteView> ShmPeer::view(uint32_t region, uint64_t offset, uint64_t length,
-                                 Deadline deadline) {
-  TransferDescriptor d{nullptr, region, offset, length};
-  ECX_ASSIGN_OR_RETURN(auto maps, resolve({&d, 1}, false, deadline));
+                                 const Capability& capability, Deadline deadline) {
+  TransferDescriptor d{nullptr, region, offset, length, capability};
+  ECX_ASSIGN_OR_RETURN(auto maps, resolve({&d, 1}, deadline));
   RemoteView v;
   v.data = maps[0]->data + offset;
   v.length = length;

@@ -1,5 +1,8 @@
-// shm backend: a same-host peer's memfd arenas, mapped into this process on first use
-// (the fd arrives once over the unix control socket). READ and WRITE are memcpy.
+// shm backend: a same-host peer's memfd arenas, mapped read-only into this process on
+// first use (the fd arrives once over the unix control socket, and is mapped only if it
+// is sealed against shrinking and writing). READ is a memcpy; WRITEs to a same-host peer
+// go over a unix data stream (the agent's), so no peer ever maps another's memory
+// writable.
 #pragma once
 
 #include <cstdint>
@@ -21,21 +24,21 @@ class ShmPeer {
 
   // Copies every descriptor; validates all of them before the first byte moves.
   Status read(std::span<const TransferDescriptor> descriptors, Deadline deadline);
-  Status write(std::span<const TransferDescriptor> descriptors, Deadline deadline);
-  Result<RemoteView> view(uint32_t region, uint64_t offset, uint64_t length, Deadline deadline);
+  Result<RemoteView> view(uint32_t region, uint64_t offset, uint64_t length,
+                          const Capability& capability, Deadline deadline);
 
  private:
   struct Mapping {
     std::byte* data = nullptr;
     uint64_t length = 0;
-    bool writable = false;
     bool readable = false;
     ~Mapping();
   };
-  Result<std::shared_ptr<Mapping>> mapping(uint32_t region, Deadline deadline);
+  Result<std::shared_ptr<Mapping>> mapping(uint32_t region, const Capability& capability,
+                                           Deadline deadline);
   // Resolves and range-checks each descriptor against the peer's mappings.
   Result<std::vector<std::shared_ptr<Mapping>>> resolve(
-      std::span<const TransferDescriptor> descriptors, bool write, Deadline deadline);
+      std::span<const TransferDescriptor> descriptors, Deadline deadline);
 
   ControlChannel* const control_;
   StatsCounters* const stats_;

@@ -149,6 +149,8 @@ Result<UniqueFd> connect_unix(const std::string& name, Deadline deadline) {
   sockaddr_un addr = abstract_address(name, &len);
   ECX_RETURN_IF_ERROR(connect_with_deadline(fd.get(), reinterpret_cast<sockaddr*>(&addr), len,
                                             deadline, "unix @" + name));
+  // Abstract socket names are not protected by file permissions: check who answered.
+  ECX_RETURN_IF_ERROR(check_same_uid(fd.get(), "unix @" + name));
   return fd;
 }
 
@@ -160,6 +162,24 @@ Result<UniqueFd> accept_connection(int listen_fd) {
     if (errno == EINVAL || errno == EBADF) return UniqueFd();  // listener shut down
     return ErrnoError("accept", errno);
   }
+}
+
+Result<uint32_t> peer_uid(int fd) {
+  ucred cred{};
+  socklen_t len = sizeof(cred);
+  if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
+    return ErrnoError("getsockopt(SO_PEERCRED)", errno);
+  }
+  return static_cast<uint32_t>(cred.uid);
+}
+
+Status check_same_uid(int fd, const std::string& what) {
+  ECX_ASSIGN_OR_RETURN(uint32_t uid, peer_uid(fd));
+  if (uid != static_cast<uint32_t>(::geteuid())) {
+    return PermissionDenied(what + ": peer runs as uid " + std::to_string(uid) + ", not uid " +
+                            std::to_string(::geteuid()));
+  }
+  return Status::Ok();
 }
 
 void tune_tcp_socket(int fd, int buffer_bytes) {

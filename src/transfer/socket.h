@@ -52,6 +52,11 @@ Result<UniqueFd> connect_tcp(const HostPort& address, Deadline deadline);
 Result<UniqueFd> connect_unix(const std::string& name, Deadline deadline);
 // Accepts one connection; returns an invalid fd when the listener was shut down.
 Result<UniqueFd> accept_connection(int listen_fd);
+// The uid of the process at the other end of a unix socket (SO_PEERCRED).
+Result<uint32_t> peer_uid(int fd);
+// Refuses a unix-socket peer that runs as another user than this process: another local
+// user must not reach an agent's memory, whatever it knows.
+Status check_same_uid(int fd, const std::string& what);
 
 // Tunes a TCP data socket: TCP_NODELAY and large kernel buffers.
 void tune_tcp_socket(int fd, int buffer_bytes);

@@ -16,6 +16,7 @@ struct StatsCounters {
   std::atomic<uint64_t> rejected_requests{0};
   std::atomic<uint64_t> rejected_descriptors{0};
   std::atomic<uint64_t> handshakes_rejected{0};
+  std::atomic<uint64_t> connections_refused{0};
   std::atomic<uint64_t> peers_connected{0};
   std::atomic<uint64_t> peer_failures{0};
   std::atomic<uint64_t> notifications_received{0};
@@ -29,6 +30,7 @@ struct StatsCounters {
     s.rejected_requests = rejected_requests.load();
     s.rejected_descriptors = rejected_descriptors.load();
     s.handshakes_rejected = handshakes_rejected.load();
+    s.connections_refused = connections_refused.load();
     s.peers_connected = peers_connected.load();
     s.peer_failures = peer_failures.load();
     s.notifications_received = notifications_received.load();

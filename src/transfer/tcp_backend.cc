@@ -13,13 +13,14 @@ constexpr size_t kPipelineDepth = 32;
 }  // namespace
 
 TcpDataPool::TcpDataPool(const AgentConfig& config, AgentMetadata self, AgentMetadata peer,
-                         HostPort address, StatsCounters* stats)
+                         Dialer dial, std::string label, int streams, StatsCounters* stats)
     : config_(config),
       self_(std::move(self)),
       peer_(std::move(peer)),
-      address_(std::move(address)),
+      dial_(std::move(dial)),
+      label_(std::move(label)),
       stats_(stats) {
-  int n = config_.tcp_streams < 1 ? 1 : config_.tcp_streams;
+  int n = streams < 1 ? 1 : streams;
   for (int i = 0; i < n; ++i) {
     workers_.push_back(std::make_unique<Worker>());
     Worker* w = workers_.back().get();
@@ -51,7 +52,7 @@ std::shared_ptr<TransferState> TcpDataPool::submit(std::span<const TransferDescr
     for (uint64_t done = 0; done < d.length; done += slice) {
       uint64_t n = std::min(slice, d.length - done);
       jobs[next % jobs.size()].slices.push_back(
-          {base + done, d.remote_region, d.remote_offset + done, n});
+          {base + done, d.remote_region, d.remote_offset + done, n, d.capability});
       ++next;
     }
   }
@@ -151,8 +152,7 @@ void TcpDataPool::run(Worker* worker) {
 
 Status TcpDataPool::ensure_connected(Worker* worker, Job& job) {
   if (worker->fd.valid()) return Status::Ok();
-  ECX_ASSIGN_OR_RETURN(UniqueFd fd, connect_tcp(address_, job.deadline));
-  tune_tcp_socket(fd.get(), config_.tcp_socket_buffer);
+  ECX_ASSIGN_OR_RETURN(UniqueFd fd, dial_(job.deadline));
   int raw = fd.get();
   {
     // Installed before the handshake, so a cancel or a peer death can shut it down.
@@ -162,11 +162,11 @@ Status TcpDataPool::ensure_connected(Worker* worker, Job& job) {
     }
     worker->fd = std::move(fd);
   }
-  auto peer = client_handshake(raw, self_, kHelloDataConnection, job.deadline);
+  auto peer = client_handshake(raw, self_, config_.auth_secret, kHelloDataConnection, job.deadline);
   if (!peer.ok()) return peer.status();
   if (peer->name != peer_.name) {
-    return Unavailable("data stream to " + address_.to_string() + " reached agent '" + peer->name +
-                       "', not '" + peer_.name + "'");
+    return Unavailable("data stream to " + label_ + " reached agent '" + peer->name + "', not '" +
+                       peer_.name + "'");
   }
   return Status::Ok();
 }
@@ -189,7 +189,12 @@ Status TcpDataPool::run_job(Worker* worker, Job& job) {
       h.offset = s.offset;
       h.length = s.length;
       std::string what = describe_access(job.write, s.length, s.offset, s.region, peer_.name);
-      ECX_RETURN_IF_ERROR(send_frame(fd, h, std::string(), Deadline::never()).with_context(what));
+      std::string capability;
+      if (!s.capability.empty()) {
+        capability.assign(reinterpret_cast<const char*>(s.capability.bytes.data()),
+                          s.capability.bytes.size());
+      }
+      ECX_RETURN_IF_ERROR(send_frame(fd, h, capability, Deadline::never()).with_context(what));
       if (job.write) {
         ECX_RETURN_IF_ERROR(send_all(fd, s.local, s.length, Deadline::never(), "send WRITE data")
                                 .with_context(what));

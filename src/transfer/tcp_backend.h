@@ -1,6 +1,8 @@
-// tcp backend: a pool of data connections to one peer, each driven by a worker thread.
-// A batch is cut into slices (AgentConfig::tcp_slice_bytes) spread over the connections;
-// each worker pipelines its slices (all requests out, then all replies in).
+// Stream backend (tcp, and unix-socket WRITEs to same-host peers): a pool of data
+// connections to one peer, each driven by a worker thread. A batch is cut into slices
+// (AgentConfig::tcp_slice_bytes) spread over the connections; each worker pipelines its
+// slices (all requests out, then all replies in). Each request carries the descriptor's
+// capability; the serving agent checks it before any byte moves.
 #pragma once
 
 #include <condition_variable>
@@ -22,8 +24,11 @@ namespace ecx::transfer {
 
 class TcpDataPool : public std::enable_shared_from_this<TcpDataPool> {
  public:
-  TcpDataPool(const AgentConfig& config, AgentMetadata self, AgentMetadata peer, HostPort address,
-              StatsCounters* stats);
+  // Opens one data connection (connected, not yet shaken hands) by the deadline.
+  using Dialer = std::function<Result<UniqueFd>(Deadline)>;
+  // `streams` connections, at most; `label` names the endpoint in errors.
+  TcpDataPool(const AgentConfig& config, AgentMetadata self, AgentMetadata peer, Dialer dial,
+              std::string label, int streams, StatsCounters* stats);
   ~TcpDataPool();
 
   // Starts a batched transfer; the returned state completes when every slice has.
@@ -39,6 +44,7 @@ class TcpDataPool : public std::enable_shared_from_this<TcpDataPool> {
     uint32_t region;
     uint64_t offset;
     uint64_t length;
+    Capability capability;
   };
   struct Job {
     std::shared_ptr<TransferState> state;
@@ -61,7 +67,8 @@ class TcpDataPool : public std::enable_shared_from_this<TcpDataPool> {
   const AgentConfig config_;
   const AgentMetadata self_;
   const AgentMetadata peer_;
-  const HostPort address_;
+  const Dialer dial_;
+  const std::string label_;
   StatsCounters* const stats_;
 
   std::mutex mu_;

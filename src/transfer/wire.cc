@@ -3,6 +3,7 @@
 #include <sys/socket.h>
 #include <sys/uio.h>
 
+#include <algorithm>
 #include <cerrno>
 
 namespace ecx::transfer {
@@ -33,8 +34,33 @@ const char* frame_type_name(uint16_t type) {
       return "NOTIFY";
     case FrameType::kError:
       return "ERROR";
+    case FrameType::kChallenge:
+      return "CHALLENGE";
   }
   return "UNKNOWN";
+}
+
+uint32_t max_payload_for(uint16_t type) {
+  switch (static_cast<FrameType>(type)) {
+    case FrameType::kHello:
+    case FrameType::kHelloOk:
+      return kMaxHelloPayload;
+    case FrameType::kRead:
+    case FrameType::kWrite:
+    case FrameType::kRegionQuery:
+    case FrameType::kChallenge:
+      return kMaxRequestPayload;
+    case FrameType::kReadData:
+    case FrameType::kWriteAck:
+    case FrameType::kRegionInfo:
+      return 0;
+    case FrameType::kCall:
+    case FrameType::kCallReply:
+    case FrameType::kNotify:
+    case FrameType::kError:
+      return kMaxControlPayload;
+  }
+  return 0;
 }
 
 Status send_frame(int fd, FrameHeader header, const std::string& payload, Deadline deadline) {
@@ -73,7 +99,7 @@ Status send_frame(int fd, FrameHeader header, const std::string& payload, Deadli
   return send_all(fd, payload.data(), payload.size(), deadline, "send frame");
 }
 
-Result<Frame> recv_frame(int fd, Deadline deadline, UniqueFd* passed_fd) {
+Result<Frame> recv_frame(int fd, Deadline deadline, UniqueFd* passed_fd, uint32_t max_payload) {
   Frame frame;
   if (passed_fd != nullptr) {
     ECX_RETURN_IF_ERROR(recv_with_fd(fd, &frame.header, sizeof(frame.header), deadline, passed_fd));
@@ -84,14 +110,24 @@ Result<Frame> recv_frame(int fd, Deadline deadline, UniqueFd* passed_fd) {
     return InvalidArgument("bad frame magic 0x" + std::to_string(frame.header.magic) +
                            ": not an ecx agent connection");
   }
-  if (frame.header.payload_length > kMaxControlPayload) {
-    return InvalidArgument("frame payload of " + std::to_string(frame.header.payload_length) +
-                           " bytes exceeds the limit of " + std::to_string(kMaxControlPayload));
+  if (frame.header.type == 0 || frame.header.type > static_cast<uint16_t>(FrameType::kChallenge)) {
+    return InvalidArgument("unknown frame type " + std::to_string(frame.header.type));
   }
-  frame.payload.resize(frame.header.payload_length);
-  if (!frame.payload.empty()) {
+  uint32_t limit = std::min(max_payload, max_payload_for(frame.header.type));
+  if (frame.header.payload_length > limit) {
+    return InvalidArgument(std::string(frame_type_name(frame.header.type)) + " payload of " +
+                           std::to_string(frame.header.payload_length) +
+                           " bytes exceeds the limit of " + std::to_string(limit));
+  }
+  // Grown as bytes arrive: a header that announces 16 MiB and sends nothing costs nothing.
+  constexpr size_t kChunk = 64 * 1024;
+  const size_t total = frame.header.payload_length;
+  while (frame.payload.size() < total) {
+    size_t have = frame.payload.size();
+    size_t n = std::min(kChunk, total - have);
+    frame.payload.resize(have + n);
     ECX_RETURN_IF_ERROR(
-        recv_all(fd, frame.payload.data(), frame.payload.size(), deadline, "recv frame payload"));
+        recv_all(fd, frame.payload.data() + have, n, deadline, "recv frame payload"));
   }
   return frame;
 }
@@ -99,19 +135,19 @@ Result<Frame> recv_frame(int fd, Deadline deadline, UniqueFd* passed_fd) {
 Status status_from_error_frame(const Frame& frame) {
   auto code = static_cast<StatusCode>(frame.header.status);
   if (frame.header.status == 0 ||
-      frame.header.status > static_cast<uint32_t>(StatusCode::kInternal)) {
+      frame.header.status > static_cast<uint32_t>(StatusCode::kPermissionDenied)) {
     code = StatusCode::kInternal;
   }
   return Status(code, frame.payload);
 }
 
-Status send_error(int fd, uint64_t id, const Status& status) {
+Status send_error(int fd, uint64_t id, const Status& status, Deadline deadline) {
   FrameHeader h;
   h.type = static_cast<uint16_t>(FrameType::kError);
   h.id = id;
   h.status = static_cast<uint32_t>(status.code());
   std::string message = status.message().substr(0, 4096);
-  return send_frame(fd, h, message, Deadline::after_ms(5000));
+  return send_frame(fd, h, message, deadline);
 }
 
 }  // namespace ecx::transfer

@@ -2,8 +2,10 @@
 // and for READ replies / WRITE requests the raw data bytes after the payload.
 //
 //   client                      server
-//   HELLO(metadata JSON)   ->   HELLO_OK(metadata JSON) | ERROR
-//   READ(region,off,len)   ->   READ_DATA(len) + len bytes | ERROR(message)
+//                          <-   CHALLENGE(server nonce)
+//   HELLO(nonce, mac, metadata JSON) -> HELLO_OK(mac, metadata JSON) | ERROR
+//     (mutual HMAC proof of the deployment secret; see transfer/connection.h)
+//   READ(region,off,len[,capability]) ->   READ_DATA(len) + len bytes | ERROR(message)
 //   WRITE(region,off,len) + len bytes -> WRITE_ACK | ERROR(message)
 //   REGION_QUERY(region)   ->   REGION_INFO(len, flags) [+ memfd over unix] | ERROR
 //   CALL(payload)          ->   CALL_REPLY(payload) | ERROR(message)
@@ -20,9 +22,13 @@
 namespace ecx::transfer {
 
 constexpr uint32_t kFrameMagic = 0x31584345;  // "ECX1"
-constexpr uint32_t kProtocolVersion = 1;
+constexpr uint32_t kProtocolVersion = 2;
 // Upper bound on a control payload (metadata, call bodies, error messages).
 constexpr uint32_t kMaxControlPayload = 16 * 1024 * 1024;
+// Upper bound on a HELLO / HELLO_OK payload (metadata of an agent with many regions).
+constexpr uint32_t kMaxHelloPayload = 1024 * 1024;
+// READ, WRITE and REGION_QUERY carry at most a capability.
+constexpr uint32_t kMaxRequestPayload = 64;
 
 enum class FrameType : uint16_t {
   kHello = 1,
@@ -37,6 +43,7 @@ enum class FrameType : uint16_t {
   kCallReply = 10,
   kNotify = 11,
   kError = 12,
+  kChallenge = 13,
 };
 
 // Flags on REGION_INFO.
@@ -67,11 +74,18 @@ const char* frame_type_name(uint16_t type);
 
 // Sends header + payload in one writev. Thread-compatible: callers serialise per fd.
 Status send_frame(int fd, FrameHeader header, const std::string& payload, Deadline deadline);
-// Receives one frame (header and payload, not data bytes). Rejects a bad magic or a
-// payload over kMaxControlPayload. With `passed_fd`, accepts an attached descriptor.
-Result<Frame> recv_frame(int fd, Deadline deadline, UniqueFd* passed_fd = nullptr);
+// The most payload a frame of `type` may carry (0 for an unknown type).
+uint32_t max_payload_for(uint16_t type);
+// Receives one frame (header and payload, not data bytes). Rejects a bad magic, an
+// unknown type, or a payload over that type's limit (max_payload_for, and at most
+// `max_payload`) before reading it; the payload buffer grows with the bytes that
+// actually arrive, never to a size a peer announced. With `passed_fd`, accepts an
+// attached descriptor.
+Result<Frame> recv_frame(int fd, Deadline deadline, UniqueFd* passed_fd = nullptr,
+                         uint32_t max_payload = kMaxControlPayload);
 // An ERROR frame's content as a Status (the code travels in header.status).
 Status status_from_error_frame(const Frame& frame);
-Status send_error(int fd, uint64_t id, const Status& status);
+Status send_error(int fd, uint64_t id, const Status& status,
+                  Deadline deadline = Deadline::after_ms(5000));
 
 }  // namespace ecx::transfer

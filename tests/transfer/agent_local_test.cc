@@ -11,6 +11,7 @@
 #include "ecx/common/checksum.h"
 #include "ecx/transfer/agent.h"
 #include "support/peer_process.h"
+#include "transfer/wire.h"
 
 namespace ecx::transfer {
 namespace {
@@ -174,20 +175,23 @@ TEST_P(AgentLocalTest, CallsAndErrorsTravelBothWays) {
 TEST_P(AgentLocalTest, CallHonoursItsDeadline) {
   std::mutex mu;
   std::condition_variable cv;
-  bool release = false;
+  bool release = false;   // guarded by mu
+  bool returned = false;  // guarded by mu
   producer_->set_call_handler([&](const std::string&, std::string_view) -> Result<std::string> {
     std::unique_lock lock(mu);
     cv.wait_for(lock, std::chrono::seconds(20), [&] { return release; });
+    returned = true;
+    cv.notify_all();
     return std::string("late");
   });
   auto r = consumer_->call("producer", "slow", Deadline::after_ms(100));
-  ASSERT_FALSE(r.ok());
+  EXPECT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), StatusCode::kDeadlineExceeded);
-  {
-    std::lock_guard lock(mu);
-    release = true;
-  }
+  // Let the handler finish before mu and cv (on this stack) go away (ThreadSanitizer).
+  std::unique_lock lock(mu);
+  release = true;
   cv.notify_all();
+  EXPECT_TRUE(cv.wait_for(lock, std::chrono::seconds(20), [&] { return returned; }));
 }
 
 TEST_P(AgentLocalTest, ZeroCopyViewOnlyOverShm) {
@@ -263,14 +267,16 @@ TEST(AgentConnect, IncompatibleHashIsRefusedNamingBothHashes) {
   EXPECT_EQ(r.status().code(), StatusCode::kIncompatible);
   EXPECT_TRUE(contains(r.status(), "'ecx'")) << r.status().to_string();
   EXPECT_TRUE(contains(r.status(), "'model-b'")) << r.status().to_string();
-  // ...and by the serving side, even when the metadata lies about the hash.
+  // ...and by the serving side, even when the metadata lies about the hash. The server
+  // names the hash it refused, never the one it expects.
   for (Backend b : {Backend::kShm, Backend::kTcp}) {
     AgentMetadata forged = producer->metadata();
     forged.compat_hash = "ecx";
     auto f = consumer->connect(forged, {.backend = b});
     ASSERT_FALSE(f.ok());
     EXPECT_EQ(f.status().code(), StatusCode::kIncompatible) << f.status().to_string();
-    EXPECT_TRUE(contains(f.status(), "'model-b'")) << f.status().to_string();
+    EXPECT_TRUE(contains(f.status(), "'ecx'")) << f.status().to_string();
+    EXPECT_FALSE(contains(f.status(), "model-b")) << f.status().to_string();
   }
   EXPECT_EQ(producer->stats().handshakes_rejected, 2u);
 }
@@ -279,7 +285,7 @@ TEST(AgentConnect, UnreachablePeerFailsWithinTheDeadline) {
   auto consumer = std::move(Agent::create(local_config("consumer")).value());
   AgentMetadata ghost;
   ghost.name = "ghost";
-  ghost.protocol_version = 1;
+  ghost.protocol_version = kProtocolVersion;
   ghost.compat_hash = "ecx";
   ghost.tcp_endpoint = "127.0.0.1:1";  // nothing listens on port 1
   auto r = consumer->connect(ghost, {.deadline = Deadline::after_ms(5000)});
@@ -296,6 +302,7 @@ TEST(AgentCreate, RejectsBadConfig) {
   EXPECT_FALSE(Agent::create(none).ok());
   AgentConfig bad_host = local_config("x");
   bad_host.tcp_host = "no.such.host.invalid";
+  bad_host.auth_secret = "s";  // without one the agent would listen on loopback instead
   EXPECT_FALSE(Agent::create(bad_host).ok());
 }
 

@@ -7,6 +7,7 @@
 
 #include "ecx/transfer/agent.h"
 #include "support/peer_process.h"
+#include "transfer/connection.h"
 #include "transfer/socket.h"
 #include "transfer/wire.h"
 
@@ -29,18 +30,21 @@ class WireRobustnessTest : public ::testing::Test {
     return fd.ok() ? std::move(*fd) : UniqueFd();
   }
 
-  // Sends a HELLO with this process's idea of a compatible client.
+  // Shakes hands as a compatible client (the same, deployment-less secret).
   void hello(int fd) {
     AgentMetadata me;
     me.name = "raw-client";
     me.protocol_version = kProtocolVersion;
     me.compat_hash = "ecx";
-    FrameHeader h;
-    h.type = static_cast<uint16_t>(FrameType::kHello);
-    ASSERT_TRUE(send_frame(fd, h, me.to_json(), Deadline::after_ms(5000)).ok());
-    auto reply = recv_frame(fd, Deadline::after_ms(5000));
-    ASSERT_TRUE(reply.ok());
-    ASSERT_EQ(reply->header.type, static_cast<uint16_t>(FrameType::kHelloOk));
+    auto peer = client_handshake(fd, me, "", 0, Deadline::after_ms(5000));
+    ASSERT_TRUE(peer.ok()) << peer.status().to_string();
+  }
+
+  // The server speaks first: its CHALLENGE.
+  void expect_challenge(int fd) {
+    auto c = recv_frame(fd, Deadline::after_ms(5000));
+    ASSERT_TRUE(c.ok()) << c.status().to_string();
+    ASSERT_EQ(c->header.type, static_cast<uint16_t>(FrameType::kChallenge));
   }
 
   // The server still serves a well-behaved agent.
@@ -62,6 +66,7 @@ class WireRobustnessTest : public ::testing::Test {
 TEST_F(WireRobustnessTest, GarbageBytesCloseTheConnection) {
   UniqueFd fd = raw_connect();
   std::string junk(100, 'x');
+  expect_challenge(fd.get());
   ASSERT_TRUE(send_all(fd.get(), junk.data(), junk.size(), Deadline::after_ms(5000), "junk").ok());
   char c;
   // The server closes on a bad HELLO: recv sees EOF (after a possible error frame).
@@ -79,6 +84,7 @@ TEST_F(WireRobustnessTest, ReadBeforeHelloIsRefused) {
   h.type = static_cast<uint16_t>(FrameType::kRead);
   h.region = region_.id;
   h.length = 16;
+  expect_challenge(fd.get());
   ASSERT_TRUE(send_frame(fd.get(), h, "", Deadline::after_ms(5000)).ok());
   auto r = recv_frame(fd.get(), Deadline::after_ms(10000));
   ASSERT_TRUE(r.ok());

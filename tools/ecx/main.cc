@@ -3,6 +3,7 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <cstdlib>
 #include <fstream>
 #include <iostream>
 #include <sstream>
@@ -63,6 +64,11 @@ void add_service_flags(CLI::App* app, ecx::serve::ServiceConfig& c) {
   app->add_option("--request-timeout-ms", c.request_timeout_ms, "Deadline of a request")
       ->envname("ECX_REQUEST_TIMEOUT_MS")
       ->capture_default_str();
+  app->add_option("--auth-token-file", c.auth_token_file,
+                  "File holding the deployment secret (mode 600); or set ECX_AUTH_TOKEN")
+      ->envname("ECX_AUTH_TOKEN_FILE");
+  // The secret itself only from the environment: a command line is visible to `ps`.
+  if (const char* token = std::getenv("ECX_AUTH_TOKEN")) c.auth_token = token;
 }
 
 // Expands `--config FILE` into flags placed before the command line's own, so a flag

@@ -28,6 +28,9 @@ struct PoolConfig {
   uint64_t capacity_bytes = 1ull << 30;
   std::chrono::milliseconds lease{30000};  // default pin lease
   bool remote_write = false;               // peers may WRITE into the arena (push receivers)
+  // Peers reach blocks only through grants (pin_for_peer; RegionAccess::require_grant):
+  // a peer cannot read, or map, what it was not handed.
+  bool require_grant = false;
 };
 
 // Where an entry's block lives. `block` points into this process's arena.
@@ -47,6 +50,9 @@ struct BlockRef {
 struct Pin {
   BlockRef ref;
   uint64_t pin_id = 0;
+  // Set by pin_for_peer: lets its holder READ the block, find it by key and release the
+  // pin. Revoked when the pin ends.
+  transfer::Capability capability;
 };
 
 struct PoolStats {
@@ -111,8 +117,19 @@ class EncoderCachePool {
   // Pins a ready entry for `holder` for `lease` (default: the pool's).
   Result<Pin> pin(const MmHash& mm_hash, const std::string& holder,
                   std::optional<std::chrono::milliseconds> lease = std::nullopt);
+  // Pins a ready entry for a peer and grants that peer READ of its block: the pin's
+  // capability. `peer` empty: whoever presents the capability (params handed out through
+  // the proxy); else only the agent of that name.
+  Result<Pin> pin_for_peer(const MmHash& mm_hash, const std::string& peer,
+                           std::optional<std::chrono::milliseconds> lease = std::nullopt);
+  // The pin whose capability is `capability`, if it is a live pin of `mm_hash`: how a
+  // peer proves it was handed an entry before it may look it up by key.
+  Result<Pin> pin_of_capability(const MmHash& mm_hash, const transfer::Capability& capability);
   // Ends one pin. kNotFound if it already ended (released, expired).
   Status unpin(uint64_t pin_id);
+  // A peer's RELEASE: ends the pin only if `capability` is the one it was granted with.
+  // kNotFound otherwise (an unknown pin and a wrong capability look the same).
+  Status release_granted(uint64_t pin_id, const transfer::Capability& capability);
   // Ends every pin of `holder`; returns how many.
   size_t release_holder(const std::string& holder);
   // Removes an unpinned entry. kFailedPrecondition if pinned.

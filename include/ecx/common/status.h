@@ -26,8 +26,9 @@ enum class StatusCode : int {
   kFailedPrecondition,
   kCancelled,
   kIoError,
-  kDataLoss,  // checksum mismatch
-  kInternal,  // NACK "internal"
+  kDataLoss,          // checksum mismatch
+  kInternal,          // NACK "internal"
+  kPermissionDenied,  // the peer is not authenticated or not allowed to do this
 };
 
 // Stable lower-case name of a code ("not_found", "deadline_exceeded", ...).
@@ -67,6 +68,9 @@ inline Status DeadlineExceeded(std::string m) {
   return {StatusCode::kDeadlineExceeded, std::move(m)};
 }
 inline Status Internal(std::string m) { return {StatusCode::kInternal, std::move(m)}; }
+inline Status PermissionDenied(std::string m) {
+  return {StatusCode::kPermissionDenied, std::move(m)};
+}
 inline Status IoError(std::string m) { return {StatusCode::kIoError, std::move(m)}; }
 // An IoError naming `what` and the current errno.
 Status ErrnoError(std::string_view what, int err);

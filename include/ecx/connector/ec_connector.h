@@ -62,6 +62,8 @@ struct LoadItem {
 struct LoadRequest {
   std::string request_id;
   std::vector<LoadItem> items;
+  // The request's own deadline: loads end by the earlier of it and load_timeout_ms.
+  std::optional<Deadline> deadline;
 };
 
 // Per-step scheduler output: which items of which requests to load.

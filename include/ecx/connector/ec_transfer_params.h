@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 
 #include <nlohmann/json.hpp>
 
@@ -30,10 +31,21 @@ struct EcTransferParams {
   uint64_t length = 0;
   uint64_t generation = 0;
   uint64_t pin = 0;  // the producer-side pin the consumer releases after reading
+  // p2p: the grant that lets its bearer READ the block, look it up and release the pin
+  // (transfer::Capability, 32 hex digits).
+  std::string capability;
+  // HMAC of every other field under the deployment secret, set by the producer (sign):
+  // a consumer uses params only when verify() passes, so a client cannot choose a
+  // producer, a location or embeddings.
+  std::string signature;
 
   bool has_location() const { return region != 0; }
   nlohmann::json to_json() const;
   static Result<EcTransferParams> from_json(const nlohmann::json& j);
+
+  void sign(std::string_view secret);
+  // kPermissionDenied when the signature is missing or does not match.
+  Status verify(std::string_view secret) const;
 };
 
 }  // namespace ecx::connector

@@ -34,6 +34,10 @@ struct ServiceConfig {
   int64_t encode_timeout_ms = 30000;    // proxy -> E
   int64_t request_timeout_ms = 120000;  // proxy -> PD
   std::string log_level = "info";
+  // The deployment secret for E and PD agents (see docs/SECURITY.md): from the
+  // ECX_AUTH_TOKEN environment variable, or a file only its owner can read.
+  std::string auth_token;
+  std::string auth_token_file;
 };
 
 // A service started as a child process, once it listens.
@@ -44,6 +48,10 @@ struct RunningService {
 // Starts `argv` (an `ecx serve ...` command line) and waits, until `deadline`, for its
 // "listening on http://HOST:PORT" line.
 Result<RunningService> spawn_service(const std::vector<std::string>& argv, Deadline deadline);
+// Generates a fresh deployment secret and puts it in this process's environment
+// (ECX_AUTH_TOKEN), so the services it starts from now on share it and nobody else
+// knows it. What `ecx demo`, `ecx bench epd` and the test stacks do per stack.
+void use_new_stack_secret();
 // SIGTERM (drain), then SIGKILL if it has not exited by `deadline`.
 void stop_service(Subprocess& process, Deadline deadline);
 

@@ -37,6 +37,12 @@ struct AgentConfig {
   int tcp_socket_buffer = 4 << 20;      // SO_SNDBUF / SO_RCVBUF of data connections
   int64_t connect_timeout_ms = 5000;    // default deadline of connect()
   int64_t transfer_timeout_ms = 30000;  // default deadline of a READ/WRITE with none given
+  // The deployment secret. Every handshake proves both sides know it (HMAC challenge-
+  // response; it never crosses the wire). Empty: no secret, and the agent listens on
+  // loopback only (tcp_host is forced to 127.0.0.1, with a warning).
+  std::string auth_secret;
+  int max_connections = 256;        // served connections at once; more are refused
+  int64_t idle_timeout_ms = 60000;  // a served connection with no frame for this long closes
 
   // Test-only fault injection: the server stops sending READ data after this many bytes
   // of one reply (and holds the connection open), to simulate a peer dying mid-transfer.
@@ -85,6 +91,15 @@ class Agent {
   // unmapped once no transfer uses it.
   virtual Status deregister(uint32_t region_id) = 0;
 
+  // Lets peers reach [offset, offset + length) of a region with RegionAccess::require_grant:
+  // READ (and WRITE when `write`) with the returned capability. `holder` empty: any
+  // authenticated peer that presents it; else only the agent of that name. Valid until
+  // revoke() or deregister(region).
+  virtual Result<Capability> grant(uint32_t region_id, uint64_t offset, uint64_t length, bool write,
+                                   const std::string& holder) = 0;
+  // Ends a grant; later requests with it fail with kPermissionDenied. Idempotent.
+  virtual void revoke(const Capability& capability) = 0;
+
   // This agent's metadata (endpoints and current regions).
   virtual AgentMetadata metadata() const = 0;
 
@@ -123,9 +138,10 @@ class Agent {
   // Next notification from any peer, or kDeadlineExceeded.
   virtual Result<Notification> wait_notification(Deadline deadline) = 0;
 
-  // Zero-copy view of a same-host peer's region bytes (shm backend only).
+  // Zero-copy view of a same-host peer's region bytes (shm backend only). The first view
+  // of a region that requires grants presents `capability` to get it mapped.
   virtual Result<RemoteView> view(const std::string& peer, uint32_t region, uint64_t offset,
-                                  uint64_t length) = 0;
+                                  uint64_t length, const Capability& capability = {}) = 0;
 
   virtual AgentStats stats() const = 0;
 

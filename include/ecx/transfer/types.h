@@ -1,6 +1,7 @@
 // Value types of the transfer layer: memory kinds, backends, descriptors, stats.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -21,6 +22,23 @@ Result<Backend> parse_backend(std::string_view name);  // "auto", "shm", "tcp"
 struct RegionAccess {
   bool remote_read = true;
   bool remote_write = false;
+  // Peers reach the region only through grants (Agent::grant): every READ or WRITE must
+  // carry a capability that covers its bytes, and a same-host peer gets the region's
+  // memfd only for a capability in it. Encoder cache pools set this.
+  bool require_grant = false;
+};
+
+// An unguessable token (128 random bits) that lets a peer READ or WRITE one range of a
+// region (Agent::grant). All zero = none.
+struct Capability {
+  std::array<uint8_t, 16> bytes{};
+
+  bool empty() const;
+  std::string hex() const;  // 32 lower-case hex digits
+  static Result<Capability> parse_hex(std::string_view hex);
+  static Capability random();
+  friend bool operator==(const Capability&, const Capability&) = default;
+  friend auto operator<=>(const Capability&, const Capability&) = default;
 };
 
 // A region of this process registered with the agent. Plain value: the memory stays
@@ -38,6 +56,7 @@ struct TransferDescriptor {
   uint32_t remote_region = 0;
   uint64_t remote_offset = 0;
   uint64_t length = 0;
+  Capability capability;  // needed for regions with RegionAccess::require_grant
 };
 
 // A message delivered to this agent, after any data its sender wrote before it.
@@ -53,7 +72,8 @@ struct AgentStats {
   uint64_t transfers_failed = 0;
   uint64_t rejected_requests = 0;     // served requests refused (bad region/offset/length)
   uint64_t rejected_descriptors = 0;  // local descriptors refused before sending
-  uint64_t handshakes_rejected = 0;   // incompatible / bad HELLO
+  uint64_t handshakes_rejected = 0;   // incompatible / bad HELLO / failed authentication
+  uint64_t connections_refused = 0;   // over max_connections, or another uid on unix
   uint64_t peers_connected = 0;
   uint64_t peer_failures = 0;  // peers that died while connected
   uint64_t notifications_received = 0;

@@ -1,0 +1,108 @@
+#include "ecx/common/auth.h"
+
+#include <openssl/core_names.h>
+#include <openssl/crypto.h>
+#include <openssl/evp.h>
+#include <openssl/params.h>
+#include <openssl/rand.h>
+#include <sys/stat.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+
+namespace ecx {
+
+Mac hmac_sha256(std::string_view key, std::initializer_list<std::string_view> parts) {
+  // Fetched once; EVP_MAC objects are thread-safe to share.
+  static EVP_MAC* const kHmac = EVP_MAC_fetch(nullptr, "HMAC", nullptr);
+  // No secret still gets a key: two agents without one agree, any agent with one differs.
+  static constexpr std::string_view kNoSecret = "ecx: no deployment secret";
+  if (key.empty()) key = kNoSecret;
+  Mac out{};
+  EVP_MAC_CTX* ctx = EVP_MAC_CTX_new(kHmac);
+  char digest[] = "SHA256";
+  OSSL_PARAM params[] = {OSSL_PARAM_construct_utf8_string("digest", digest, 0), OSSL_PARAM_END};
+  bool ok = ctx != nullptr && EVP_MAC_init(ctx, reinterpret_cast<const unsigned char*>(key.data()),
+                                           key.size(), params) == 1;
+  for (std::string_view part : parts) {
+    uint64_t n = part.size();
+    unsigned char len[8];
+    for (int i = 0; i < 8; ++i) len[i] = static_cast<unsigned char>(n >> (8 * i));
+    ok = ok && EVP_MAC_update(ctx, len, sizeof(len)) == 1 &&
+         EVP_MAC_update(ctx, reinterpret_cast<const unsigned char*>(part.data()), part.size()) == 1;
+  }
+  size_t written = 0;
+  ok = ok && EVP_MAC_final(ctx, out.data(), &written, out.size()) == 1 && written == out.size();
+  EVP_MAC_CTX_free(ctx);
+  if (!ok) std::abort();  // a broken crypto library: nothing safe to do but stop
+  return out;
+}
+
+std::string mac_hex(const Mac& mac) {
+  static const char* kDigits = "0123456789abcdef";
+  std::string s;
+  s.reserve(mac.size() * 2);
+  for (uint8_t b : mac) {
+    s.push_back(kDigits[b >> 4]);
+    s.push_back(kDigits[b & 15]);
+  }
+  return s;
+}
+
+Result<Mac> parse_mac_hex(std::string_view hex) {
+  if (hex.size() != 64) {
+    return InvalidArgument("a MAC is 64 hex digits, got " + std::to_string(hex.size()) +
+                           " characters");
+  }
+  auto digit = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    return -1;
+  };
+  Mac mac{};
+  for (size_t i = 0; i < mac.size(); ++i) {
+    int hi = digit(hex[2 * i]), lo = digit(hex[2 * i + 1]);
+    if (hi < 0 || lo < 0) return InvalidArgument("a MAC is lower-case hex");
+    mac[i] = static_cast<uint8_t>(hi << 4 | lo);
+  }
+  return mac;
+}
+
+bool macs_equal(const Mac& a, const Mac& b) {
+  return CRYPTO_memcmp(a.data(), b.data(), a.size()) == 0;
+}
+
+std::string random_bytes(size_t n) {
+  std::string s(n, '\0');
+  if (RAND_bytes(reinterpret_cast<unsigned char*>(s.data()), static_cast<int>(n)) != 1) {
+    // The OS random source failing is not something to continue past.
+    std::abort();
+  }
+  return s;
+}
+
+Result<std::string> load_secret(std::string_view token, const std::string& token_file) {
+  if (!token.empty()) return std::string(token);
+  if (token_file.empty()) return std::string();
+  struct stat st {};
+  if (::stat(token_file.c_str(), &st) != 0) {
+    return NotFound("auth token file " + token_file + " does not exist");
+  }
+  if ((st.st_mode & (S_IRWXG | S_IRWXO)) != 0) {
+    return PermissionDenied("auth token file " + token_file +
+                            " is readable by group or others (chmod 600 it)");
+  }
+  std::ifstream in(token_file, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  std::string secret = ss.str();
+  while (!secret.empty() && (secret.back() == '\n' || secret.back() == '\r' ||
+                             secret.back() == ' ' || secret.back() == '\t')) {
+    secret.pop_back();
+  }
+  if (secret.empty()) return InvalidArgument("auth token file " + token_file + " is empty");
+  return secret;
+}
+
+}  // namespace ecx

@@ -1,0 +1,90 @@
+// The p2p connector's control messages, as structs. Every message that arrives from a
+// peer is read here, by one strict reader: wrong types, missing fields, unknown ops or
+// too many items become a Status naming the field, never an exception.
+//
+//   lookup   consumer -> producer CALL   which blocks, by mm_hash + the capability from
+//                                        the params (pull-2step, lookup by key)
+//            producer -> consumer reply  per item: status, location, pin, capability
+//   load     consumer -> producer CALL   push: write these blocks into my grants
+//            producer -> consumer reply  per item: status
+//   release  consumer -> producer NOTIFY pins to end, each with its capability
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <variant>
+#include <vector>
+
+#include "ecx/common/mm_hash.h"
+#include "ecx/common/status.h"
+#include "ecx/transfer/types.h"
+
+namespace ecx::connector {
+
+// Most items one message may carry.
+constexpr size_t kMaxMessageItems = 4096;
+
+struct LookupItem {
+  MmHash mm_hash;
+  transfer::Capability capability;  // proves the consumer was handed this entry
+};
+struct LookupRequest {
+  std::vector<LookupItem> items;
+  int64_t wait_ms = 0;  // how long the producer may wait for a not-ready entry
+};
+
+struct LoadItemRequest {
+  MmHash mm_hash;
+  transfer::Capability capability;  // the params' grant at the producer
+  uint32_t dst_region = 0;          // the consumer's window for this block
+  uint64_t dst_offset = 0;
+  uint64_t dst_length = 0;
+  transfer::Capability dst_capability;  // the consumer's write grant for the window
+  uint64_t generation = 0;              // expected at the producer (0 = any)
+  uint64_t pin = 0;                     // params pin to release once written
+};
+struct LoadBlocksRequest {
+  std::string consumer;  // the consumer agent's metadata (JSON)
+  transfer::Backend backend = transfer::Backend::kAuto;
+  int64_t wait_ms = 0;
+  std::vector<LoadItemRequest> items;
+};
+
+using ControlRequest = std::variant<LookupRequest, LoadBlocksRequest>;
+
+// One item of a reply: a status and, for lookups, where the block is.
+struct ItemReply {
+  MmHash mm_hash;
+  Status status;
+  uint32_t region = 0;
+  uint64_t offset = 0;
+  uint64_t length = 0;
+  uint64_t generation = 0;
+  uint64_t pin = 0;
+  transfer::Capability capability;
+};
+struct ItemsReply {
+  std::vector<ItemReply> items;
+};
+
+struct ReleasedPin {
+  uint64_t pin = 0;
+  transfer::Capability capability;
+};
+struct ReleaseNotice {
+  std::vector<ReleasedPin> pins;
+};
+
+std::string to_json(const LookupRequest& m);
+std::string to_json(const LoadBlocksRequest& m);
+std::string to_json(const ItemsReply& m);
+std::string to_json(const ReleaseNotice& m);
+
+// A CALL body: a lookup or a load, by its "op".
+Result<ControlRequest> parse_control_request(std::string_view text);
+// A reply to a request of `expected_items` items: exactly that many.
+Result<ItemsReply> parse_items_reply(std::string_view text, size_t expected_items);
+Result<ReleaseNotice> parse_release_notice(std::string_view text);
+
+}  // namespace ecx::connector

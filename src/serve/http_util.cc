@@ -267,15 +267,19 @@ std::optional<RequestError> parse_chat_request(const std::string& body, const Se
 }
 
 void add_common_routes(httplib::Server& server, const ServiceConfig& config,
-                       const std::string& role, const std::function<std::string()>& metrics) {
+                       const std::string& role, const std::function<std::string()>& metrics,
+                       std::function<HealthReport()> health) {
   // Structured logs: key=value, one line per request.
   spdlog::set_pattern("ts=%Y-%m-%dT%H:%M:%S.%e level=%l service=" + role + " pid=%P %v");
   server.set_logger([](const httplib::Request& req, const httplib::Response& res) {
     spdlog::info("method={} path={} status={} bytes_in={} bytes_out={}", req.method, req.path,
                  res.status, req.body.size(), res.body.size());
   });
-  server.Get("/health", [role](const httplib::Request&, httplib::Response& res) {
-    res.set_content(json{{"status", "ok"}, {"role", role}}.dump(), "application/json");
+  server.Get("/health", [role, health](const httplib::Request&, httplib::Response& res) {
+    HealthReport report{200, json{{"status", "ok"}, {"role", role}}};
+    if (health) report = health();
+    res.status = report.http_status;
+    res.set_content(safe_dump(report.body), "application/json");
   });
   server.Get("/v1/models", [config](const httplib::Request&, httplib::Response& res) {
     json model = {{"id", config.model}, {"object", "model"}, {"created", 0}, {"owned_by", "ecx"}};

@@ -5,6 +5,7 @@
 #include <httplib.h>
 
 #include <atomic>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
@@ -79,9 +80,17 @@ struct RequestError {
 std::optional<RequestError> parse_chat_request(const std::string& body, const ServiceConfig& config,
                                                ChatRequest* out);
 
-// Installs /health, /v1/models and /metrics.
+// What GET /health answers: 200 when the service can serve, else 503 with a reason.
+struct HealthReport {
+  int http_status = 200;
+  nlohmann::json body;  // {"status", "role", ...}
+};
+
+// Installs /health, /v1/models and /metrics. Without `health`, /health answers 200
+// {"status":"ok","role":ROLE}; with it, what it reports (it must not block).
 void add_common_routes(httplib::Server& server, const ServiceConfig& config,
-                       const std::string& role, const std::function<std::string()>& metrics);
+                       const std::string& role, const std::function<std::string()>& metrics,
+                       std::function<HealthReport()> health = {});
 
 // Blocks SIGTERM/SIGINT in the calling thread (and so in every thread it creates later);
 // call first in a service's main, before any thread starts. serve_until_signal takes

@@ -1,0 +1,253 @@
+// The proxy keeps serving while its upstreams die: /health reports from connection
+// state, an encoder's images go to another encoder, and with no encoder left the PD
+// encodes them itself. Real `ecx serve` processes on loopback, real HTTP.
+#include <gtest/gtest.h>
+#include <httplib.h>
+#include <signal.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <functional>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <thread>
+
+#include "ecx/engine/image.h"
+#include "ecx/serve/services.h"
+#include "serve/http_util.h"
+
+namespace ecx::serve {
+namespace {
+
+using nlohmann::json;
+
+// A running `ecx serve ROLE` process.
+struct Service {
+  std::optional<Subprocess> process;
+  std::string url;
+  std::string host;
+  int port = 0;
+
+  httplib::Client client(int timeout_s = 120) const {
+    httplib::Client cli(host, port);
+    cli.set_read_timeout(std::chrono::seconds(timeout_s));
+    return cli;
+  }
+  void kill_now() {
+    ASSERT_TRUE(process->kill(SIGKILL).ok());
+    ASSERT_TRUE(process->wait(Deadline::after_ms(20000)).ok());
+  }
+};
+
+Status start(Service& s, const std::string& role, std::vector<std::string> flags) {
+  std::vector<std::string> argv = {ECX_BINARY, "serve", role};
+  argv.insert(argv.end(), flags.begin(), flags.end());
+  ECX_ASSIGN_OR_RETURN(RunningService r, spawn_service(argv, Deadline::after_ms(60000)));
+  ECX_ASSIGN_OR_RETURN(auto host_port, parse_url(r.url));
+  s.process.emplace(std::move(r.process));
+  s.url = r.url;
+  s.host = host_port.first;
+  s.port = host_port.second;
+  return Status::Ok();
+}
+
+std::vector<std::string> service_flags(const std::string& connector) {
+  json ec = {{"connector", connector}, {"extra", {{"pool_bytes", "96MiB"}}}};
+  return {"--port", "0", "--ec-config", ec.dump(), "--connector", connector};
+}
+
+std::string join(const std::vector<Service*>& services) {
+  std::string out;
+  for (const Service* s : services) out += (out.empty() ? "" : ",") + s->url;
+  return out;
+}
+
+// A request with one small image of its own (seed) and a few output tokens.
+std::string image_request(uint64_t seed, bool stream = false) {
+  auto png = engine::encode_png(engine::synthetic_image(112, 112, seed)).value();
+  json content = json::array(
+      {{{"type", "text"}, {"text", "Describe:"}},
+       {{"type", "image_url"}, {"image_url", {{"url", engine::make_data_url(png, "image/png")}}}}});
+  return json{{"model", "ecx-tiny-vl"},
+              {"messages", json::array({{{"role", "user"}, {"content", content}}})},
+              {"max_tokens", 4},
+              {"ignore_eos", true},
+              {"stream", stream}}
+      .dump();
+}
+
+httplib::Result chat(const Service& proxy, const std::string& body) {
+  return proxy.client().Post("/v1/chat/completions", body, "application/json");
+}
+
+// Asks again every 50 ms until `done` holds or `deadline` passes; true if it held.
+// (The other process gives no event to wait on: its /health is the observable state.)
+bool poll_until(Deadline deadline, const std::function<bool()>& done) {
+  while (true) {
+    if (done()) return true;
+    if (deadline.expired()) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+}
+
+// GET /health: {status, body}; {0, null} when the proxy did not answer.
+std::pair<int, json> health(const Service& proxy) {
+  auto res = proxy.client(5).Get("/health");
+  if (!res) return {0, json()};
+  return {res->status, json::parse(res->body, nullptr, false)};
+}
+
+std::string metrics(const Service& s) {
+  auto res = s.client(5).Get("/metrics");
+  return res ? res->body : "";
+}
+
+TEST(ProxyAvailability, HealthIs503WithAReasonOnceTheOnlyPdDiesAnd200WhenItIsBack) {
+  Service pd, proxy;
+  ASSERT_TRUE(start(pd, "pd", service_flags("local")).ok());
+  auto proxy_flags = service_flags("local");
+  proxy_flags.insert(proxy_flags.end(), {"--pd", pd.url});
+  ASSERT_TRUE(start(proxy, "proxy", proxy_flags).ok());
+  auto [status, body] = health(proxy);
+  ASSERT_EQ(status, 200) << body;
+  EXPECT_EQ(body["status"], "ok");
+  EXPECT_EQ(body["pd_reachable"], 1);
+
+  ASSERT_NO_FATAL_FAILURE(pd.kill_now());
+  json last;
+  EXPECT_TRUE(poll_until(Deadline::after_ms(5000),
+                         [&] {
+                           auto [s, b] = health(proxy);
+                           last = b;
+                           return s == 503;
+                         }))
+      << "proxy /health still says " << last;
+  EXPECT_EQ(last["status"], "unavailable");
+  ASSERT_TRUE(last["reason"].is_string()) << last;
+  EXPECT_NE(last["reason"].get<std::string>().find(pd.url), std::string::npos) << last;
+  EXPECT_EQ(last["pd_reachable"], 0);
+  // Nothing can serve a request now: 502, promptly (the dead PD refuses the connection).
+  auto res = chat(proxy, image_request(1));
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 502) << res->body;
+
+  // A PD comes back at the same address: healthy again, and serving.
+  Service again;
+  auto flags = service_flags("local");
+  flags[1] = std::to_string(pd.port);
+  ASSERT_TRUE(start(again, "pd", flags).ok());
+  EXPECT_TRUE(poll_until(Deadline::after_ms(5000), [&] { return health(proxy).first == 200; }))
+      << health(proxy).second;
+  res = chat(proxy, image_request(2));
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 200) << res->body;
+}
+
+TEST(ProxyAvailability, NonStreamingSuccessIsCountedWithItsHttpStatus) {
+  Service pd, proxy;
+  ASSERT_TRUE(start(pd, "pd", service_flags("local")).ok());
+  auto proxy_flags = service_flags("local");
+  proxy_flags.insert(proxy_flags.end(), {"--pd", pd.url});
+  ASSERT_TRUE(start(proxy, "proxy", proxy_flags).ok());
+  auto res = chat(proxy, image_request(3));
+  ASSERT_TRUE(res);
+  ASSERT_EQ(res->status, 200) << res->body;
+  auto streamed = chat(proxy, image_request(4, /*stream=*/true));
+  ASSERT_TRUE(streamed);
+  ASSERT_EQ(streamed->status, 200) << streamed->body;
+  std::string text = metrics(proxy);
+  EXPECT_NE(text.find("ecx_proxy_requests_total{status=\"200\"} 2"), std::string::npos) << text;
+  EXPECT_EQ(text.find("status=\"-1\""), std::string::npos) << text;
+}
+
+// E, PD and a proxy over the given encoders, p2p.
+struct EpdStack {
+  std::vector<Service> encoders;
+  Service pd, proxy;
+
+  Status start_all(int encoder_count) {
+    encoders.resize(encoder_count);
+    std::vector<Service*> list;
+    for (auto& e : encoders) {
+      ECX_RETURN_IF_ERROR(start(e, "encoder", service_flags("p2p")));
+      list.push_back(&e);
+    }
+    ECX_RETURN_IF_ERROR(start(pd, "pd", service_flags("p2p")));
+    auto flags = service_flags("p2p");
+    flags.insert(flags.end(), {"--pd", pd.url, "--encoders", join(list)});
+    return start(proxy, "proxy", flags);
+  }
+};
+
+TEST(ProxyAvailability, TheOnlyEncoderDyingUnderABurstFailsNoRequest) {
+  EpdStack stack;
+  ASSERT_TRUE(stack.start_all(1).ok());
+  constexpr int kRequests = 20;
+  std::mutex mu;
+  std::condition_variable cv;
+  int answered = 0;                      // guarded by mu
+  std::vector<int> statuses(kRequests);  // each written by its own client thread
+  std::vector<std::string> bodies(kRequests);
+  std::vector<std::thread> clients;
+  for (int i = 0; i < kRequests; ++i) {
+    clients.emplace_back([&, i] {
+      auto res = chat(stack.proxy, image_request(100 + i));
+      statuses[i] = res ? res->status : 0;
+      bodies[i] = res ? res->body : httplib::to_string(res.error());
+      std::lock_guard lock(mu);
+      ++answered;
+      cv.notify_all();
+    });
+  }
+  {
+    // Kill the encoder once the burst is flowing: one answer is back, most are not.
+    std::unique_lock lock(mu);
+    cv.wait_for(lock, std::chrono::seconds(120), [&] { return answered > 0; });
+  }
+  stack.encoders[0].kill_now();
+  for (auto& t : clients) t.join();
+  int recomputed = 0;
+  for (int i = 0; i < kRequests; ++i) {
+    EXPECT_EQ(statuses[i], 200) << "request " << i << ": " << bodies[i];
+    json out = json::parse(bodies[i], nullptr, false);
+    if (statuses[i] == 200) recomputed += out["ecx_timings"]["items_recomputed"].get<int>();
+  }
+  // Requests that came after the encoder were encoded by the PD, and the proxy says so.
+  EXPECT_GT(recomputed, 0);
+  EXPECT_NE(metrics(stack.proxy).find("ecx_proxy_encoder_fallbacks_total"), std::string::npos);
+  // Still healthy (the PD serves), though degraded.
+  json last;
+  EXPECT_TRUE(poll_until(Deadline::after_ms(5000), [&] {
+    auto [s, b] = health(stack.proxy);
+    last = b;
+    return s == 200 && b["status"] == "degraded";
+  })) << last;
+}
+
+TEST(ProxyAvailability, AnotherEncoderTakesOverWhenOneDies) {
+  EpdStack stack;
+  ASSERT_TRUE(stack.start_all(2).ok());
+  auto warm = chat(stack.proxy, image_request(200));
+  ASSERT_TRUE(warm);
+  ASSERT_EQ(warm->status, 200) << warm->body;
+  stack.encoders[0].kill_now();
+  // At once (the proxy may not have noticed yet) and later: every image is encoded by
+  // the live encoder, so the PD loads it instead of encoding it.
+  for (int i = 0; i < 6; ++i) {
+    auto res = chat(stack.proxy, image_request(300 + i));
+    ASSERT_TRUE(res) << i;
+    ASSERT_EQ(res->status, 200) << i << ": " << res->body;
+    EXPECT_EQ(json::parse(res->body)["ecx_timings"]["items_recomputed"], 0)
+        << i << ": " << res->body;
+  }
+  std::string text = metrics(stack.proxy);
+  EXPECT_EQ(text.find("ecx_proxy_encoder_fallbacks_total"), std::string::npos) << text;
+  EXPECT_NE(
+      text.find("ecx_proxy_upstream_up{role=\"encoder\",url=\"" + stack.encoders[1].url + "\"} 1"),
+      std::string::npos)
+      << text;
+}
+
+}  // namespace
+}  // namespace ecx::serve

@@ -4,6 +4,9 @@
 #include <map>
 #include <sstream>
 
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
+
 #include "ecx/common/checksum.h"
 #include "ecx/connector/ec_connector.h"
 #include "ecx/transfer/agent.h"
@@ -35,6 +38,8 @@ void reply_ok(const std::string& payload = "") {
 }  // namespace
 
 int run_connector_peer(const std::string& config_json) {
+  // stdout carries the command protocol: logs go to stderr.
+  spdlog::set_default_logger(spdlog::stderr_color_mt("connector-peer"));
   auto config = connector::ConnectorConfig::parse(config_json);
   if (!config.ok()) {
     std::cerr << "connector peer: " << config.status().to_string() << "\n";

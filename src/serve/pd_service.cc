@@ -337,6 +337,10 @@ int run_pd_service(const ServiceConfig& config) {
       for (const auto& [code, n] : s["nacks"].items())
         metrics.set("ecx_ec_nacks", "code=\"" + code + "\"", n.get<double>());
     }
+    // ec_transfer_params refused: unsigned, not signed by this deployment, or not this item's.
+    if (s.contains("params_rejected")) {
+      metrics.set("ecx_ec_params_rejected_total", "", s["params_rejected"].get<double>());
+    }
     return metrics.render("ecx prefill/decode service");
   });
   return serve_until_signal(server, config, "pd");

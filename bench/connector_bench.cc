@@ -98,8 +98,11 @@ ConnectorRow run_one(const ConnectorBenchOptions& o, const std::string& exe,
                         ? TensorMeta{DType::kBF16, {int64_t(o.item_bytes / 4096), 2048}}
                         : TensorMeta{DType::kU8, {int64_t(o.item_bytes)}};
   std::string dims;
-  for (size_t i = 0; i < meta.shape.size(); ++i)
-    dims += (i ? "," : "") + std::to_string(meta.shape[i]);
+  for (size_t i = 0; i < meta.shape.size(); ++i) {
+    // Appended piecewise: `"," + std::to_string(...)` trips GCC 12's false -Wrestrict at -O3.
+    if (i > 0) dims += ',';
+    dims += std::to_string(meta.shape[i]);
+  }
   std::vector<int64_t> samples;
   std::vector<std::byte> expected(meta.byte_size());
   int warmup = 3;

@@ -30,8 +30,11 @@ Result<std::string> ConnectorPeer::command(const std::string& line, Deadline dea
 
 std::string meta_args(const TensorMeta& meta) {
   std::string dims;
-  for (size_t i = 0; i < meta.shape.size(); ++i)
-    dims += (i ? "," : "") + std::to_string(meta.shape[i]);
+  for (size_t i = 0; i < meta.shape.size(); ++i) {
+    // Appended piecewise: `"," + std::to_string(...)` trips GCC 12's false -Wrestrict at -O3.
+    if (i > 0) dims += ',';
+    dims += std::to_string(meta.shape[i]);
+  }
   return std::string(dtype_name(meta.dtype)) + " " + dims;
 }
 

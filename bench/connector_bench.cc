@@ -2,9 +2,12 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <map>
+#include <set>
 #include <sstream>
 
 #include "bench_stats.h"
@@ -53,9 +56,10 @@ class Producer {
 };
 
 ConnectorRow run_one(const ConnectorBenchOptions& o, const std::string& exe,
-                     const std::string& name, int index) {
+                     const std::string& name, int index, const std::string& security) {
   ConnectorRow row;
   row.connector = name;
+  row.security = security;
   row.items = o.items;
   row.item_bytes = o.item_bytes;
   row.requests = o.requests;
@@ -74,6 +78,11 @@ ConnectorRow run_one(const ConnectorBenchOptions& o, const std::string& exe,
     extra["delete_on_release"] = true;
   }
   if (kind == "store") extra["redis"] = o.redis;
+  if (security == "on") {
+    extra["auth_token"] = "bench-" + tag + "-" + std::to_string(::getpid());
+  } else {
+    extra["require_grants"] = false;
+  }
   json producer_extra = extra;
   producer_extra["engine_id"] = "bench-e-" + tag;
   auto producer =
@@ -169,33 +178,78 @@ ConnectorRow run_one(const ConnectorBenchOptions& o, const std::string& exe,
 
 std::vector<ConnectorRow> run_connector_bench(const ConnectorBenchOptions& o,
                                               const std::string& exe) {
+  std::vector<std::string> names, modes;
+  std::stringstream ss(o.connectors), sec(o.security);
+  for (std::string name; std::getline(ss, name, ',');) {
+    if (!name.empty()) names.push_back(name);
+  }
+  for (std::string m; std::getline(sec, m, ',');) {
+    if (m == "on" || m == "off") modes.push_back(m);
+  }
+  if (modes.empty()) modes.push_back("on");
   std::vector<ConnectorRow> rows;
-  std::stringstream ss(o.connectors);
-  std::string name;
   int index = 0;
-  while (std::getline(ss, name, ',')) {
-    if (!name.empty()) rows.push_back(run_one(o, exe, name, index++));
+  for (int round = 0; round < std::max(1, o.rounds); ++round) {
+    for (const auto& name : names) {
+      for (const auto& mode : modes) {  // alternated: loopback noise hits both alike
+        rows.push_back(run_one(o, exe, name, index++, mode));
+        rows.back().round = round;
+      }
+    }
   }
   return rows;
 }
+
+namespace {
+
+// Median over rounds of p50(on) / p50(off) for `connector`; 0 if not measured both ways.
+double security_ratio(const std::vector<ConnectorRow>& rows, const std::string& connector) {
+  std::map<int, std::pair<double, double>> by_round;
+  for (const auto& r : rows) {
+    if (r.connector != connector || !r.error.empty()) continue;
+    (r.security == "on" ? by_round[r.round].first : by_round[r.round].second) = r.p50_us;
+  }
+  std::vector<double> ratios;
+  for (const auto& [round, p] : by_round) {
+    if (p.first > 0 && p.second > 0) ratios.push_back(p.first / p.second);
+  }
+  if (ratios.empty()) return 0;
+  std::sort(ratios.begin(), ratios.end());
+  size_t n = ratios.size();
+  return n % 2 ? ratios[n / 2] : (ratios[n / 2 - 1] + ratios[n / 2]) / 2;
+}
+
+}  // namespace
 
 void print_connector_rows(const std::vector<ConnectorRow>& rows) {
   double pull_2step = 0;
   for (const auto& r : rows) {
     if (r.connector == "p2p:pull-2step" && r.error.empty()) pull_2step = r.p50_us;
   }
-  std::printf("\n%-15s %6s %9s %9s %10s %10s %8s %6s %10s  %s\n", "connector", "items", "item",
-              "requests", "p50(us)", "p99(us)", "GB/s", "ctrl", "pool B/B", "p50 vs pull-2step");
+  std::printf("\n%-15s %4s %6s %9s %9s %10s %10s %8s %6s %10s  %s\n", "connector", "sec", "items",
+              "item", "requests", "p50(us)", "p99(us)", "GB/s", "ctrl", "pool B/B",
+              "p50 vs pull-2step");
   for (const auto& r : rows) {
     if (!r.error.empty()) {
       std::printf("%-15s skipped: %s\n", r.connector.c_str(), r.error.c_str());
       continue;
     }
-    std::printf("%-15s %6d %9s %9d %10.1f %10.1f %8.2f %6.1f %10.4f  ", r.connector.c_str(),
-                r.items, format_bytes(r.item_bytes).c_str(), r.requests, r.p50_us, r.p99_us, r.gbps,
-                r.control_rtts_per_item, r.bytes_used_per_payload_byte);
+    std::printf("%-15s %4s %6d %9s %9d %10.1f %10.1f %8.2f %6.1f %10.4f  ", r.connector.c_str(),
+                r.security.c_str(), r.items, format_bytes(r.item_bytes).c_str(), r.requests,
+                r.p50_us, r.p99_us, r.gbps, r.control_rtts_per_item, r.bytes_used_per_payload_byte);
     if (pull_2step > 0) std::printf("%.2fx", r.p50_us / pull_2step);
     std::printf("\n");
+  }
+  std::set<std::string> done;
+  for (const auto& r : rows) {
+    if (!done.insert(r.connector).second) continue;
+    double ratio = security_ratio(rows, r.connector);
+    if (ratio > 0) {
+      std::printf(
+          "%s: p50 with authentication and grant checks / without: %.3fx (median over "
+          "rounds)\n",
+          r.connector.c_str(), ratio);
+    }
   }
 }
 
@@ -203,6 +257,8 @@ json connector_rows_json(const std::vector<ConnectorRow>& rows) {
   json out = json::array();
   for (const auto& r : rows) {
     json j = {{"connector", r.connector},
+              {"security", r.security},
+              {"round", r.round},
               {"items", r.items},
               {"item_bytes", r.item_bytes},
               {"requests", r.requests},

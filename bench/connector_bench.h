@@ -18,10 +18,16 @@ struct ConnectorBenchOptions {
   int requests = 50;
   std::string redis = "127.0.0.1:6379";
   std::string backend = "auto";
+  // "on": a deployment secret (authenticated agents, signed params) and grant checks;
+  // "off": neither. "on,off" measures both, alternated, `rounds` times in one run.
+  std::string security = "on";
+  int rounds = 1;
 };
 
 struct ConnectorRow {
   std::string connector;
+  std::string security = "on";
+  int round = 0;
   int items = 0;
   uint64_t item_bytes = 0;
   int requests = 0;

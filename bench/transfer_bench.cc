@@ -482,6 +482,12 @@ void add_transfer_commands(CLI::App& bench, int* exit_code) {
       ->capture_default_str();
   t->add_option("--redis", options->connectors.redis, "Redis for the store connector")
       ->capture_default_str();
+  t->add_option("--security", options->connectors.security,
+                "Connectors with authentication and grant checks: on, off or on,off (alternated)")
+      ->capture_default_str();
+  t->add_option("--rounds", options->connectors.rounds,
+                "Repeat the connector rows this many times, alternating --security modes")
+      ->capture_default_str();
   t->add_option("--connector-backend", options->connectors.backend, "p2p backend: auto, shm or tcp")
       ->capture_default_str();
   t->callback([options, exit_code] { *exit_code = TransferBench(*options).run(); });

@@ -13,18 +13,44 @@
 
 namespace ecx {
 
+namespace {
+
+// An HMAC context keyed once per thread and key; each MAC starts from a copy of it, so
+// the key schedule is not redone on the load path.
+class KeyedHmac {
+ public:
+  ~KeyedHmac() { EVP_MAC_CTX_free(keyed_); }
+  EVP_MAC_CTX* fresh(std::string_view key) {
+    if (keyed_ == nullptr || key != key_) {
+      static EVP_MAC* const kHmac = EVP_MAC_fetch(nullptr, "HMAC", nullptr);
+      EVP_MAC_CTX_free(keyed_);
+      keyed_ = EVP_MAC_CTX_new(kHmac);
+      char digest[] = "SHA256";
+      OSSL_PARAM params[] = {OSSL_PARAM_construct_utf8_string("digest", digest, 0), OSSL_PARAM_END};
+      if (keyed_ == nullptr ||
+          EVP_MAC_init(keyed_, reinterpret_cast<const unsigned char*>(key.data()), key.size(),
+                       params) != 1) {
+        std::abort();  // a broken crypto library: nothing safe to do but stop
+      }
+      key_.assign(key);
+    }
+    return EVP_MAC_CTX_dup(keyed_);
+  }
+
+ private:
+  EVP_MAC_CTX* keyed_ = nullptr;
+  std::string key_;
+};
+
+}  // namespace
+
 Mac hmac_sha256(std::string_view key, std::initializer_list<std::string_view> parts) {
-  // Fetched once; EVP_MAC objects are thread-safe to share.
-  static EVP_MAC* const kHmac = EVP_MAC_fetch(nullptr, "HMAC", nullptr);
   // No secret still gets a key: two agents without one agree, any agent with one differs.
   static constexpr std::string_view kNoSecret = "ecx: no deployment secret";
   if (key.empty()) key = kNoSecret;
-  Mac out{};
-  EVP_MAC_CTX* ctx = EVP_MAC_CTX_new(kHmac);
-  char digest[] = "SHA256";
-  OSSL_PARAM params[] = {OSSL_PARAM_construct_utf8_string("digest", digest, 0), OSSL_PARAM_END};
-  bool ok = ctx != nullptr && EVP_MAC_init(ctx, reinterpret_cast<const unsigned char*>(key.data()),
-                                           key.size(), params) == 1;
+  thread_local KeyedHmac keyed;
+  EVP_MAC_CTX* ctx = keyed.fresh(key);
+  bool ok = ctx != nullptr;
   for (std::string_view part : parts) {
     uint64_t n = part.size();
     unsigned char len[8];
@@ -32,10 +58,11 @@ Mac hmac_sha256(std::string_view key, std::initializer_list<std::string_view> pa
     ok = ok && EVP_MAC_update(ctx, len, sizeof(len)) == 1 &&
          EVP_MAC_update(ctx, reinterpret_cast<const unsigned char*>(part.data()), part.size()) == 1;
   }
+  Mac out{};
   size_t written = 0;
   ok = ok && EVP_MAC_final(ctx, out.data(), &written, out.size()) == 1 && written == out.size();
   EVP_MAC_CTX_free(ctx);
-  if (!ok) std::abort();  // a broken crypto library: nothing safe to do but stop
+  if (!ok) std::abort();
   return out;
 }
 

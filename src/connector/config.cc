@@ -93,11 +93,17 @@ json EcTransferParams::to_json() const {
 
 namespace {
 
-Mac params_mac(const EcTransferParams& params, std::string_view secret) {
-  EcTransferParams unsigned_params = params;
-  unsigned_params.signature.clear();
-  // nlohmann::json keeps object keys sorted: the dump is canonical.
-  return hmac_sha256(secret, {"ecx-ec-transfer-params", unsigned_params.to_json().dump()});
+Mac params_mac(const EcTransferParams& p, std::string_view secret) {
+  // Every field but the signature, each length-prefixed by hmac_sha256: no JSON on the
+  // load path.
+  std::string shape;
+  for (int64_t d : p.meta.shape) shape += std::to_string(d) + ",";
+  const std::string n[] = {std::to_string(p.num_tokens), std::to_string(p.region),
+                           std::to_string(p.offset),     std::to_string(p.length),
+                           std::to_string(p.generation), std::to_string(p.pin)};
+  return hmac_sha256(secret, {"ecx-ec-transfer-params-v1", p.connector, p.mode, p.engine_id,
+                              p.agent, p.compat_hash, p.mm_hash.str(), dtype_name(p.meta.dtype),
+                              shape, n[0], n[1], n[2], n[3], n[4], n[5], p.capability});
 }
 
 }  // namespace

@@ -34,7 +34,8 @@ Status ConnectorBase::init_base(bool consumer_cache_remote_write) {
     pc.capacity_bytes = options_.pool_bytes;
     pc.lease = std::chrono::milliseconds(options_.consumer_pin_ms);
     pc.remote_write = consumer_cache_remote_write;
-    pc.require_grant = true;  // no peer reads our cache; push producers write only grants
+    // No peer reads our cache; push producers write only into their grants.
+    pc.require_grant = options_.require_grants;
     ECX_ASSIGN_OR_RETURN(consumer_cache_, cache::EncoderCachePool::create(agent_.get(), pc));
     for (int i = 0; i < options_.loader_threads; ++i)
       loaders_.emplace_back([this] { loader_loop(); });

@@ -13,13 +13,29 @@ namespace {
 
 using nlohmann::json;
 
-const std::set<std::string> kKnownKeys = {
-    "engine_id",         "compat_hash",    "failure_policy",  "load_timeout_ms",
-    "pool_bytes",        "lease_ms",       "consumer_pin_ms", "save_wait_ms",
-    "loader_threads",    "mode",           "backend",         "tcp_host",
-    "tcp_port",          "root",           "ttl_s",           "max_bytes",
-    "delete_on_release", "redis",          "auth_token",      "auth_token_file",
-    "max_connections",   "idle_timeout_ms"};
+const std::set<std::string> kKnownKeys = {"engine_id",
+                                          "compat_hash",
+                                          "failure_policy",
+                                          "load_timeout_ms",
+                                          "pool_bytes",
+                                          "lease_ms",
+                                          "consumer_pin_ms",
+                                          "save_wait_ms",
+                                          "loader_threads",
+                                          "mode",
+                                          "backend",
+                                          "tcp_host",
+                                          "tcp_port",
+                                          "root",
+                                          "ttl_s",
+                                          "max_bytes",
+                                          "delete_on_release",
+                                          "redis",
+                                          "auth_token",
+                                          "auth_token_file",
+                                          "max_connections",
+                                          "idle_timeout_ms",
+                                          "require_grants"};
 
 Status get_string(const json& extra, const char* key, std::string* out) {
   auto it = extra.find(key);
@@ -108,6 +124,12 @@ Result<ConnectorOptions> ConnectorOptions::parse(const std::string& connector, c
   ECX_RETURN_IF_ERROR(get_string(extra, "root", &o.root));
   ECX_RETURN_IF_ERROR(get_int(extra, "ttl_s", 1, 365 * 86400, &o.ttl_s));
   ECX_RETURN_IF_ERROR(get_bytes(extra, "max_bytes", &o.max_bytes));
+  if (auto it = extra.find("require_grants"); it != extra.end()) {
+    if (!it->is_boolean()) {
+      return InvalidArgument("connector extra 'require_grants' must be a boolean");
+    }
+    o.require_grants = it->get<bool>();
+  }
   if (auto it = extra.find("delete_on_release"); it != extra.end()) {
     if (!it->is_boolean())
       return InvalidArgument("connector extra 'delete_on_release' must be a boolean");

@@ -28,6 +28,9 @@ struct ConnectorOptions {
   std::string auth_secret;
   int max_connections = 256;        // per agent
   int64_t idle_timeout_ms = 60000;  // served agent connections idle this long close
+  // Pools reachable by peers only through grants (capabilities). Off only to measure what
+  // the checks cost (ecx bench transfer --security on,off); never in a deployment.
+  bool require_grants = true;
   // p2p
   std::string mode = "pull";  // pull | pull-2step | push
   transfer::Backend backend = transfer::Backend::kAuto;

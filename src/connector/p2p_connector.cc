@@ -45,7 +45,7 @@ class P2pConnector final : public ConnectorBase {
       pc.name = options().engine_id;
       pc.capacity_bytes = options().pool_bytes;
       pc.lease = std::chrono::milliseconds(options().lease_ms);
-      pc.require_grant = true;  // peers read only the blocks they were handed
+      pc.require_grant = options().require_grants;  // peers read only what they were handed
       ECX_ASSIGN_OR_RETURN(producer_pool_, cache::EncoderCachePool::create(agent(), pc));
       agent()->set_call_handler([this](const std::string& peer, std::string_view body) {
         return handle_call(peer, body);

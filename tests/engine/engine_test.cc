@@ -1,4 +1,5 @@
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -42,6 +43,24 @@ TEST(Image, BadInputIsAClearErrorNotACrash) {
   EXPECT_EQ(big.status().code(), StatusCode::kResourceExhausted);
   auto heavy = decode_image(png, {.max_bytes = 10, .max_pixels = 1 << 20});
   EXPECT_EQ(heavy.status().code(), StatusCode::kResourceExhausted);
+}
+
+// Found by the png_decode fuzzer (tests/fuzz/corpus/png_decode/regress-itxt-declares-1.9GB):
+// libpng allocates and zeroes a chunk's declared length before reading it, so a few
+// hundred bytes claiming a 1.9 GB text chunk cost 1.9 GB. Refused before libpng sees it.
+TEST(Image, PngChunkLongerThanTheDataIsRefusedWithoutAllocatingIt) {
+  std::string png = encode_png(synthetic_image(6, 4, 1)).value();
+  const size_t after_ihdr = 8 + 12 + 13;
+  std::string chunk("\x73\x00\x00\x20iTXtkeyword", 15);  // declares 0x73000020 bytes
+  png.insert(after_ihdr, chunk);
+  rusage before{}, after{};
+  getrusage(RUSAGE_SELF, &before);
+  auto decoded = decode_image(png, {});
+  getrusage(RUSAGE_SELF, &after);
+  ASSERT_EQ(decoded.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(decoded.status().message().find("chunk iTXt at offset 33"), std::string::npos)
+      << decoded.status().message();
+  EXPECT_LT(after.ru_maxrss - before.ru_maxrss, 256 * 1024) << "peak RSS grew (KiB)";
 }
 
 TEST(Image, Base64AndDataUrls) {

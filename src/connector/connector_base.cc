@@ -245,6 +245,7 @@ void ConnectorBase::run_load(const std::shared_ptr<RequestState>& state) {
         slot.done = true;
         outcome.items.push_back({item.mm_hash, Status::Ok(), false, true});
         local_hits_++;
+        if (item.params) on_unused_params(item);
         continue;
       }
       if (pin.ok()) consumer_cache_->unpin(pin->pin_id).ignore_error();
@@ -267,6 +268,7 @@ void ConnectorBase::run_load(const std::shared_ptr<RequestState>& state) {
       slot.done = true;
       outcome.items.push_back({item.mm_hash, Status::Ok(), false, true});
       local_hits_++;
+      if (item.params) on_unused_params(item);
       continue;
     }
     slot.block = reserved->first.ref;

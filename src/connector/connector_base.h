@@ -69,6 +69,10 @@ class ConnectorBase : public EcConnector {
                      Deadline deadline) = 0;
   // After the request's outcome is known (off the critical path): releases, etc.
   virtual void after_load(const LoadRequest&, const std::vector<FetchSlot*>&) {}
+  // An item was served without using its params (already cached here): the connector
+  // gives back what the params held at the producer (its pin), so it does not wait for
+  // the lease. Runs on the loader; must not block.
+  virtual void on_unused_params(const LoadItem&) {}
   // request_finished hook (e.g. delete files).
   virtual void on_request_finished(const LoadRequest&) {}
   // Connector-specific stats.

@@ -255,6 +255,16 @@ class P2pConnector final : public ConnectorBase {
     return true;
   }
 
+  void on_unused_params(const LoadItem& item) override {
+    const EcTransferParams& p = *item.params;
+    if (p.connector != "p2p" || p.pin == 0 || !(p.mm_hash == item.mm_hash) ||
+        !p.verify(options().auth_secret).ok()) {
+      return;
+    }
+    auto cap = params_capability(p);
+    if (cap.ok()) queue_release(p.engine_id, {{p.pin, *cap}});
+  }
+
   void fetch(const LoadRequest& request, std::vector<FetchSlot*>& slots,
              Deadline deadline) override {
     // Group by producer: one connection, one batch, one release per producer.

@@ -296,8 +296,7 @@ Result<std::shared_ptr<Peer>> AgentImpl::open_peer(const AgentMetadata& meta, Ba
     std::string endpoint = meta.shm_endpoint;
     peer->unix_writes = std::make_shared<TcpDataPool>(
         config_, self, peer->control->peer(),
-        [endpoint](Deadline d) { return connect_unix(endpoint, d); }, "unix @" + endpoint, 1,
-        &stats_);
+        [endpoint](Deadline d) { return connect_unix(endpoint, d); }, "unix @" + endpoint, 1);
   } else {
     if (meta.tcp_endpoint.empty()) {
       return Unavailable("agent '" + meta.name + "' has no tcp endpoint");
@@ -315,7 +314,7 @@ Result<std::shared_ptr<Peer>> AgentImpl::open_peer(const AgentMetadata& meta, Ba
           tune_tcp_socket(fd.get(), buffer);
           return fd;
         },
-        address.to_string(), config_.tcp_streams, &stats_);
+        address.to_string(), config_.tcp_streams);
   }
   if (peer->control->peer().name != meta.name) {
     return Unavailable("endpoint of agent '" + meta.name + "' is now served by agent '" +

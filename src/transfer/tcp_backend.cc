@@ -13,13 +13,12 @@ constexpr size_t kPipelineDepth = 32;
 }  // namespace
 
 TcpDataPool::TcpDataPool(const AgentConfig& config, AgentMetadata self, AgentMetadata peer,
-                         Dialer dial, std::string label, int streams, StatsCounters* stats)
+                         Dialer dial, std::string label, int streams)
     : config_(config),
       self_(std::move(self)),
       peer_(std::move(peer)),
       dial_(std::move(dial)),
-      label_(std::move(label)),
-      stats_(stats) {
+      label_(std::move(label)) {
   int n = streams < 1 ? 1 : streams;
   for (int i = 0; i < n; ++i) {
     workers_.push_back(std::make_unique<Worker>());

@@ -26,9 +26,10 @@ class TcpDataPool : public std::enable_shared_from_this<TcpDataPool> {
  public:
   // Opens one data connection (connected, not yet shaken hands) by the deadline.
   using Dialer = std::function<Result<UniqueFd>(Deadline)>;
-  // `streams` connections, at most; `label` names the endpoint in errors.
+  // `streams` connections, at most; `label` names the endpoint in errors. (Byte and
+  // transfer counts are kept by the agent's finalizer, not here.)
   TcpDataPool(const AgentConfig& config, AgentMetadata self, AgentMetadata peer, Dialer dial,
-              std::string label, int streams, StatsCounters* stats);
+              std::string label, int streams);
   ~TcpDataPool();
 
   // Starts a batched transfer; the returned state completes when every slice has.
@@ -69,7 +70,6 @@ class TcpDataPool : public std::enable_shared_from_this<TcpDataPool> {
   const AgentMetadata peer_;
   const Dialer dial_;
   const std::string label_;
-  StatsCounters* const stats_;
 
   std::mutex mu_;
   std::condition_variable cv_;

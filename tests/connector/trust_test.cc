@@ -165,6 +165,24 @@ TEST_F(P2pTrustTest, APeerReleasesOnlyThePinsItHolds) {
   EXPECT_EQ(producer_pins(), 0u);
 }
 
+TEST_F(P2pTrustTest, AnItemAlreadyCachedGivesBackThePinItsParamsCarried) {
+  start_producer({{"lease_ms", 600000}});  // only a RELEASE can end these pins
+  make_consumer();
+  auto first = load("r1", hash_of("a"), save("a", 1));
+  ASSERT_TRUE(first.status.ok()) << first.status.to_string();
+  consumer_->request_finished("r1");
+  ASSERT_TRUE(producer_->command("wait-unpinned 20000").ok());
+  // E hands out fresh params (a new pin) for the same image; PD already has it.
+  auto again = load("r2", hash_of("a"), save("a", 1));
+  ASSERT_TRUE(again.status.ok()) << again.status.to_string();
+  EXPECT_TRUE(again.items[0].local_hit);
+  consumer_->request_finished("r2");
+  // Released by the consumer long before the 10-minute lease.
+  auto drained = producer_->command("wait-unpinned 20000");
+  EXPECT_TRUE(drained.ok()) << drained.status().to_string();
+  EXPECT_EQ(producer_pins(), 0u);
+}
+
 // A producer of the deployment (it has the secret) whose replies are garbage.
 class BrokenProducer {
  public:

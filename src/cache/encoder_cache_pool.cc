@@ -162,14 +162,8 @@ class EncoderCachePool::Impl {
   Result<Pin> pin(const MmHash& mm_hash, const std::string& holder,
                   std::chrono::milliseconds lease) {
     std::unique_lock lock(mu_);
-    auto it = entries_.find(mm_hash);
-    if (it == entries_.end()) {
-      return NotFound("mm_hash " + mm_hash.str() + " is not in pool " + config_.name);
-    }
-    Entry& e = it->second;
-    if (!e.ready) {
-      return Status(StatusCode::kNotReady, "mm_hash " + mm_hash.str() + " is still being written");
-    }
+    ECX_ASSIGN_OR_RETURN(Entry * entry, ready_entry_locked(mm_hash));
+    Entry& e = *entry;
     touch_locked(e);
     Pin p{ref_of(e), add_pin_locked(e, holder, lease)};
     return p;
@@ -178,14 +172,8 @@ class EncoderCachePool::Impl {
   Result<Pin> pin_for_peer(const MmHash& mm_hash, const std::string& peer,
                            std::chrono::milliseconds lease) {
     std::unique_lock lock(mu_);
-    auto it = entries_.find(mm_hash);
-    if (it == entries_.end()) {
-      return NotFound("mm_hash " + mm_hash.str() + " is not in pool " + config_.name);
-    }
-    Entry& e = it->second;
-    if (!e.ready) {
-      return Status(StatusCode::kNotReady, "mm_hash " + mm_hash.str() + " is still being written");
-    }
+    ECX_ASSIGN_OR_RETURN(Entry * entry, ready_entry_locked(mm_hash));
+    Entry& e = *entry;
     ECX_ASSIGN_OR_RETURN(transfer::Capability cap,
                          agent_->grant(region_.id, e.offset, e.block_length, false, peer));
     touch_locked(e);
@@ -316,6 +304,18 @@ class EncoderCachePool::Impl {
                     e.block_length,
                     e.generation,
                     region_.data + e.offset};
+  }
+
+  // The ready entry for mm_hash: kNotFound or kNotReady otherwise.
+  Result<Entry*> ready_entry_locked(const MmHash& mm_hash) {
+    auto it = entries_.find(mm_hash);
+    if (it == entries_.end()) {
+      return NotFound("mm_hash " + mm_hash.str() + " is not in pool " + config_.name);
+    }
+    if (!it->second.ready) {
+      return Status(StatusCode::kNotReady, "mm_hash " + mm_hash.str() + " is still being written");
+    }
+    return &it->second;
   }
 
   Result<Entry*> writing_entry(const MmHash& mm_hash, uint64_t generation) {

@@ -170,13 +170,14 @@ std::string to_json(const ItemsReply& m) {
   for (const auto& it : m.items) {
     json j = status_fields(it.status);
     j["mm_hash"] = it.mm_hash.str();
-    if (it.status.ok() && it.region != 0) {
-      j.update({{"region", it.region},
-                {"offset", it.offset},
-                {"length", it.length},
-                {"generation", it.generation},
-                {"pin", it.pin}});
-      if (!it.capability.empty()) j["capability"] = it.capability.hex();
+    const BlockLocation& w = it.where;
+    if (it.status.ok() && w.region != 0) {
+      j.update({{"region", w.region},
+                {"offset", w.offset},
+                {"length", w.length},
+                {"generation", w.generation},
+                {"pin", w.pin}});
+      if (!w.capability.empty()) j["capability"] = w.capability.hex();
     }
     items.push_back(std::move(j));
   }
@@ -226,12 +227,13 @@ Result<ItemsReply> parse_items_reply(std::string_view text, size_t expected_item
     out.status = Status(*parsed, message);
     if (out.status.ok()) {
       ECX_ASSIGN_OR_RETURN(uint64_t region, item.u64("region", false, UINT32_MAX));
-      out.region = static_cast<uint32_t>(region);
-      ECX_ASSIGN_OR_RETURN(out.offset, item.u64("offset", false));
-      ECX_ASSIGN_OR_RETURN(out.length, item.u64("length", false));
-      ECX_ASSIGN_OR_RETURN(out.generation, item.u64("generation", false));
-      ECX_ASSIGN_OR_RETURN(out.pin, item.u64("pin", false));
-      ECX_ASSIGN_OR_RETURN(out.capability, item.capability("capability"));
+      BlockLocation& w = out.where;
+      w.region = static_cast<uint32_t>(region);
+      ECX_ASSIGN_OR_RETURN(w.offset, item.u64("offset", false));
+      ECX_ASSIGN_OR_RETURN(w.length, item.u64("length", false));
+      ECX_ASSIGN_OR_RETURN(w.generation, item.u64("generation", false));
+      ECX_ASSIGN_OR_RETURN(w.pin, item.u64("pin", false));
+      ECX_ASSIGN_OR_RETURN(w.capability, item.capability("capability"));
     }
     m.items.push_back(std::move(out));
   }

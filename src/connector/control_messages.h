@@ -53,16 +53,22 @@ struct LoadBlocksRequest {
 
 using ControlRequest = std::variant<LookupRequest, LoadBlocksRequest>;
 
-// One item of a reply: a status and, for lookups, where the block is.
-struct ItemReply {
-  MmHash mm_hash;
-  Status status;
+// Where a block is at its producer, the pin that holds it there for the consumer, and
+// the capability that lets the consumer read it and release the pin.
+struct BlockLocation {
   uint32_t region = 0;
   uint64_t offset = 0;
   uint64_t length = 0;
   uint64_t generation = 0;
   uint64_t pin = 0;
   transfer::Capability capability;
+};
+
+// One item of a reply: a status and, for lookups, where the block is.
+struct ItemReply {
+  MmHash mm_hash;
+  Status status;
+  BlockLocation where;  // lookups that succeeded; region 0 otherwise
 };
 struct ItemsReply {
   std::vector<ItemReply> items;

@@ -16,14 +16,7 @@ using nlohmann::json;
 constexpr int64_t kMaxLookupWaitMs = 2000;
 
 // A block's location at the producer, from params or a lookup.
-struct Location {
-  uint32_t region = 0;
-  uint64_t offset = 0;
-  uint64_t length = 0;
-  uint64_t generation = 0;
-  uint64_t pin = 0;
-  transfer::Capability capability;
-};
+using Location = BlockLocation;
 
 // Producers remembered by the consumer (engine id -> metadata) before the map is reset.
 constexpr size_t kMaxKnownProducers = 1024;
@@ -159,12 +152,8 @@ class P2pConnector final : public ConnectorBase {
       ItemReply out{.mm_hash = item.mm_hash};
       auto pin = entry_for(peer, item.mm_hash, item.capability, wait);
       if (pin.ok()) {
-        out.region = pin->ref.region;
-        out.offset = pin->ref.offset;
-        out.length = pin->ref.block_length;
-        out.generation = pin->ref.generation;
-        out.pin = pin->pin_id;
-        out.capability = pin->capability;
+        out.where = {pin->ref.region,     pin->ref.offset, pin->ref.block_length,
+                     pin->ref.generation, pin->pin_id,     pin->capability};
       }
       out.status = pin.status();
       reply.items.push_back(std::move(out));
@@ -348,7 +337,7 @@ class P2pConnector final : public ConnectorBase {
         }
         slot->status = it.status;
         if (!it.status.ok()) continue;
-        where[pending[k]] = {it.region, it.offset, it.length, it.generation, it.pin, it.capability};
+        where[pending[k]] = it.where;
       }
       pending.swap(again);
       auto left =

@@ -68,12 +68,6 @@ std::vector<std::string> split(const std::string& text) {
   return out;
 }
 
-std::string self_exe() {
-  char self[4096] = {};
-  ssize_t n = ::readlink("/proc/self/exe", self, sizeof(self) - 1);
-  return n > 0 ? std::string(self, static_cast<size_t>(n)) : std::string("ecx");
-}
-
 int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch())
       .count();
@@ -94,15 +88,63 @@ Result<std::vector<int64_t>> time_iterations(int iters, Body body) {
   return samples;
 }
 
+// Why the bench stops early: the line it prints after "bench transfer: " and its exit
+// code (2: bad flags, 1: a failure while measuring).
+struct EarlyExit {
+  int code = 1;
+  std::string line;
+};
+EarlyExit usage_error(std::string line) { return {2, std::move(line)}; }
+EarlyExit failure(std::string line) { return {1, std::move(line)}; }
+
+constexpr uint64_t kPeerSeed = 20261130;
+
+json results_json(const std::vector<Row>& rows, const std::vector<Baseline>& baselines) {
+  json out = {{"results", json::array()}, {"baselines", json::array()}};
+  for (const auto& r : rows) {
+    out["results"].push_back({{"backend", r.backend},
+                              {"mode", r.mode},
+                              {"size_bytes", r.size},
+                              {"batch", r.batch},
+                              {"iters", r.iters},
+                              {"gbps", r.gbps},
+                              {"p50_us", r.p50_us},
+                              {"p99_us", r.p99_us},
+                              {"control_rtts_per_item", r.control_rtts_per_item}});
+  }
+  for (const auto& b : baselines) {
+    out["baselines"].push_back(
+        {{"name", b.name}, {"size_bytes", b.size}, {"gbps", b.gbps}, {"p50_us", b.p50_us}});
+  }
+  return out;
+}
+
+// Runs as: parse flags -> start the agent and the producer -> baselines, cases, baselines
+// again -> connector rows -> JSON -> stop the producer.
 class TransferBench {
  public:
   explicit TransferBench(TransferBenchOptions options) : options_(std::move(options)) {}
   int run();
 
  private:
+  std::optional<EarlyExit> parse_flags();
+  std::optional<EarlyExit> parse_lists();
+  std::optional<EarlyExit> start();
+  Status start_agent();
   Status start_peer();
+  std::optional<EarlyExit> measure_transfers();
+  std::optional<EarlyExit> measure_backend(Backend backend);
+  std::optional<EarlyExit> measure_connectors();
+  std::optional<EarlyExit> write_json() const;
+  void stop_peer();
   Result<Row> run_case(Backend backend, const std::string& mode, uint64_t size, int batch);
+  Result<std::vector<int64_t>> time_pull(const std::vector<TransferDescriptor>& descs);
+  Result<std::vector<int64_t>> time_pull_2step(const std::vector<TransferDescriptor>& descs,
+                                               uint64_t size);
+  Result<std::vector<int64_t>> time_push(uint64_t size, int batch);
   Status verify(const std::string& mode, uint64_t size, int batch);
+  Result<std::vector<Baseline>> measure_baselines();
+  Result<std::vector<Baseline>> average_with_second_run(const std::vector<Baseline>& before);
   Result<Baseline> memcpy_baseline(uint64_t size);
   Result<Baseline> socket_baseline(uint64_t size);
   Result<Baseline> measure_baseline(const std::string& name, uint64_t size) {
@@ -113,6 +155,8 @@ class TransferBench {
   TransferBenchOptions options_;
   std::vector<uint64_t> sizes_;
   std::vector<int> batches_;
+  std::vector<Backend> backends_;
+  std::vector<std::string> modes_;
   uint64_t region_bytes_ = 0;
   std::optional<Subprocess> peer_process_;
   std::unique_ptr<Agent> agent_;
@@ -122,18 +166,95 @@ class TransferBench {
   uint32_t source_region_ = 0;
   uint16_t baseline_port_ = 0;
   std::vector<std::byte> reference_;  // the producer's source pattern, for verification
+  std::vector<Row> rows_;
+  std::vector<Baseline> baselines_;
+  std::vector<ConnectorRow> connector_rows_;
 };
 
-Status TransferBench::start_peer() {
-  char self[4096] = {};
-  ssize_t n = ::readlink("/proc/self/exe", self, sizeof(self) - 1);
-  if (n <= 0) return ErrnoError("readlink /proc/self/exe", errno);
-  const uint64_t seed = 20261130;
+int TransferBench::run() {
+  std::optional<EarlyExit> stop = parse_flags();
+  if (!stop) stop = start();
+  if (!stop) stop = measure_transfers();
+  if (!stop) stop = measure_connectors();
+  if (!stop) stop = write_json();
+  if (stop) {
+    std::cerr << "bench transfer: " << stop->line << "\n";
+    return stop->code;
+  }
+  stop_peer();
+  for (const auto& r : connector_rows_) {
+    if (!r.error.empty() && r.connector != "store") return 1;  // store may lack a Redis
+  }
+  return 0;
+}
+
+std::optional<EarlyExit> TransferBench::parse_flags() {
+  if (auto stop = parse_lists()) return stop;
+  if (options_.iters < 1) return usage_error("--iters must be at least 1");
+  uint64_t max_size = *std::max_element(sizes_.begin(), sizes_.end());
+  int max_batch = *std::max_element(batches_.begin(), batches_.end());
+  region_bytes_ = max_size * static_cast<uint64_t>(max_batch);
+  if (region_bytes_ == 0 || region_bytes_ > (8ull << 30)) {
+    return usage_error("sizes x batch must be between 1 B and 8 GiB");
+  }
+  return std::nullopt;
+}
+
+// --sizes, --batch, --backends and --modes.
+std::optional<EarlyExit> TransferBench::parse_lists() {
+  auto sizes = parse_byte_list(options_.sizes);
+  if (!sizes.ok()) return usage_error("--sizes: " + sizes.status().message());
+  sizes_ = *sizes;
+  for (const auto& b : split(options_.batches)) {
+    int v = std::atoi(b.c_str());
+    if (v <= 0 || v > 1024)
+      return usage_error("--batch: '" + b + "' is not a batch size in 1..1024");
+    batches_.push_back(v);
+  }
+  for (const auto& b : split(options_.backends == "none" ? "" : options_.backends)) {
+    auto parsed = transfer::parse_backend(b);
+    if (!parsed.ok() || *parsed == Backend::kAuto) {
+      return usage_error("--backends: '" + b + "' (expected shm or tcp; ucx is not built)");
+    }
+    backends_.push_back(*parsed);
+  }
+  modes_ = split(options_.modes);
+  for (const auto& m : modes_) {
+    if (m != "pull" && m != "push" && m != "pull-2step") {
+      return usage_error("--modes: unknown mode '" + m + "'");
+    }
+  }
+  return std::nullopt;
+}
+
+// The consumer agent and its destination region; the producer when a backend is measured.
+std::optional<EarlyExit> TransferBench::start() {
+  Status st = start_agent();
+  if (st.ok() && !backends_.empty()) st = start_peer();
+  if (!st.ok()) return failure(st.to_string());
+  if (!backends_.empty()) {
+    std::printf("ecx bench transfer: producer pid %d, consumer pid %d, %d iterations per case\n",
+                peer_process_->pid(), ::getpid(), options_.iters);
+  }
+  return std::nullopt;
+}
+
+Status TransferBench::start_agent() {
+  ECX_ASSIGN_OR_RETURN(agent_, Agent::create({.name = "bench-consumer",
+                                              .tcp_slice_bytes = options_.slice_bytes,
+                                              .tcp_streams = options_.streams}));
   ECX_ASSIGN_OR_RETURN(
-      auto child, Subprocess::spawn({self, "bench", "transfer-peer", "--region-bytes",
-                                     std::to_string(region_bytes_), "--seed", std::to_string(seed),
-                                     "--slice-bytes", std::to_string(options_.slice_bytes),
-                                     "--streams", std::to_string(options_.streams)}));
+      dest_, agent_->allocate(region_bytes_, {.remote_read = true, .remote_write = true}));
+  return Status::Ok();
+}
+
+Status TransferBench::start_peer() {
+  TransferPeerOptions peer{.region_bytes = region_bytes_,
+                           .seed = kPeerSeed,
+                           .tcp_slice_bytes = options_.slice_bytes,
+                           .tcp_streams = options_.streams};
+  ECX_ASSIGN_OR_RETURN(auto child,
+                       Subprocess::spawn(transfer_peer_command(current_executable(), peer)));
   peer_process_.emplace(std::move(child));
   ECX_ASSIGN_OR_RETURN(std::string line, peer_process_->read_line(Deadline::after_ms(30000)));
   json ready = json::parse(line, nullptr, false);
@@ -143,8 +264,79 @@ Status TransferBench::start_peer() {
   source_region_ = ready["source_region"];
   baseline_port_ = ready["baseline_port"];
   reference_.resize(region_bytes_);
-  fill_pattern(reference_.data(), reference_.size(), seed);
+  fill_pattern(reference_.data(), reference_.size(), kPeerSeed);
   return Status::Ok();
+}
+
+// Every case of every backend, between two measurements of the baselines.
+std::optional<EarlyExit> TransferBench::measure_transfers() {
+  if (backends_.empty()) return std::nullopt;
+  auto before = measure_baselines();
+  if (!before.ok()) return failure("baseline failed: " + before.status().to_string());
+  for (Backend backend : backends_) {
+    if (auto stop = measure_backend(backend)) return stop;
+  }
+  auto baselines = average_with_second_run(*before);
+  if (!baselines.ok()) return failure("baseline failed: " + baselines.status().to_string());
+  baselines_ = *baselines;
+  if (!rows_.empty()) print(rows_, baselines_);
+  return std::nullopt;
+}
+
+std::optional<EarlyExit> TransferBench::measure_backend(Backend backend) {
+  agent_->disconnect(peer_name_);
+  auto connected = agent_->connect(peer_, {.backend = backend});
+  if (!connected.ok()) return failure(connected.status().to_string());
+  if (std::find(modes_.begin(), modes_.end(), "push") != modes_.end()) {
+    json req = {{"op", "connect"},
+                {"metadata", agent_->metadata().to_json()},
+                {"backend", std::string(transfer::backend_name(backend))}};
+    auto r = agent_->call(peer_name_, req.dump(), Deadline::after_ms(10000));
+    if (!r.ok()) return failure("producer cannot connect back: " + r.status().to_string());
+  }
+  for (const auto& mode : modes_) {
+    for (uint64_t size : sizes_) {
+      for (int batch : batches_) {
+        auto row = run_case(backend, mode, size, batch);
+        if (!row.ok()) return failure(row.status().to_string());
+        rows_.push_back(*row);
+      }
+    }
+  }
+  return std::nullopt;
+}
+
+std::optional<EarlyExit> TransferBench::measure_connectors() {
+  if (options_.connectors.connectors.empty()) return std::nullopt;
+  auto item = parse_bytes(options_.item_size);
+  if (!item.ok() || *item == 0) {
+    return usage_error("--item-size: " + options_.item_size + " is not a size");
+  }
+  options_.connectors.item_bytes = *item;
+  std::printf("\nconnectors: %d requests of %d x %s each, producer in its own process\n",
+              options_.connectors.requests, options_.connectors.items, format_bytes(*item).c_str());
+  connector_rows_ = run_connector_bench(options_.connectors, current_executable());
+  print_connector_rows(connector_rows_);
+  return std::nullopt;
+}
+
+std::optional<EarlyExit> TransferBench::write_json() const {
+  if (options_.json_path.empty()) return std::nullopt;
+  json out = results_json(rows_, baselines_);
+  if (!connector_rows_.empty()) out["connectors"] = connector_rows_json(connector_rows_);
+  std::ofstream f(options_.json_path);
+  f << out.dump(2) << "\n";
+  if (!f) return failure("cannot write " + options_.json_path);
+  std::printf("\nwrote %s\n", options_.json_path.c_str());
+  return std::nullopt;
+}
+
+void TransferBench::stop_peer() {
+  if (!peer_process_) return;
+  agent_->disconnect(peer_name_);
+  peer_process_->close_stdin();
+  auto exited = peer_process_->wait(Deadline::after_ms(10000));
+  if (!exited.ok() || *exited != 0) std::cerr << "bench transfer: producer did not exit cleanly\n";
 }
 
 Status TransferBench::verify(const std::string& mode, uint64_t size, int batch) {
@@ -160,6 +352,49 @@ Status TransferBench::verify(const std::string& mode, uint64_t size, int batch) 
   return Status::Ok();
 }
 
+Result<std::vector<int64_t>> TransferBench::time_pull(
+    const std::vector<TransferDescriptor>& descs) {
+  return time_iterations(options_.iters, [&]() -> Status {
+    ECX_ASSIGN_OR_RETURN(auto h, agent_->read(peer_name_, descs));
+    return h.wait(Deadline::after_ms(30000));
+  });
+}
+
+// The seed's protocol: per item, ask the producer for the address, then READ it.
+Result<std::vector<int64_t>> TransferBench::time_pull_2step(
+    const std::vector<TransferDescriptor>& descs, uint64_t size) {
+  return time_iterations(options_.iters, [&]() -> Status {
+    for (size_t i = 0; i < descs.size(); ++i) {
+      json q = {{"op", "addr"}, {"item", i}, {"size", size}};
+      ECX_ASSIGN_OR_RETURN(std::string a,
+                           agent_->call(peer_name_, q.dump(), Deadline::after_ms(30000)));
+      json addr = json::parse(a, nullptr, false);
+      if (addr.is_discarded() || !addr["length"].is_number_unsigned() ||
+          addr["length"].get<uint64_t>() != size) {
+        return Internal("bad addr reply: " + a);
+      }
+      TransferDescriptor d{descs[i].local, addr["region"].get<uint32_t>(),
+                           addr["offset"].get<uint64_t>(), addr["length"].get<uint64_t>()};
+      ECX_ASSIGN_OR_RETURN(auto h, agent_->read(peer_name_, {&d, 1}));
+      ECX_RETURN_IF_ERROR(h.wait(Deadline::after_ms(30000)));
+    }
+    return Status::Ok();
+  });
+}
+
+// Mooncake-style: one request listing our destinations; the producer writes into them.
+Result<std::vector<int64_t>> TransferBench::time_push(uint64_t size, int batch) {
+  json items = json::array();
+  for (int i = 0; i < batch; ++i) {
+    uint64_t off = static_cast<uint64_t>(i) * size;
+    items.push_back({{"src", off}, {"dst_region", dest_.id}, {"dst", off}, {"len", size}});
+  }
+  std::string request = json{{"op", "push"}, {"peer", agent_->name()}, {"items", items}}.dump();
+  return time_iterations(options_.iters, [&]() -> Status {
+    return agent_->call(peer_name_, request, Deadline::after_ms(30000)).status();
+  });
+}
+
 Result<Row> TransferBench::run_case(Backend backend, const std::string& mode, uint64_t size,
                                     int batch) {
   std::vector<TransferDescriptor> descs;
@@ -171,43 +406,12 @@ Result<Row> TransferBench::run_case(Backend backend, const std::string& mode, ui
   Row row{std::string(transfer::backend_name(backend)), mode, size, batch, options_.iters};
   Result<std::vector<int64_t>> samples = std::vector<int64_t>{};
   if (mode == "pull") {
-    row.control_rtts_per_item = 0;
-    samples = time_iterations(options_.iters, [&]() -> Status {
-      ECX_ASSIGN_OR_RETURN(auto h, agent_->read(peer_name_, descs));
-      return h.wait(Deadline::after_ms(30000));
-    });
+    samples = time_pull(descs);
   } else if (mode == "pull-2step") {
-    // The seed's protocol: per item, ask the producer for the address, then READ it.
     row.control_rtts_per_item = 1;
-    samples = time_iterations(options_.iters, [&]() -> Status {
-      for (int i = 0; i < batch; ++i) {
-        json q = {{"op", "addr"}, {"item", i}, {"size", size}};
-        ECX_ASSIGN_OR_RETURN(std::string a,
-                             agent_->call(peer_name_, q.dump(), Deadline::after_ms(30000)));
-        json addr = json::parse(a, nullptr, false);
-        if (addr.is_discarded() || !addr["length"].is_number_unsigned() ||
-            addr["length"].get<uint64_t>() != size) {
-          return Internal("bad addr reply: " + a);
-        }
-        TransferDescriptor d{descs[i].local, addr["region"].get<uint32_t>(),
-                             addr["offset"].get<uint64_t>(), addr["length"].get<uint64_t>()};
-        ECX_ASSIGN_OR_RETURN(auto h, agent_->read(peer_name_, {&d, 1}));
-        ECX_RETURN_IF_ERROR(h.wait(Deadline::after_ms(30000)));
-      }
-      return Status::Ok();
-    });
+    samples = time_pull_2step(descs, size);
   } else if (mode == "push") {
-    // Mooncake-style: one request listing our destinations; the producer writes into them.
-    row.control_rtts_per_item = 0;
-    json items = json::array();
-    for (int i = 0; i < batch; ++i) {
-      uint64_t off = static_cast<uint64_t>(i) * size;
-      items.push_back({{"src", off}, {"dst_region", dest_.id}, {"dst", off}, {"len", size}});
-    }
-    std::string request = json{{"op", "push"}, {"peer", agent_->name()}, {"items", items}}.dump();
-    samples = time_iterations(options_.iters, [&]() -> Status {
-      return agent_->call(peer_name_, request, Deadline::after_ms(30000)).status();
-    });
+    samples = time_push(size, batch);
   } else {
     return InvalidArgument("unknown mode '" + mode + "' (expected pull, push or pull-2step)");
   }
@@ -219,6 +423,32 @@ Result<Row> TransferBench::run_case(Backend backend, const std::string& mode, ui
   row.p99_us = s.p99_us;
   row.gbps = gbps(size * static_cast<uint64_t>(batch) * options_.iters, s.total_seconds);
   return row;
+}
+
+Result<std::vector<Baseline>> TransferBench::measure_baselines() {
+  std::vector<Baseline> out;
+  for (uint64_t size : sizes_) {
+    for (const char* name : {"memcpy", "tcp-socket"}) {
+      ECX_ASSIGN_OR_RETURN(Baseline b, measure_baseline(name, size));
+      out.push_back(b);
+    }
+  }
+  return out;
+}
+
+// Baselines measured before and after the cases and averaged, so they see the same
+// machine state as the cases they are compared with.
+Result<std::vector<Baseline>> TransferBench::average_with_second_run(
+    const std::vector<Baseline>& before) {
+  std::vector<Baseline> out;
+  for (const Baseline& first : before) {
+    ECX_ASSIGN_OR_RETURN(Baseline after, measure_baseline(first.name, first.size));
+    Baseline b = first;
+    b.gbps = (first.gbps + after.gbps) / 2;
+    b.p50_us = (first.p50_us + after.p50_us) / 2;
+    out.push_back(b);
+  }
+  return out;
 }
 
 Result<Baseline> TransferBench::memcpy_baseline(uint64_t size) {
@@ -275,185 +505,6 @@ void TransferBench::print(const std::vector<Row>& rows,
     std::printf("  %-11s %9s %9.2f GB/s  p50 %.1f us\n", b.name.c_str(),
                 format_bytes(b.size).c_str(), b.gbps, b.p50_us);
   }
-}
-
-int TransferBench::run() {
-  auto sizes = parse_byte_list(options_.sizes);
-  if (!sizes.ok()) {
-    std::cerr << "bench transfer: --sizes: " << sizes.status().message() << "\n";
-    return 2;
-  }
-  sizes_ = *sizes;
-  for (const auto& b : split(options_.batches)) {
-    int v = std::atoi(b.c_str());
-    if (v <= 0 || v > 1024) {
-      std::cerr << "bench transfer: --batch: '" << b << "' is not a batch size in 1..1024\n";
-      return 2;
-    }
-    batches_.push_back(v);
-  }
-  std::vector<Backend> backends;
-  for (const auto& b : split(options_.backends == "none" ? "" : options_.backends)) {
-    auto parsed = transfer::parse_backend(b);
-    if (!parsed.ok() || *parsed == Backend::kAuto) {
-      std::cerr << "bench transfer: --backends: '" << b
-                << "' (expected shm or tcp; ucx is not built)\n";
-      return 2;
-    }
-    backends.push_back(*parsed);
-  }
-  std::vector<std::string> modes = split(options_.modes);
-  for (const auto& m : modes) {
-    if (m != "pull" && m != "push" && m != "pull-2step") {
-      std::cerr << "bench transfer: --modes: unknown mode '" << m << "'\n";
-      return 2;
-    }
-  }
-  if (options_.iters < 1) {
-    std::cerr << "bench transfer: --iters must be at least 1\n";
-    return 2;
-  }
-  uint64_t max_size = *std::max_element(sizes_.begin(), sizes_.end());
-  int max_batch = *std::max_element(batches_.begin(), batches_.end());
-  region_bytes_ = max_size * static_cast<uint64_t>(max_batch);
-  if (region_bytes_ == 0 || region_bytes_ > (8ull << 30)) {
-    std::cerr << "bench transfer: sizes x batch must be between 1 B and 8 GiB\n";
-    return 2;
-  }
-
-  transfer::AgentConfig config;
-  config.name = "bench-consumer";
-  config.tcp_slice_bytes = options_.slice_bytes;
-  config.tcp_streams = options_.streams;
-  auto agent = Agent::create(config);
-  Status st = agent.ok() ? Status::Ok() : agent.status();
-  if (st.ok()) {
-    agent_ = std::move(*agent);
-    auto dest = agent_->allocate(region_bytes_, {.remote_read = true, .remote_write = true});
-    st = dest.ok() ? Status::Ok() : dest.status();
-    if (st.ok()) dest_ = *dest;
-  }
-  if (st.ok() && !backends.empty()) st = start_peer();
-  if (!st.ok()) {
-    std::cerr << "bench transfer: " << st.to_string() << "\n";
-    return 1;
-  }
-  if (!backends.empty()) {
-    std::printf("ecx bench transfer: producer pid %d, consumer pid %d, %d iterations per case\n",
-                peer_process_->pid(), ::getpid(), options_.iters);
-  }
-
-  std::vector<Row> rows;
-  std::vector<Baseline> baselines;
-  std::vector<Baseline> before;
-  for (uint64_t size : backends.empty() ? std::vector<uint64_t>{} : sizes_) {
-    for (const char* name : {"memcpy", "tcp-socket"}) {
-      auto b = measure_baseline(name, size);
-      if (!b.ok()) {
-        std::cerr << "bench transfer: baseline failed: " << b.status().to_string() << "\n";
-        return 1;
-      }
-      before.push_back(*b);
-    }
-  }
-  for (Backend backend : backends) {
-    agent_->disconnect(peer_name_);
-    auto connected = agent_->connect(peer_, {.backend = backend});
-    if (!connected.ok()) {
-      std::cerr << "bench transfer: " << connected.status().to_string() << "\n";
-      return 1;
-    }
-    if (std::find(modes.begin(), modes.end(), "push") != modes.end()) {
-      json req = {{"op", "connect"},
-                  {"metadata", agent_->metadata().to_json()},
-                  {"backend", std::string(transfer::backend_name(backend))}};
-      auto r = agent_->call(peer_name_, req.dump(), Deadline::after_ms(10000));
-      if (!r.ok()) {
-        std::cerr << "bench transfer: producer cannot connect back: " << r.status().to_string()
-                  << "\n";
-        return 1;
-      }
-    }
-    for (const auto& mode : modes) {
-      for (uint64_t size : sizes_) {
-        for (int batch : batches_) {
-          auto row = run_case(backend, mode, size, batch);
-          if (!row.ok()) {
-            std::cerr << "bench transfer: " << row.status().to_string() << "\n";
-            return 1;
-          }
-          rows.push_back(*row);
-        }
-      }
-    }
-  }
-  // Baselines measured before and after the cases and averaged, so they see the same
-  // machine state as the cases they are compared with.
-  for (size_t k = 0; k < before.size(); ++k) {
-    auto after = measure_baseline(before[k].name, before[k].size);
-    if (!after.ok()) {
-      std::cerr << "bench transfer: baseline failed: " << after.status().to_string() << "\n";
-      return 1;
-    }
-    Baseline b = before[k];
-    b.gbps = (before[k].gbps + after->gbps) / 2;
-    b.p50_us = (before[k].p50_us + after->p50_us) / 2;
-    baselines.push_back(b);
-  }
-  if (!rows.empty()) print(rows, baselines);
-
-  std::vector<ConnectorRow> connector_rows;
-  if (!options_.connectors.connectors.empty()) {
-    auto item = parse_bytes(options_.item_size);
-    if (!item.ok() || *item == 0) {
-      std::cerr << "bench transfer: --item-size: " << options_.item_size << " is not a size\n";
-      return 2;
-    }
-    options_.connectors.item_bytes = *item;
-    std::printf("\nconnectors: %d requests of %d x %s each, producer in its own process\n",
-                options_.connectors.requests, options_.connectors.items,
-                format_bytes(*item).c_str());
-    connector_rows = run_connector_bench(options_.connectors, self_exe());
-    print_connector_rows(connector_rows);
-  }
-
-  if (!options_.json_path.empty()) {
-    json out = {{"results", json::array()}, {"baselines", json::array()}};
-    if (!connector_rows.empty()) out["connectors"] = connector_rows_json(connector_rows);
-    for (const auto& r : rows) {
-      out["results"].push_back({{"backend", r.backend},
-                                {"mode", r.mode},
-                                {"size_bytes", r.size},
-                                {"batch", r.batch},
-                                {"iters", r.iters},
-                                {"gbps", r.gbps},
-                                {"p50_us", r.p50_us},
-                                {"p99_us", r.p99_us},
-                                {"control_rtts_per_item", r.control_rtts_per_item}});
-    }
-    for (const auto& b : baselines) {
-      out["baselines"].push_back(
-          {{"name", b.name}, {"size_bytes", b.size}, {"gbps", b.gbps}, {"p50_us", b.p50_us}});
-    }
-    std::ofstream f(options_.json_path);
-    f << out.dump(2) << "\n";
-    if (!f) {
-      std::cerr << "bench transfer: cannot write " << options_.json_path << "\n";
-      return 1;
-    }
-    std::printf("\nwrote %s\n", options_.json_path.c_str());
-  }
-  if (peer_process_) {
-    agent_->disconnect(peer_name_);
-    peer_process_->close_stdin();
-    auto exited = peer_process_->wait(Deadline::after_ms(10000));
-    if (!exited.ok() || *exited != 0)
-      std::cerr << "bench transfer: producer did not exit cleanly\n";
-  }
-  for (const auto& r : connector_rows) {
-    if (!r.error.empty() && r.connector != "store") return 1;  // store may lack a Redis
-  }
-  return 0;
 }
 
 }  // namespace

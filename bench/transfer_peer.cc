@@ -53,16 +53,107 @@ Result<json> parse_request(std::string_view text) {
   return j;
 }
 
+transfer::AgentConfig agent_config(const TransferPeerOptions& options) {
+  return {.name = options.name,
+          .compat_hash = options.compat_hash,
+          .tcp_slice_bytes = options.tcp_slice_bytes,
+          .tcp_streams = options.tcp_streams,
+          .fault_stall_read_after_bytes = options.fault_stall_read_after_bytes};
+}
+
+// What the producer serves: its agent, a source region filled with the pattern, a sink
+// region peers may write, and the verdicts on the notifications that arrived so far.
+struct Producer {
+  Agent* agent = nullptr;
+  LocalRegion source, sink;
+  std::atomic<uint64_t> notified_ok{0}, notified_bad{0};
+};
+
+// Whether a notification {"offset","length","checksum"} matches the sink's bytes now.
+bool notification_matches(const LocalRegion& sink, const std::string& message) {
+  json j = json::parse(message, nullptr, false);
+  if (j.is_discarded() || !j.contains("offset") || !j.contains("length") ||
+      !j.contains("checksum")) {
+    return false;
+  }
+  if (!j["offset"].is_number_unsigned() || !j["length"].is_number_unsigned() ||
+      !j["checksum"].is_number_unsigned()) {
+    return false;
+  }
+  uint64_t off = j["offset"].get<uint64_t>(), len = j["length"].get<uint64_t>();
+  bool fits = off <= sink.length && len <= sink.length - off;
+  return fits && checksum64(sink.data + off, len) == j["checksum"].get<uint64_t>();
+}
+
+Result<std::string> connect_back(Agent* agent, const json& req) {
+  ECX_ASSIGN_OR_RETURN(auto meta,
+                       transfer::AgentMetadata::parse(req.at("metadata").get<std::string>()));
+  ECX_ASSIGN_OR_RETURN(auto backend, transfer::parse_backend(req.value("backend", "auto")));
+  agent->disconnect(meta.name);
+  ECX_RETURN_IF_ERROR(agent->connect(meta, {.backend = backend}).status());
+  return std::string("ok");
+}
+
+Result<std::string> push_items(Agent* agent, const LocalRegion& src, const json& req) {
+  std::vector<transfer::TransferDescriptor> descs;
+  for (const auto& item : req.at("items")) {
+    uint64_t s = item.at("src"), len = item.at("len");
+    if (s > src.length || len > src.length - s)
+      return OutOfRange("push: source range outside region");
+    descs.push_back(
+        {src.data + s, item.at("dst_region").get<uint32_t>(), item.at("dst").get<uint64_t>(), len});
+  }
+  ECX_ASSIGN_OR_RETURN(auto handle, agent->write(req.at("peer").get<std::string>(), descs));
+  ECX_RETURN_IF_ERROR(handle.wait(Deadline::after_ms(30000)));
+  return std::string("ok");
+}
+
+Result<std::string> item_address(const LocalRegion& src, const json& req) {
+  uint64_t item = req.at("item"), size = req.at("size");
+  if (size == 0 || item >= src.length / size)
+    return NotFound("addr: no item " + std::to_string(item));
+  return json{{"region", src.id}, {"offset", item * size}, {"length", size}}.dump();
+}
+
+Result<std::string> region_checksum(const Producer& p, const json& req) {
+  uint32_t region = req.at("region");
+  uint64_t off = req.at("offset"), len = req.at("length");
+  const LocalRegion& r = region == p.source.id ? p.source : p.sink;
+  if (region != p.source.id && region != p.sink.id) return NotFound("checksum: no such region");
+  if (off > r.length || len > r.length - off) return OutOfRange("checksum: range outside region");
+  return json{{"checksum", checksum64(r.data + off, len)}}.dump();
+}
+
+// Answers one CALL (the ops listed in transfer_peer.h).
+Result<std::string> answer_call(Producer& p, std::string_view body) {
+  ECX_ASSIGN_OR_RETURN(json req, parse_request(body));
+  std::string op = req["op"];
+  try {
+    if (op == "connect") return connect_back(p.agent, req);
+    if (op == "push") return push_items(p.agent, p.source, req);
+    if (op == "addr") return item_address(p.source, req);
+    if (op == "checksum") return region_checksum(p, req);
+    if (op == "stats") {
+      auto st = p.agent->stats();
+      return json{{"rejected_requests", st.rejected_requests},
+                  {"handshakes_rejected", st.handshakes_rejected},
+                  {"notifications_received", st.notifications_received}}
+          .dump();
+    }
+    if (op == "notified") {
+      return json{{"ok", p.notified_ok.load()}, {"bad", p.notified_bad.load()}}.dump();
+    }
+  } catch (const json::exception& e) {
+    return InvalidArgument(std::string("bench peer: malformed request: ") + e.what());
+  }
+  return InvalidArgument("bench peer: unknown op '" + op + "'");
+}
+
 }  // namespace
 
 int run_transfer_peer(const TransferPeerOptions& options) {
-  transfer::AgentConfig config;
-  config.name = options.name;
-  config.compat_hash = options.compat_hash;
-  config.tcp_slice_bytes = options.tcp_slice_bytes;
-  config.tcp_streams = options.tcp_streams;
-  config.fault_stall_read_after_bytes = options.fault_stall_read_after_bytes;
-  auto created = Agent::create(config);
+  Producer producer;  // outlives the agent, whose handlers use it
+  auto created = Agent::create(agent_config(options));
   if (!created.ok()) {
     std::cerr << "bench peer: " << created.status().to_string() << "\n";
     return 1;
@@ -75,87 +166,17 @@ int run_transfer_peer(const TransferPeerOptions& options) {
     return 1;
   }
   fill_pattern(source->data, source->length, options.seed);
-
-  std::atomic<uint64_t> notified_ok{0}, notified_bad{0};
-  LocalRegion sink_region = *sink;
+  producer.agent = agent.get();
+  producer.source = *source;
+  producer.sink = *sink;
   // Runs on the connection thread, in order with the sender's calls: a later "notified"
   // call sees every earlier notification's verdict.
-  agent->set_notification_handler(
-      [&notified_ok, &notified_bad, sink_region](transfer::Notification n) {
-        json j = json::parse(n.message, nullptr, false);
-        if (j.is_discarded() || !j.contains("offset") || !j.contains("length") ||
-            !j.contains("checksum")) {
-          notified_bad++;
-          return;
-        }
-        if (!j["offset"].is_number_unsigned() || !j["length"].is_number_unsigned() ||
-            !j["checksum"].is_number_unsigned()) {
-          notified_bad++;
-          return;
-        }
-        uint64_t off = j["offset"].get<uint64_t>(), len = j["length"].get<uint64_t>();
-        bool fits = off <= sink_region.length && len <= sink_region.length - off;
-        bool ok = fits && checksum64(sink_region.data + off, len) == j["checksum"].get<uint64_t>();
-        (ok ? notified_ok : notified_bad)++;
-      });
-
-  Agent* a = agent.get();
-  LocalRegion src = *source, dst = *sink;
-  agent->set_call_handler([&, a, src, dst](const std::string&,
-                                           std::string_view body) -> Result<std::string> {
-    ECX_ASSIGN_OR_RETURN(json req, parse_request(body));
-    std::string op = req["op"];
-    try {
-      if (op == "connect") {
-        ECX_ASSIGN_OR_RETURN(auto meta,
-                             transfer::AgentMetadata::parse(req.at("metadata").get<std::string>()));
-        ECX_ASSIGN_OR_RETURN(auto backend, transfer::parse_backend(req.value("backend", "auto")));
-        a->disconnect(meta.name);
-        ECX_RETURN_IF_ERROR(a->connect(meta, {.backend = backend}).status());
-        return std::string("ok");
-      }
-      if (op == "push") {
-        std::vector<transfer::TransferDescriptor> descs;
-        for (const auto& item : req.at("items")) {
-          uint64_t s = item.at("src"), len = item.at("len");
-          if (s > src.length || len > src.length - s)
-            return OutOfRange("push: source range outside region");
-          descs.push_back({src.data + s, item.at("dst_region").get<uint32_t>(),
-                           item.at("dst").get<uint64_t>(), len});
-        }
-        ECX_ASSIGN_OR_RETURN(auto handle, a->write(req.at("peer").get<std::string>(), descs));
-        ECX_RETURN_IF_ERROR(handle.wait(Deadline::after_ms(30000)));
-        return std::string("ok");
-      }
-      if (op == "addr") {
-        uint64_t item = req.at("item"), size = req.at("size");
-        if (size == 0 || item >= src.length / size)
-          return NotFound("addr: no item " + std::to_string(item));
-        return json{{"region", src.id}, {"offset", item * size}, {"length", size}}.dump();
-      }
-      if (op == "checksum") {
-        uint32_t region = req.at("region");
-        uint64_t off = req.at("offset"), len = req.at("length");
-        const LocalRegion& r = region == src.id ? src : dst;
-        if (region != src.id && region != dst.id) return NotFound("checksum: no such region");
-        if (off > r.length || len > r.length - off)
-          return OutOfRange("checksum: range outside region");
-        return json{{"checksum", checksum64(r.data + off, len)}}.dump();
-      }
-      if (op == "stats") {
-        auto st = a->stats();
-        return json{{"rejected_requests", st.rejected_requests},
-                    {"handshakes_rejected", st.handshakes_rejected},
-                    {"notifications_received", st.notifications_received}}
-            .dump();
-      }
-      if (op == "notified") {
-        return json{{"ok", notified_ok.load()}, {"bad", notified_bad.load()}}.dump();
-      }
-    } catch (const json::exception& e) {
-      return InvalidArgument(std::string("bench peer: malformed request: ") + e.what());
-    }
-    return InvalidArgument("bench peer: unknown op '" + op + "'");
+  agent->set_notification_handler([&producer](transfer::Notification n) {
+    (notification_matches(producer.sink, n.message) ? producer.notified_ok
+                                                    : producer.notified_bad)++;
+  });
+  agent->set_call_handler([&producer](const std::string&, std::string_view body) {
+    return answer_call(producer, body);
   });
 
   auto baseline = transfer::listen_tcp("127.0.0.1", 0);
@@ -164,13 +185,14 @@ int run_transfer_peer(const TransferPeerOptions& options) {
     return 1;
   }
   int baseline_fd = baseline->first.get();
+  LocalRegion src = producer.source;
   std::thread baseline_thread([baseline_fd, src] { serve_baseline(baseline_fd, src); });
 
   json ready = {{"metadata", agent->metadata().to_json()},
                 {"baseline_port", baseline->second},
                 {"seed", options.seed},
-                {"source_region", src.id},
-                {"sink_region", dst.id}};
+                {"source_region", producer.source.id},
+                {"sink_region", producer.sink.id}};
   std::cout << ready.dump() << std::endl;
 
   // Serve until the parent closes our stdin (or dies).

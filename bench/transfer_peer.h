@@ -16,9 +16,12 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace ecx::bench {
 
+// The producer's options, one flag each (`transfer_peer_command` spells them); the bench
+// and the multi-process tests both start the producer from this struct.
 struct TransferPeerOptions {
   std::string name = "bench-producer";
   std::string compat_hash = "ecx";
@@ -26,8 +29,26 @@ struct TransferPeerOptions {
   uint64_t seed = 42;
   uint64_t tcp_slice_bytes = 4ull << 20;
   int tcp_streams = 2;
-  uint64_t fault_stall_read_after_bytes = 0;
+  uint64_t fault_stall_read_after_bytes = 0;  // test-only: see AgentConfig
 };
+
+// The command line that starts a producer with `options`, `exe` being the ecx binary.
+inline std::vector<std::string> transfer_peer_command(const std::string& exe,
+                                                      const TransferPeerOptions& options) {
+  std::vector<std::string> argv = {exe, "bench", "transfer-peer"};
+  auto flag = [&argv](const char* name, std::string value) {
+    argv.push_back(name);
+    argv.push_back(std::move(value));
+  };
+  flag("--name", options.name);
+  flag("--compat-hash", options.compat_hash);
+  flag("--region-bytes", std::to_string(options.region_bytes));
+  flag("--seed", std::to_string(options.seed));
+  flag("--slice-bytes", std::to_string(options.tcp_slice_bytes));
+  flag("--streams", std::to_string(options.tcp_streams));
+  flag("--fault-stall-read-after-bytes", std::to_string(options.fault_stall_read_after_bytes));
+  return argv;
+}
 
 int run_transfer_peer(const TransferPeerOptions& options);
 

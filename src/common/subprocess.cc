@@ -155,4 +155,10 @@ Result<int> Subprocess::wait(Deadline deadline) {
   return -1;
 }
 
+std::string current_executable() {
+  char path[4096] = {};
+  ssize_t n = ::readlink("/proc/self/exe", path, sizeof(path) - 1);
+  return n > 0 ? std::string(path, static_cast<size_t>(n)) : std::string("ecx");
+}
+
 }  // namespace ecx

@@ -4,13 +4,13 @@
 
 namespace ecx::testing {
 
-Result<PeerProcess> PeerProcess::start(const PeerOptions& o) {
-  ECX_ASSIGN_OR_RETURN(
-      Subprocess child,
-      Subprocess::spawn({ECX_BINARY, "bench", "transfer-peer", "--name", o.name, "--compat-hash",
-                         o.compat_hash, "--region-bytes", std::to_string(o.region_bytes), "--seed",
-                         std::to_string(o.seed), "--fault-stall-read-after-bytes",
-                         std::to_string(o.stall_read_after_bytes)}));
+bench::TransferPeerOptions peer_options() {
+  return {.name = "peer", .region_bytes = 64ull << 20, .seed = 99};
+}
+
+Result<PeerProcess> PeerProcess::start(const bench::TransferPeerOptions& o) {
+  ECX_ASSIGN_OR_RETURN(Subprocess child,
+                       Subprocess::spawn(bench::transfer_peer_command(ECX_BINARY, o)));
   PeerProcess peer(std::move(child));
   ECX_ASSIGN_OR_RETURN(std::string line, peer.process_.read_line(Deadline::after_ms(30000)));
   auto ready = nlohmann::json::parse(line, nullptr, false);

@@ -10,21 +10,17 @@
 
 #include "ecx/common/subprocess.h"
 #include "ecx/transfer/agent.h"
+#include "transfer_peer.h"
 
 namespace ecx::testing {
 
-struct PeerOptions {
-  std::string name = "peer";
-  std::string compat_hash = "ecx";
-  uint64_t region_bytes = 64ull << 20;
-  uint64_t seed = 99;
-  uint64_t stall_read_after_bytes = 0;
-};
+// A test's peer: the bench producer, named "peer", with a 64 MiB source region.
+bench::TransferPeerOptions peer_options();
 
 class PeerProcess {
  public:
   // Starts the process and waits (with a deadline) for its ready line.
-  static Result<PeerProcess> start(const PeerOptions& options);
+  static Result<PeerProcess> start(const bench::TransferPeerOptions& options = peer_options());
 
   const transfer::AgentMetadata& metadata() const { return metadata_; }
   uint32_t source_region() const { return source_region_; }

@@ -14,14 +14,13 @@ namespace ecx::transfer {
 namespace {
 
 using ecx::testing::local_config;
-using ecx::testing::PeerOptions;
 using ecx::testing::PeerProcess;
 using nlohmann::json;
 
 class AgentProcessTest : public ::testing::TestWithParam<Backend> {
  protected:
-  void start(PeerOptions options = {}) {
-    auto peer = PeerProcess::start(options);
+  void start() {
+    auto peer = PeerProcess::start();
     ASSERT_TRUE(peer.ok()) << peer.status().to_string();
     peer_.emplace(std::move(*peer));
     agent_ = std::move(Agent::create(local_config("consumer")).value());
@@ -136,53 +135,63 @@ INSTANTIATE_TEST_SUITE_P(Backends, AgentProcessTest,
                          ::testing::Values(Backend::kShm, Backend::kTcp),
                          [](const auto& info) { return std::string(backend_name(info.param)); });
 
-TEST(AgentProcessFailure, PeerKilledMidTransferFailsWithinTheDeadline) {
-  // The peer sends 1 MiB of an 8 MiB reply, then hangs; we kill it while we wait.
-  auto peer = PeerProcess::start({.stall_read_after_bytes = 1 << 20});
-  ASSERT_TRUE(peer.ok()) << peer.status().to_string();
-  auto cfg = local_config("consumer");
-  cfg.tcp_slice_bytes = 8 << 20;  // one slice: the stall is inside it
-  auto agent = std::move(Agent::create(cfg).value());
-  ASSERT_TRUE(agent->connect(peer->metadata(), {.backend = Backend::kTcp}).ok());
-  std::vector<std::byte> buf(8 << 20);
-  TransferDescriptor d{buf.data(), peer->source_region(), 0, buf.size()};
-  auto h = agent->read("peer", {&d, 1}, Deadline::after_ms(60000));
-  ASSERT_TRUE(h.ok());
-  EXPECT_FALSE(h->done());  // stalled, not finished
-  ASSERT_TRUE(peer->process().kill(SIGKILL).ok());
-  Status s = h->wait(Deadline::after_ms(60000));
+class AgentProcessFailure : public ::testing::Test {
+ protected:
+  // Starts an 8 MiB READ over tcp from a peer that sends 1 MiB of the reply, then hangs.
+  void start_stalled_read() {
+    auto options = ecx::testing::peer_options();
+    options.fault_stall_read_after_bytes = 1 << 20;
+    auto peer = PeerProcess::start(options);
+    ASSERT_TRUE(peer.ok()) << peer.status().to_string();
+    peer_.emplace(std::move(*peer));
+    auto cfg = local_config("consumer");
+    cfg.tcp_slice_bytes = 8 << 20;  // one slice: the stall is inside it
+    agent_ = std::move(Agent::create(cfg).value());
+    ASSERT_TRUE(agent_->connect(peer_->metadata(), {.backend = Backend::kTcp}).ok());
+    buf_.resize(8 << 20);
+    TransferDescriptor d{buf_.data(), peer_->source_region(), 0, buf_.size()};
+    auto h = agent_->read("peer", {&d, 1}, Deadline::after_ms(60000));
+    ASSERT_TRUE(h.ok());
+    read_.emplace(std::move(*h));
+  }
+
+  std::optional<PeerProcess> peer_;
+  std::unique_ptr<Agent> agent_;
+  std::vector<std::byte> buf_;
+  std::optional<TransferHandle> read_;
+};
+
+TEST_F(AgentProcessFailure, PeerKilledMidTransferFailsWithinTheDeadline) {
+  // We kill the stalled peer while we wait.
+  ASSERT_NO_FATAL_FAILURE(start_stalled_read());
+  EXPECT_FALSE(read_->done());  // stalled, not finished
+  ASSERT_TRUE(peer_->process().kill(SIGKILL).ok());
+  Status s = read_->wait(Deadline::after_ms(60000));
   // A dead peer is reported as such, not as a timeout.
   EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.to_string();
   EXPECT_NE(s.message().find("peer"), std::string::npos) << s.to_string();
   // The control channel reports the death too: calls fail, they do not hang.
-  auto c = agent->call("peer", "{}", Deadline::after_ms(20000));
+  auto c = agent_->call("peer", "{}", Deadline::after_ms(20000));
   EXPECT_EQ(c.status().code(), StatusCode::kUnavailable) << c.status().to_string();
 }
 
-TEST(AgentProcessFailure, StalledPeerHitsTheDeadlineAndTheBufferIsLeftAlone) {
-  auto peer = PeerProcess::start({.stall_read_after_bytes = 1 << 20});
-  ASSERT_TRUE(peer.ok()) << peer.status().to_string();
-  auto cfg = local_config("consumer");
-  cfg.tcp_slice_bytes = 8 << 20;
-  auto agent = std::move(Agent::create(cfg).value());
-  ASSERT_TRUE(agent->connect(peer->metadata(), {.backend = Backend::kTcp}).ok());
-  std::vector<std::byte> buf(8 << 20);
-  TransferDescriptor d{buf.data(), peer->source_region(), 0, buf.size()};
-  auto h = agent->read("peer", {&d, 1}, Deadline::after_ms(60000));
-  ASSERT_TRUE(h.ok());
-  Status s = h->wait(Deadline::after_ms(300));
+TEST_F(AgentProcessFailure, StalledPeerHitsTheDeadlineAndTheBufferIsLeftAlone) {
+  ASSERT_NO_FATAL_FAILURE(start_stalled_read());
+  Status s = read_->wait(Deadline::after_ms(300));
   EXPECT_EQ(s.code(), StatusCode::kDeadlineExceeded) << s.to_string();
-  EXPECT_TRUE(h->done());  // cancelled and drained before wait returned
+  EXPECT_TRUE(read_->done());  // cancelled and drained before wait returned
   // The agent still works for new transfers on a fresh stream.
-  TransferDescriptor small{buf.data(), peer->source_region(), 0, 4096};
-  auto again = agent->read("peer", {&small, 1});
+  TransferDescriptor small{buf_.data(), peer_->source_region(), 0, 4096};
+  auto again = agent_->read("peer", {&small, 1});
   ASSERT_TRUE(again.ok());
   EXPECT_TRUE(again->wait(Deadline::after_ms(20000)).ok());
-  EXPECT_EQ(std::memcmp(buf.data(), peer->expected().data(), 4096), 0);
+  EXPECT_EQ(std::memcmp(buf_.data(), peer_->expected().data(), 4096), 0);
 }
 
-TEST(AgentProcessFailure, IncompatiblePeerIsRefusedNamingBothHashes) {
-  auto peer = PeerProcess::start({.compat_hash = "other-model"});
+TEST_F(AgentProcessFailure, IncompatiblePeerIsRefusedNamingBothHashes) {
+  auto options = ecx::testing::peer_options();
+  options.compat_hash = "other-model";
+  auto peer = PeerProcess::start(options);
   ASSERT_TRUE(peer.ok()) << peer.status().to_string();
   auto agent = std::move(Agent::create(local_config("consumer")).value());
   auto r = agent->connect(peer->metadata());

@@ -141,7 +141,7 @@ TEST(Authentication, AnotherUserCannotReachTheUnixSocket) {
 TEST(SealedMemory, APeerCannotMapTheArenaWritableNorResizeIt) {
   // The producer is another process; we are the (hostile) same-host peer it hands its
   // memfd to.
-  auto peer = PeerProcess::start({});
+  auto peer = PeerProcess::start();
   ASSERT_TRUE(peer.ok()) << peer.status().to_string();
   auto fd = connect_unix(peer->metadata().shm_endpoint, Deadline::after_ms(5000));
   ASSERT_TRUE(fd.ok()) << fd.status().to_string();
@@ -345,7 +345,7 @@ TEST(Bounds, ADeadPeersThreadsFdsAndMappingsAreReclaimed) {
   auto consumer = std::move(Agent::create(local_config("consumer")).value());
   const size_t threads_before = thread_count();
   for (int round = 0; round < 3; ++round) {
-    ecx::testing::PeerOptions o;
+    auto o = ecx::testing::peer_options();
     o.name = "dying-" + std::to_string(round);
     auto peer = PeerProcess::start(o);
     ASSERT_TRUE(peer.ok()) << peer.status().to_string();

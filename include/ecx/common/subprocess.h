@@ -41,4 +41,8 @@ class Subprocess {
   std::string buffer_;  // stdout bytes read past the last line
 };
 
+// The path of this process's own binary (/proc/self/exe), for starting another copy of
+// it; "ecx" (found on PATH) if that cannot be read.
+std::string current_executable();
+
 }  // namespace ecx

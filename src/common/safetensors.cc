@@ -1,5 +1,7 @@
 #include "ecx/common/safetensors.h"
 
+#include "ecx/common/json_reader.h"
+
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -91,13 +93,12 @@ Result<SafetensorsHeader> read_safetensors_header(int fd, uint64_t file_size) {
   }
   std::string text(n, '\0');
   ECX_RETURN_IF_ERROR(pread_all(fd, text.data(), n, sizeof(n), "read safetensors header"));
-  auto j = nlohmann::json::parse(text, nullptr, false);
-  if (j.is_discarded() || !j.is_object())
-    return Status(StatusCode::kDataLoss, "safetensors header is not a JSON object");
+  auto j = parse_json_object(text, "safetensors header", {kMaxHeaderBytes, 8});
+  if (!j.ok()) return Status(StatusCode::kDataLoss, j.status().message());
   SafetensorsHeader h;
   h.data_offset = sizeof(n) + n;
   uint64_t data_bytes = file_size - h.data_offset;
-  for (const auto& [name, value] : j.items()) {
+  for (const auto& [name, value] : j->items()) {
     if (name == "__metadata__") {
       if (!value.is_object())
         return Status(StatusCode::kDataLoss, "safetensors __metadata__ is not an object");

@@ -1,5 +1,7 @@
 #include "ecx/common/tensor_meta.h"
 
+#include "ecx/common/json_reader.h"
+
 #include <array>
 #include <nlohmann/json.hpp>
 
@@ -91,17 +93,14 @@ nlohmann::json TensorMeta::to_json() const {
 }
 
 Result<TensorMeta> TensorMeta::from_json(const nlohmann::json& j) {
-  if (!j.is_object()) return InvalidArgument("tensor meta must be a JSON object");
-  auto dt = j.find("dtype");
-  auto sh = j.find("shape");
-  if (dt == j.end() || !dt->is_string())
-    return InvalidArgument("tensor meta needs a string 'dtype'");
-  if (sh == j.end() || !sh->is_array())
-    return InvalidArgument("tensor meta needs an array 'shape'");
+  JsonReader r(j, "tensor meta");
+  ECX_RETURN_IF_ERROR(r.object());
+  ECX_ASSIGN_OR_RETURN(std::string dtype, r.string("dtype", Presence::kRequired, 32));
+  ECX_ASSIGN_OR_RETURN(const nlohmann::json* shape,
+                       r.array("shape", Presence::kRequired, kMaxTensorRank));
   TensorMeta meta;
-  ECX_ASSIGN_OR_RETURN(meta.dtype, dtype_from_name(dt->get<std::string>()));
-  if (sh->size() > kMaxTensorRank) return InvalidArgument("tensor shape has too many dimensions");
-  for (const auto& d : *sh) {
+  ECX_ASSIGN_OR_RETURN(meta.dtype, dtype_from_name(dtype));
+  for (const auto& d : *shape) {
     if (!d.is_number_integer()) return InvalidArgument("tensor shape entries must be integers");
     meta.shape.push_back(d.get<int64_t>());
   }

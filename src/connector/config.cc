@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "ecx/common/auth.h"
+#include "ecx/common/json_reader.h"
 #include "ecx/connector/ec_connector.h"
 
 namespace ecx::connector {
@@ -30,24 +31,14 @@ std::string_view role_name(Role role) {
 }
 
 Result<ConnectorConfig> ConnectorConfig::parse(std::string_view text) {
-  json j = json::parse(text, nullptr, false);
-  if (j.is_discarded() || !j.is_object()) {
-    return InvalidArgument("connector config is not a JSON object");
-  }
+  ECX_ASSIGN_OR_RETURN(json j, parse_json_object(text, "connector config"));
+  JsonReader r(j, "connector config");
   ConnectorConfig c;
-  auto name = j.find("connector");
-  if (name == j.end() || !name->is_string()) {
-    return InvalidArgument("connector config needs a string 'connector'");
-  }
-  c.connector = name->get<std::string>();
-  if (auto role = j.find("role"); role != j.end()) {
-    if (!role->is_string()) return InvalidArgument("connector config 'role' must be a string");
-    ECX_ASSIGN_OR_RETURN(c.role, parse_role(role->get<std::string>()));
-  }
-  if (auto extra = j.find("extra"); extra != j.end()) {
-    if (!extra->is_object()) return InvalidArgument("connector config 'extra' must be an object");
-    c.extra = *extra;
-  }
+  ECX_ASSIGN_OR_RETURN(c.connector, r.string("connector", Presence::kRequired, 64));
+  ECX_ASSIGN_OR_RETURN(std::string role, r.string("role", Presence::kOptional, 64, "both"));
+  ECX_ASSIGN_OR_RETURN(c.role, parse_role(role));
+  ECX_ASSIGN_OR_RETURN(const json* extra, r.object("extra"));
+  if (extra != nullptr) c.extra = *extra;
   return c;
 }
 
@@ -121,56 +112,28 @@ Status EcTransferParams::verify(std::string_view secret) const {
   return Status::Ok();
 }
 
-namespace {
-
-Result<std::string> string_field(const json& j, const char* key, bool required, size_t max = 4096) {
-  auto it = j.find(key);
-  if (it == j.end()) {
-    if (required) return InvalidArgument(std::string("ec_transfer_params lacks '") + key + "'");
-    return std::string();
-  }
-  if (!it->is_string())
-    return InvalidArgument(std::string("ec_transfer_params '") + key + "' must be a string");
-  if (it->get_ref<const std::string&>().size() > max) {
-    return InvalidArgument(std::string("ec_transfer_params '") + key + "' is too long");
-  }
-  return it->get<std::string>();
-}
-
-Result<uint64_t> uint_field(const json& j, const char* key, uint64_t max) {
-  auto it = j.find(key);
-  if (it == j.end()) return uint64_t{0};
-  if (!it->is_number_unsigned() && !(it->is_number_integer() && it->get<int64_t>() >= 0)) {
-    return InvalidArgument(std::string("ec_transfer_params '") + key +
-                           "' must be a non-negative integer");
-  }
-  uint64_t v = it->get<uint64_t>();
-  if (v > max) return OutOfRange(std::string("ec_transfer_params '") + key + "' out of range");
-  return v;
-}
-
-}  // namespace
-
 Result<EcTransferParams> EcTransferParams::from_json(const json& j) {
+  JsonReader r(j, "ec_transfer_params");
   if (!j.is_object()) return InvalidArgument("ec_transfer_params entry must be a JSON object");
+  constexpr Presence kOpt = Presence::kOptional;
   EcTransferParams p;
-  ECX_ASSIGN_OR_RETURN(p.connector, string_field(j, "connector", true, 32));
-  ECX_ASSIGN_OR_RETURN(p.mode, string_field(j, "mode", false, 32));
-  ECX_ASSIGN_OR_RETURN(p.engine_id, string_field(j, "engine_id", false, 256));
-  ECX_ASSIGN_OR_RETURN(p.agent, string_field(j, "agent", false, 1 << 20));
-  ECX_ASSIGN_OR_RETURN(p.compat_hash, string_field(j, "compat_hash", false, 256));
-  ECX_ASSIGN_OR_RETURN(std::string hash, string_field(j, "mm_hash", true, 256));
+  ECX_ASSIGN_OR_RETURN(p.connector, r.string("connector", Presence::kRequired, 32));
+  ECX_ASSIGN_OR_RETURN(p.mode, r.string("mode", kOpt, 32));
+  ECX_ASSIGN_OR_RETURN(p.engine_id, r.string("engine_id", kOpt, 256));
+  ECX_ASSIGN_OR_RETURN(p.agent, r.string("agent", kOpt, 1 << 20));
+  ECX_ASSIGN_OR_RETURN(p.compat_hash, r.string("compat_hash", kOpt, 256));
+  ECX_ASSIGN_OR_RETURN(std::string hash, r.string("mm_hash", Presence::kRequired, 256));
   ECX_ASSIGN_OR_RETURN(p.mm_hash, MmHash::parse(hash));
   ECX_ASSIGN_OR_RETURN(p.meta, TensorMeta::from_json(j));
-  ECX_ASSIGN_OR_RETURN(p.num_tokens, uint_field(j, "num_tokens", 1ull << 32));
-  ECX_ASSIGN_OR_RETURN(uint64_t region, uint_field(j, "region", UINT32_MAX));
+  ECX_ASSIGN_OR_RETURN(p.num_tokens, r.u64("num_tokens", kOpt, 1ull << 32));
+  ECX_ASSIGN_OR_RETURN(uint64_t region, r.u64("region", kOpt, UINT32_MAX));
   p.region = static_cast<uint32_t>(region);
-  ECX_ASSIGN_OR_RETURN(p.offset, uint_field(j, "offset", 1ull << 48));
-  ECX_ASSIGN_OR_RETURN(p.length, uint_field(j, "length", 1ull << 48));
-  ECX_ASSIGN_OR_RETURN(p.generation, uint_field(j, "generation", UINT64_MAX));
-  ECX_ASSIGN_OR_RETURN(p.pin, uint_field(j, "pin", UINT64_MAX));
-  ECX_ASSIGN_OR_RETURN(p.capability, string_field(j, "capability", false, 32));
-  ECX_ASSIGN_OR_RETURN(p.signature, string_field(j, "signature", false, 64));
+  ECX_ASSIGN_OR_RETURN(p.offset, r.u64("offset", kOpt, 1ull << 48));
+  ECX_ASSIGN_OR_RETURN(p.length, r.u64("length", kOpt, 1ull << 48));
+  ECX_ASSIGN_OR_RETURN(p.generation, r.u64("generation", kOpt));
+  ECX_ASSIGN_OR_RETURN(p.pin, r.u64("pin", kOpt));
+  ECX_ASSIGN_OR_RETURN(p.capability, r.string("capability", kOpt, 32));
+  ECX_ASSIGN_OR_RETURN(p.signature, r.string("signature", kOpt, 64));
   return p;
 }
 

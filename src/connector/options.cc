@@ -7,6 +7,7 @@
 
 #include "ecx/common/auth.h"
 #include "ecx/common/bytes.h"
+#include "ecx/common/json_reader.h"
 
 namespace ecx::connector {
 namespace {
@@ -37,39 +38,68 @@ const std::set<std::string> kKnownKeys = {"engine_id",
                                           "idle_timeout_ms",
                                           "require_grants"};
 
-Status get_string(const json& extra, const char* key, std::string* out) {
-  auto it = extra.find(key);
-  if (it == extra.end()) return Status::Ok();
-  if (!it->is_string())
-    return InvalidArgument(std::string("connector extra '") + key + "' must be a string");
-  *out = it->get<std::string>();
+// A size: a byte count, or a string such as "512MiB".
+Result<uint64_t> read_bytes(const JsonReader& r, const char* key, uint64_t fallback) {
+  if (!r.has(key) || r.document()[key].is_number_unsigned())
+    return r.u64(key, Presence::kOptional, UINT64_MAX, fallback);
+  if (!r.document()[key].is_string()) return r.wrong(key, "a size");
+  return parse_bytes(r.document()[key].get<std::string>());
+}
+
+Result<FailurePolicy> parse_failure_policy(const std::string& policy) {
+  if (policy == "recompute") return FailurePolicy::kRecompute;
+  if (policy == "fail") return FailurePolicy::kFail;
+  return InvalidArgument("failure_policy must be 'recompute' or 'fail', not '" + policy + "'");
+}
+
+// The options every connector shares.
+Status read_common(const JsonReader& r, ConnectorOptions& o) {
+  ECX_ASSIGN_OR_RETURN(o.engine_id, r.string("engine_id", Presence::kOptional, 4096, o.engine_id));
+  ECX_ASSIGN_OR_RETURN(std::string token, r.string("auth_token"));
+  ECX_ASSIGN_OR_RETURN(std::string token_file, r.string("auth_token_file"));
+  ECX_ASSIGN_OR_RETURN(o.auth_secret, load_secret(token, token_file));
+  ECX_ASSIGN_OR_RETURN(int64_t max_connections,
+                       r.i64("max_connections", 1, 65536, Presence::kOptional, o.max_connections));
+  o.max_connections = static_cast<int>(max_connections);
+  ECX_ASSIGN_OR_RETURN(o.idle_timeout_ms, r.i64("idle_timeout_ms", 100, 86'400'000,
+                                                Presence::kOptional, o.idle_timeout_ms));
+  ECX_ASSIGN_OR_RETURN(o.compat_hash,
+                       r.string("compat_hash", Presence::kOptional, 4096, o.compat_hash));
+  ECX_ASSIGN_OR_RETURN(std::string policy,
+                       r.string("failure_policy", Presence::kOptional, 64, "recompute"));
+  ECX_ASSIGN_OR_RETURN(o.failure_policy, parse_failure_policy(policy));
+  ECX_ASSIGN_OR_RETURN(o.load_timeout_ms, r.i64("load_timeout_ms", 1, 3'600'000,
+                                                Presence::kOptional, o.load_timeout_ms));
+  ECX_ASSIGN_OR_RETURN(o.pool_bytes, read_bytes(r, "pool_bytes", o.pool_bytes));
+  ECX_ASSIGN_OR_RETURN(o.lease_ms,
+                       r.i64("lease_ms", 1, 86'400'000, Presence::kOptional, o.lease_ms));
+  ECX_ASSIGN_OR_RETURN(o.consumer_pin_ms, r.i64("consumer_pin_ms", 1, 86'400'000,
+                                                Presence::kOptional, o.consumer_pin_ms));
+  ECX_ASSIGN_OR_RETURN(o.save_wait_ms,
+                       r.i64("save_wait_ms", 0, 3'600'000, Presence::kOptional, o.save_wait_ms));
+  ECX_ASSIGN_OR_RETURN(int64_t threads,
+                       r.i64("loader_threads", 1, 64, Presence::kOptional, o.loader_threads));
+  o.loader_threads = static_cast<int>(threads);
+  ECX_ASSIGN_OR_RETURN(o.require_grants,
+                       r.boolean("require_grants", Presence::kOptional, o.require_grants));
   return Status::Ok();
 }
 
-Status get_int(const json& extra, const char* key, int64_t min, int64_t max, int64_t* out) {
-  auto it = extra.find(key);
-  if (it == extra.end()) return Status::Ok();
-  if (!it->is_number_integer())
-    return InvalidArgument(std::string("connector extra '") + key + "' must be an integer");
-  int64_t v = it->get<int64_t>();
-  if (v < min || v > max) {
-    return OutOfRange(std::string("connector extra '") + key + "' = " + std::to_string(v) +
-                      " is outside [" + std::to_string(min) + ", " + std::to_string(max) + "]");
-  }
-  *out = v;
-  return Status::Ok();
-}
-
-Status get_bytes(const json& extra, const char* key, uint64_t* out) {
-  auto it = extra.find(key);
-  if (it == extra.end()) return Status::Ok();
-  if (it->is_number_unsigned()) {
-    *out = it->get<uint64_t>();
-    return Status::Ok();
-  }
-  if (!it->is_string())
-    return InvalidArgument(std::string("connector extra '") + key + "' must be a size");
-  ECX_ASSIGN_OR_RETURN(*out, parse_bytes(it->get<std::string>()));
+// The options of one connector kind (p2p, disk, store); each ignores the others'.
+Status read_specific(const JsonReader& r, ConnectorOptions& o) {
+  ECX_ASSIGN_OR_RETURN(std::string mode, r.string("mode", Presence::kOptional, 64, "pull"));
+  ECX_ASSIGN_OR_RETURN(o.mode, parse_p2p_mode(mode));
+  ECX_ASSIGN_OR_RETURN(std::string backend, r.string("backend", Presence::kOptional, 64, "auto"));
+  ECX_ASSIGN_OR_RETURN(o.backend, transfer::parse_backend(backend));
+  ECX_ASSIGN_OR_RETURN(o.tcp_host, r.string("tcp_host", Presence::kOptional, 4096, o.tcp_host));
+  ECX_ASSIGN_OR_RETURN(int64_t port, r.i64("tcp_port", 0, 65535));
+  o.tcp_port = static_cast<uint16_t>(port);
+  ECX_ASSIGN_OR_RETURN(o.root, r.string("root", Presence::kOptional, 4096, o.root));
+  ECX_ASSIGN_OR_RETURN(o.ttl_s, r.i64("ttl_s", 1, 365 * 86400, Presence::kOptional, o.ttl_s));
+  ECX_ASSIGN_OR_RETURN(o.max_bytes, read_bytes(r, "max_bytes", o.max_bytes));
+  ECX_ASSIGN_OR_RETURN(o.delete_on_release,
+                       r.boolean("delete_on_release", Presence::kOptional, o.delete_on_release));
+  ECX_ASSIGN_OR_RETURN(o.redis, r.string("redis", Presence::kOptional, 4096, o.redis));
   return Status::Ok();
 }
 
@@ -83,61 +113,31 @@ Result<ConnectorOptions> ConnectorOptions::parse(const std::string& connector, c
   ConnectorOptions o;
   o.engine_id = connector + "-" + std::to_string(::getpid());
   o.root = (std::filesystem::temp_directory_path() / "ecx-disk-cache").string();
-  ECX_RETURN_IF_ERROR(get_string(extra, "engine_id", &o.engine_id));
-  std::string token, token_file;
-  ECX_RETURN_IF_ERROR(get_string(extra, "auth_token", &token));
-  ECX_RETURN_IF_ERROR(get_string(extra, "auth_token_file", &token_file));
-  ECX_ASSIGN_OR_RETURN(o.auth_secret, load_secret(token, token_file));
-  int64_t max_connections = o.max_connections;
-  ECX_RETURN_IF_ERROR(get_int(extra, "max_connections", 1, 65536, &max_connections));
-  o.max_connections = static_cast<int>(max_connections);
-  ECX_RETURN_IF_ERROR(get_int(extra, "idle_timeout_ms", 100, 86'400'000, &o.idle_timeout_ms));
-  ECX_RETURN_IF_ERROR(get_string(extra, "compat_hash", &o.compat_hash));
-  std::string policy = "recompute";
-  ECX_RETURN_IF_ERROR(get_string(extra, "failure_policy", &policy));
-  if (policy == "recompute") {
-    o.failure_policy = FailurePolicy::kRecompute;
-  } else if (policy == "fail") {
-    o.failure_policy = FailurePolicy::kFail;
-  } else {
-    return InvalidArgument("failure_policy must be 'recompute' or 'fail', not '" + policy + "'");
-  }
-  ECX_RETURN_IF_ERROR(get_int(extra, "load_timeout_ms", 1, 3'600'000, &o.load_timeout_ms));
-  ECX_RETURN_IF_ERROR(get_bytes(extra, "pool_bytes", &o.pool_bytes));
-  ECX_RETURN_IF_ERROR(get_int(extra, "lease_ms", 1, 86'400'000, &o.lease_ms));
-  ECX_RETURN_IF_ERROR(get_int(extra, "consumer_pin_ms", 1, 86'400'000, &o.consumer_pin_ms));
-  ECX_RETURN_IF_ERROR(get_int(extra, "save_wait_ms", 0, 3'600'000, &o.save_wait_ms));
-  int64_t threads = o.loader_threads;
-  ECX_RETURN_IF_ERROR(get_int(extra, "loader_threads", 1, 64, &threads));
-  o.loader_threads = static_cast<int>(threads);
-  ECX_RETURN_IF_ERROR(get_string(extra, "mode", &o.mode));
-  if (o.mode != "pull" && o.mode != "pull-2step" && o.mode != "push") {
-    return InvalidArgument("p2p mode must be pull, pull-2step or push, not '" + o.mode + "'");
-  }
-  std::string backend = "auto";
-  ECX_RETURN_IF_ERROR(get_string(extra, "backend", &backend));
-  ECX_ASSIGN_OR_RETURN(o.backend, transfer::parse_backend(backend));
-  ECX_RETURN_IF_ERROR(get_string(extra, "tcp_host", &o.tcp_host));
-  int64_t port = 0;
-  ECX_RETURN_IF_ERROR(get_int(extra, "tcp_port", 0, 65535, &port));
-  o.tcp_port = static_cast<uint16_t>(port);
-  ECX_RETURN_IF_ERROR(get_string(extra, "root", &o.root));
-  ECX_RETURN_IF_ERROR(get_int(extra, "ttl_s", 1, 365 * 86400, &o.ttl_s));
-  ECX_RETURN_IF_ERROR(get_bytes(extra, "max_bytes", &o.max_bytes));
-  if (auto it = extra.find("require_grants"); it != extra.end()) {
-    if (!it->is_boolean()) {
-      return InvalidArgument("connector extra 'require_grants' must be a boolean");
-    }
-    o.require_grants = it->get<bool>();
-  }
-  if (auto it = extra.find("delete_on_release"); it != extra.end()) {
-    if (!it->is_boolean())
-      return InvalidArgument("connector extra 'delete_on_release' must be a boolean");
-    o.delete_on_release = it->get<bool>();
-  }
-  ECX_RETURN_IF_ERROR(get_string(extra, "redis", &o.redis));
+  JsonReader r(extra, "connector extra");
+  ECX_RETURN_IF_ERROR(read_common(r, o));
+  ECX_RETURN_IF_ERROR(read_specific(r, o));
   if (o.pool_bytes < (1 << 20)) return InvalidArgument("pool_bytes must be at least 1MiB");
   return o;
+}
+
+Result<P2pMode> parse_p2p_mode(std::string_view name) {
+  if (name == "pull") return P2pMode::kPull;
+  if (name == "pull-2step") return P2pMode::kPull2Step;
+  if (name == "push") return P2pMode::kPush;
+  return InvalidArgument("p2p mode must be pull, pull-2step or push, not '" + std::string(name) +
+                         "'");
+}
+
+std::string_view p2p_mode_name(P2pMode mode) {
+  switch (mode) {
+    case P2pMode::kPull:
+      return "pull";
+    case P2pMode::kPull2Step:
+      return "pull-2step";
+    case P2pMode::kPush:
+      return "push";
+  }
+  return "?";
 }
 
 }  // namespace ecx::connector

@@ -12,6 +12,11 @@
 
 namespace ecx::connector {
 
+// How the p2p connector moves an item (see p2p_connector.h).
+enum class P2pMode { kPull, kPull2Step, kPush };
+Result<P2pMode> parse_p2p_mode(std::string_view name);  // "pull", "pull-2step", "push"
+std::string_view p2p_mode_name(P2pMode mode);
+
 struct ConnectorOptions {
   // Common to every connector.
   std::string engine_id;                  // default "<connector>-<pid>"
@@ -32,7 +37,7 @@ struct ConnectorOptions {
   // the checks cost (ecx bench transfer --security on,off); never in a deployment.
   bool require_grants = true;
   // p2p
-  std::string mode = "pull";  // pull | pull-2step | push
+  P2pMode mode = P2pMode::kPull;
   transfer::Backend backend = transfer::Backend::kAuto;
   std::string tcp_host = "127.0.0.1";
   uint16_t tcp_port = 0;

@@ -24,7 +24,8 @@ constexpr size_t kMaxKnownProducers = 1024;
 class P2pConnector final : public ConnectorBase {
  public:
   P2pConnector(ConnectorConfig config, ConnectorOptions options, ConnectorContext context)
-      : ConnectorBase("p2p:" + options.mode, std::move(config), options, std::move(context)) {}
+      : ConnectorBase("p2p:" + std::string(p2p_mode_name(options.mode)), std::move(config), options,
+                      std::move(context)) {}
 
   ~P2pConnector() override {
     shutdown_base();
@@ -32,7 +33,8 @@ class P2pConnector final : public ConnectorBase {
   }
 
   Status init() {
-    ECX_RETURN_IF_ERROR(init_base(/*consumer_cache_remote_write=*/options().mode == "push"));
+    ECX_RETURN_IF_ERROR(
+        init_base(/*consumer_cache_remote_write=*/options().mode == P2pMode::kPush));
     if (is_producer()) {
       cache::PoolConfig pc;
       pc.name = options().engine_id;
@@ -96,7 +98,7 @@ class P2pConnector final : public ConnectorBase {
     ECX_ASSIGN_OR_RETURN(cache::Pin pin, producer_pool_->pin_for_peer(mm_hash, ""));
     EcTransferParams p;
     p.connector = "p2p";
-    p.mode = options().mode;
+    p.mode = p2p_mode_name(options().mode);
     p.engine_id = options().engine_id;
     p.agent = agent_metadata();
     p.compat_hash = options().compat_hash;
@@ -265,9 +267,9 @@ class P2pConnector final : public ConnectorBase {
         for (FetchSlot* s : group) s->status = ready;
         continue;
       }
-      if (options().mode == "push") {
+      if (options().mode == P2pMode::kPush) {
         fetch_push(producer, group, deadline);
-      } else if (options().mode == "pull-2step") {
+      } else if (options().mode == P2pMode::kPull2Step) {
         for (FetchSlot* s : group) {
           std::vector<FetchSlot*> one{s};
           fetch_pull(producer, one, deadline, /*force_lookup=*/true);

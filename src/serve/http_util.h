@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "ecx/common/json_reader.h"
 #include "ecx/common/status.h"
 #include "ecx/serve/services.h"
 
@@ -63,12 +64,6 @@ struct ChatRequest {
   nlohmann::json raw;  // the request as received
   int image_count() const;
 };
-
-// True when `text` nests arrays/objects deeper than `max_depth` (checked before parsing:
-// a recursive parser would overflow the stack on a deep enough document).
-bool json_too_deep(std::string_view text, int max_depth = 64);
-// dump() that never throws on invalid UTF-8 (replaces it).
-std::string safe_dump(const nlohmann::json& j);
 
 // Parses and validates a chat completion body; resolves images to bytes (data: URLs,
 // or files under config.allowed_root). Errors carry the HTTP status to answer with.

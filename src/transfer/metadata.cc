@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "ecx/common/auth.h"
+#include "ecx/common/json_reader.h"
 
 #include <unistd.h>
 
@@ -18,30 +19,23 @@ constexpr uint64_t kMaxRegionLength = uint64_t{1} << 48;
 
 using nlohmann::json;
 
-Result<std::string> get_string(const json& j, const char* key, size_t max_len, bool required) {
-  auto it = j.find(key);
-  if (it == j.end()) {
-    if (required) return InvalidArgument(std::string("agent metadata lacks '") + key + "'");
-    return std::string();
-  }
-  if (!it->is_string())
-    return InvalidArgument(std::string("agent metadata '") + key + "' is not a string");
-  std::string s = it->get<std::string>();
-  if (s.size() > max_len) {
-    return InvalidArgument(std::string("agent metadata '") + key + "' is longer than " +
-                           std::to_string(max_len));
-  }
-  return s;
+Result<MemoryKind> parse_kind(const std::string& kind) {
+  if (kind == "host") return MemoryKind::kHost;
+  if (kind == "cuda") return MemoryKind::kCuda;
+  return InvalidArgument("agent metadata region has unknown kind '" + kind + "'");
 }
 
-Result<uint64_t> get_uint(const json& j, const char* key, uint64_t max) {
-  auto it = j.find(key);
-  if (it == j.end() || !it->is_number_unsigned()) {
-    return InvalidArgument(std::string("agent metadata needs an unsigned integer '") + key + "'");
-  }
-  uint64_t v = it->get<uint64_t>();
-  if (v > max) return OutOfRange(std::string("agent metadata '") + key + "' out of range");
-  return v;
+Result<RegionInfo> parse_region(const JsonReader& r) {
+  ECX_RETURN_IF_ERROR(r.object());
+  RegionInfo info;
+  ECX_ASSIGN_OR_RETURN(uint64_t id, r.u64("id", Presence::kRequired, UINT32_MAX));
+  info.id = static_cast<uint32_t>(id);
+  ECX_ASSIGN_OR_RETURN(info.length, r.u64("length", Presence::kRequired, kMaxRegionLength));
+  ECX_ASSIGN_OR_RETURN(std::string kind, r.string("kind", Presence::kRequired, 16));
+  ECX_ASSIGN_OR_RETURN(info.kind, parse_kind(kind));
+  ECX_ASSIGN_OR_RETURN(info.remote_write, r.boolean("remote_write"));
+  ECX_ASSIGN_OR_RETURN(info.shareable, r.boolean("shareable"));
+  return info;
 }
 
 }  // namespace
@@ -65,45 +59,25 @@ std::string AgentMetadata::to_json() const {
 }
 
 Result<AgentMetadata> AgentMetadata::parse(std::string_view text) {
-  if (text.size() > 16 * 1024 * 1024) return InvalidArgument("agent metadata larger than 16 MiB");
-  json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded()) return InvalidArgument("agent metadata is not valid JSON");
-  if (!j.is_object()) return InvalidArgument("agent metadata is not a JSON object");
+  ECX_ASSIGN_OR_RETURN(json j, parse_json_object(text, "agent metadata", {16 << 20, 16}));
+  JsonReader r(j, "agent metadata");
   AgentMetadata m;
-  ECX_ASSIGN_OR_RETURN(m.name, get_string(j, "name", kMaxNameLength, true));
+  ECX_ASSIGN_OR_RETURN(m.name, r.string("name", Presence::kRequired, kMaxNameLength));
   if (m.name.empty()) return InvalidArgument("agent metadata has an empty name");
-  ECX_ASSIGN_OR_RETURN(uint64_t version, get_uint(j, "protocol_version", UINT32_MAX));
+  ECX_ASSIGN_OR_RETURN(uint64_t version,
+                       r.u64("protocol_version", Presence::kRequired, UINT32_MAX));
   m.protocol_version = static_cast<uint32_t>(version);
-  ECX_ASSIGN_OR_RETURN(m.compat_hash, get_string(j, "compat_hash", kMaxNameLength, true));
-  ECX_ASSIGN_OR_RETURN(m.host_id, get_string(j, "host_id", kMaxNameLength, false));
-  auto ep = j.find("endpoints");
-  if (ep == j.end() || !ep->is_object()) return InvalidArgument("agent metadata lacks 'endpoints'");
-  ECX_ASSIGN_OR_RETURN(m.shm_endpoint, get_string(*ep, "shm", 107, false));
-  ECX_ASSIGN_OR_RETURN(m.tcp_endpoint, get_string(*ep, "tcp", kMaxNameLength, false));
-  auto regions = j.find("regions");
-  if (regions == j.end() || !regions->is_array()) {
-    return InvalidArgument("agent metadata lacks a 'regions' array");
-  }
-  if (regions->size() > kMaxRegions)
-    return InvalidArgument("agent metadata lists too many regions");
-  for (const auto& r : *regions) {
-    if (!r.is_object()) return InvalidArgument("agent metadata region is not an object");
-    RegionInfo info;
-    ECX_ASSIGN_OR_RETURN(uint64_t id, get_uint(r, "id", UINT32_MAX));
-    info.id = static_cast<uint32_t>(id);
-    ECX_ASSIGN_OR_RETURN(info.length, get_uint(r, "length", kMaxRegionLength));
-    ECX_ASSIGN_OR_RETURN(std::string kind, get_string(r, "kind", 16, true));
-    if (kind == "host") {
-      info.kind = MemoryKind::kHost;
-    } else if (kind == "cuda") {
-      info.kind = MemoryKind::kCuda;
-    } else {
-      return InvalidArgument("agent metadata region has unknown kind '" + kind + "'");
-    }
-    auto rw = r.find("remote_write");
-    info.remote_write = rw != r.end() && rw->is_boolean() && rw->get<bool>();
-    auto sh = r.find("shareable");
-    info.shareable = sh != r.end() && sh->is_boolean() && sh->get<bool>();
+  ECX_ASSIGN_OR_RETURN(m.compat_hash, r.string("compat_hash", Presence::kRequired, kMaxNameLength));
+  ECX_ASSIGN_OR_RETURN(m.host_id, r.string("host_id", Presence::kOptional, kMaxNameLength));
+  ECX_ASSIGN_OR_RETURN(JsonReader endpoints, r.child("endpoints", Presence::kRequired));
+  ECX_ASSIGN_OR_RETURN(m.shm_endpoint, endpoints.string("shm", Presence::kOptional, 107));
+  ECX_ASSIGN_OR_RETURN(m.tcp_endpoint,
+                       endpoints.string("tcp", Presence::kOptional, kMaxNameLength));
+  ECX_ASSIGN_OR_RETURN(const json* regions, r.array("regions", Presence::kRequired, kMaxRegions));
+  for (size_t i = 0; i < regions->size(); ++i) {
+    ECX_ASSIGN_OR_RETURN(
+        RegionInfo info,
+        parse_region(JsonReader((*regions)[i], "agent metadata region " + std::to_string(i))));
     m.regions.push_back(info);
   }
   return m;

@@ -14,6 +14,7 @@
 
 namespace {
 
+using ecx::safe_dump;
 using nlohmann::json;
 
 // Nesting depth of a JSON value, without recursion.

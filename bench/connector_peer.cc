@@ -131,7 +131,7 @@ int run_connector_peer(const std::string& config_json) {
         }
         s.ok() ? reply_ok() : reply(s);
       } else if (cmd == "stats") {
-        reply_ok(conn->stats().dump());
+        reply_ok(connector::to_json(conn->stats()).dump());
       } else if (cmd == "wait-unpinned") {
         int64_t ms = 0;
         ss >> ms;

@@ -14,7 +14,7 @@
 #include <filesystem>
 #include <map>
 
-#include "connector/connector_base.h"
+#include "connector/connector_driver.h"
 #include "ecx/common/checksum.h"
 #include "ecx/common/log.h"
 #include "ecx/common/safetensors.h"
@@ -23,24 +23,20 @@ namespace ecx::connector {
 namespace {
 
 namespace fs = std::filesystem;
-using nlohmann::json;
 
 constexpr const char* kFileName = "encoder_cache.safetensors";
 constexpr const char* kTensorName = "ec_cache";
 
-class DiskConnector final : public ConnectorBase {
+class DiskDriver final : public ConnectorDriver {
  public:
-  DiskConnector(ConnectorConfig config, ConnectorOptions options, ConnectorContext context)
-      : ConnectorBase("disk", std::move(config), options, std::move(context)),
-        root_(options.root) {}
-  ~DiskConnector() override { shutdown_base(); }
+  explicit DiskDriver(ConnectorCore& core) : core_(core), root_(core.options().root) {}
 
-  Status init() {
+  Status start() {
     std::error_code ec;
     fs::create_directories(root_, ec);
     if (ec)
       return IoError("disk connector: cannot create root " + root_.string() + ": " + ec.message());
-    return init_base(false);
+    return Status::Ok();
   }
 
   // ---------------- producer ----------------
@@ -79,7 +75,7 @@ class DiskConnector final : public ConnectorBase {
     }
     std::map<std::string, std::string> metadata = {
         {"mm_hash", slot.mm_hash.str()},
-        {"compat_hash", options().compat_hash},
+        {"compat_hash", core_.options().compat_hash},
         {"checksum", std::to_string(checksum64(staging.bytes.data(), staging.bytes.size()))}};
     Status s = write_safetensors(staging.tmp.string(), {{kTensorName, slot.meta, staging.bytes}},
                                  metadata);
@@ -91,9 +87,8 @@ class DiskConnector final : public ConnectorBase {
       ::unlink(staging.tmp.c_str());
       return s;
     }
-    saves_++;
     enforce_limits();
-    return keyed_params(slot.mm_hash, slot.meta);
+    return core_.keyed_params(slot.mm_hash, slot.meta);
   }
 
   Result<EcTransferParams> saved_params(const MmHash& mm_hash) override {
@@ -109,7 +104,7 @@ class DiskConnector final : public ConnectorBase {
     const SafetensorsEntry* e = header->find(kTensorName);
     if (e == nullptr)
       return Status(StatusCode::kDataLoss, path.string() + " has no ec_cache tensor");
-    return keyed_params(mm_hash, e->meta);
+    return core_.keyed_params(mm_hash, e->meta);
   }
 
   void abort_save(const SaveSlot& slot) override {
@@ -138,7 +133,7 @@ class DiskConnector final : public ConnectorBase {
       if (e2) continue;
       auto mtime = fs::last_write_time(f, e2);
       if (e2) continue;
-      if (now - mtime > std::chrono::seconds(options().ttl_s)) {
+      if (now - mtime > std::chrono::seconds(core_.options().ttl_s)) {
         remove_entry(dir.path());
         expired_++;
         continue;
@@ -149,7 +144,7 @@ class DiskConnector final : public ConnectorBase {
     std::sort(files.begin(), files.end(),
               [](const File& a, const File& b) { return a.mtime < b.mtime; });
     for (const auto& f : files) {
-      if (total <= options().max_bytes) break;
+      if (total <= core_.options().max_bytes) break;
       remove_entry(f.dir);
       total -= f.size;
       evicted_++;
@@ -171,10 +166,10 @@ class DiskConnector final : public ConnectorBase {
     return fs::exists(root_ / item.mm_hash.str() / kFileName, ec);
   }
 
-  void fetch(const LoadRequest&, std::vector<FetchSlot*>& slots, Deadline deadline) override {
+  void fetch(std::vector<FetchSlot*>& slots, Deadline deadline) override {
     for (FetchSlot* slot : slots) {
-      slot->status = slot->item->params ? check_compat(slot->item->params->engine_id,
-                                                       slot->item->params->compat_hash)
+      slot->status = slot->item->params ? core_.check_compat(slot->item->params->engine_id,
+                                                             slot->item->params->compat_hash)
                                         : Status::Ok();
       if (slot->status.ok()) slot->status = fetch_one(*slot, deadline);
     }
@@ -186,7 +181,7 @@ class DiskConnector final : public ConnectorBase {
     fs::path path = dir / kFileName;
     int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
     if (fd < 0 && errno == ENOENT && being_written(dir)) {
-      note_not_ready(mm_hash);
+      core_.note_not_ready(mm_hash);
       ECX_RETURN_IF_ERROR(wait_for_file(dir, deadline));
       fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
     }
@@ -204,7 +199,7 @@ class DiskConnector final : public ConnectorBase {
       s = Status(StatusCode::kDataLoss, path.string() + " has no ec_cache tensor");
     if (s.ok()) {
       auto compat = header->metadata.find("compat_hash");
-      s = check_compat(path.string(), compat == header->metadata.end() ? "" : compat->second);
+      s = core_.check_compat(path.string(), compat == header->metadata.end() ? "" : compat->second);
     }
     if (s.ok() && !(e->meta == slot.item->meta)) {
       s = InvalidArgument(path.string() + " holds " + e->meta.to_string() + ", expected " +
@@ -222,7 +217,7 @@ class DiskConnector final : public ConnectorBase {
         s = Status(StatusCode::kDataLoss, path.string() + ": payload checksum mismatch");
       }
     }
-    if (s.ok()) s = consumer_cache()->commit(mm_hash, slot.block.generation);
+    if (s.ok()) s = core_.consumer_cache()->commit(mm_hash, slot.block.generation);
     return s;
   }
 
@@ -264,7 +259,7 @@ class DiskConnector final : public ConnectorBase {
   }
 
   void on_request_finished(const LoadRequest& request) override {
-    if (!options().delete_on_release) return;
+    if (!core_.options().delete_on_release) return;
     for (const auto& item : request.items) {
       if (item.params && item.params->connector == "disk") {
         remove_entry(root_ / item.mm_hash.str());
@@ -273,12 +268,12 @@ class DiskConnector final : public ConnectorBase {
     }
   }
 
-  void add_stats(json& j) const override {
-    j["root"] = root_.string();
-    j["bytes_on_disk"] = bytes_on_disk_.load();
-    j["files_evicted"] = evicted_.load();
-    j["files_expired"] = expired_.load();
-    j["files_released"] = released_.load();
+  void add_stats(ConnectorStats& s) const override {
+    s.disk = ConnectorStats::Disk{.root = root_.string(),
+                                  .bytes_on_disk = bytes_on_disk_.load(),
+                                  .files_evicted = evicted_.load(),
+                                  .files_expired = expired_.load(),
+                                  .files_released = released_.load()};
   }
 
  private:
@@ -286,6 +281,7 @@ class DiskConnector final : public ConnectorBase {
     fs::path tmp;
     std::vector<std::byte> bytes;
   };
+  ConnectorCore& core_;
   const fs::path root_;
   std::atomic<uint64_t> next_token_{1};
   std::mutex mu_;
@@ -298,7 +294,8 @@ class DiskConnector final : public ConnectorBase {
 Result<std::unique_ptr<EcConnector>> create_disk_connector(ConnectorConfig config,
                                                            ConnectorOptions options,
                                                            ConnectorContext context) {
-  return make_connector<DiskConnector>(std::move(config), std::move(options), std::move(context));
+  return make_connector(driver_kind<DiskDriver>("disk"), std::move(config), std::move(options),
+                        std::move(context));
 }
 
 }  // namespace ecx::connector

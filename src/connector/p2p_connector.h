@@ -13,7 +13,7 @@
 
 #include <memory>
 
-#include "connector/connector_base.h"
+#include "connector/connector_driver.h"
 
 namespace ecx::connector {
 

@@ -5,31 +5,27 @@
 #include <cstring>
 #include <map>
 
-#include "connector/connector_base.h"
+#include "connector/connector_driver.h"
 #include "connector/redis_client.h"
 #include "ecx/common/checksum.h"
 
 namespace ecx::connector {
 namespace {
 
-using nlohmann::json;
-
 std::string key_for(const MmHash& mm_hash) { return "ecx:ec:" + mm_hash.str(); }
 
-class StoreConnector final : public ConnectorBase {
+class StoreDriver final : public ConnectorDriver {
  public:
-  StoreConnector(ConnectorConfig config, ConnectorOptions options, ConnectorContext context)
-      : ConnectorBase("store", std::move(config), options, std::move(context)) {}
-  ~StoreConnector() override { shutdown_base(); }
+  explicit StoreDriver(ConnectorCore& core) : core_(core) {}
 
-  Status init() {
-    ECX_ASSIGN_OR_RETURN(
-        redis_,
-        RedisClient::connect(options().redis, Deadline::after_ms(options().load_timeout_ms)));
-    return init_base(false);
+  Status start() {
+    ECX_ASSIGN_OR_RETURN(redis_,
+                         RedisClient::connect(core_.options().redis,
+                                              Deadline::after_ms(core_.options().load_timeout_ms)));
+    return Status::Ok();
   }
 
-  size_t prefix_size() const { return 2 + options().compat_hash.size(); }
+  size_t prefix_size() const { return 2 + core_.options().compat_hash.size(); }
 
   Result<SaveSlot> begin_save(const MmHash& mm_hash, const TensorMeta& meta) override {
     ECX_RETURN_IF_ERROR(meta.validate());
@@ -53,17 +49,16 @@ class StoreConnector final : public ConnectorBase {
       value = std::move(it->second);
       staging_.erase(it);
     }
-    const std::string& compat = options().compat_hash;
+    const std::string& compat = core_.options().compat_hash;
     value[0] = static_cast<char>(compat.size() & 0xff);
     value[1] = static_cast<char>((compat.size() >> 8) & 0xff);
     std::memcpy(value.data() + 2, compat.data(), compat.size());
     auto* block = reinterpret_cast<std::byte*>(value.data() + prefix_size());
     cache::write_block_header(block, slot.mm_hash, slot.meta, 1,
                               checksum64(block + cache::kBlockHeaderBytes, slot.meta.byte_size()));
-    ECX_RETURN_IF_ERROR(redis_->set(key_for(slot.mm_hash), value, options().ttl_s,
-                                    Deadline::after_ms(options().load_timeout_ms)));
-    saves_++;
-    return keyed_params(slot.mm_hash, slot.meta);
+    ECX_RETURN_IF_ERROR(redis_->set(key_for(slot.mm_hash), value, core_.options().ttl_s,
+                                    Deadline::after_ms(core_.options().load_timeout_ms)));
+    return core_.keyed_params(slot.mm_hash, slot.meta);
   }
 
   Result<EcTransferParams> saved_params(const MmHash&) override {
@@ -78,11 +73,12 @@ class StoreConnector final : public ConnectorBase {
 
   bool can_load(const LoadItem& item) override {
     if (item.params) return item.params->connector == "store";
-    auto e = redis_->exists(key_for(item.mm_hash), Deadline::after_ms(options().load_timeout_ms));
+    auto e =
+        redis_->exists(key_for(item.mm_hash), Deadline::after_ms(core_.options().load_timeout_ms));
     return e.ok() && *e;
   }
 
-  void fetch(const LoadRequest&, std::vector<FetchSlot*>& slots, Deadline deadline) override {
+  void fetch(std::vector<FetchSlot*>& slots, Deadline deadline) override {
     for (FetchSlot* slot : slots) slot->status = fetch_one(*slot, deadline);
   }
 
@@ -95,7 +91,7 @@ class StoreConnector final : public ConnectorBase {
         static_cast<uint8_t>(value[0]) | (static_cast<size_t>(static_cast<uint8_t>(value[1])) << 8);
     if (value.size() < 2u + n)
       return Status(StatusCode::kDataLoss, "redis value for " + mm_hash.str() + " is truncated");
-    ECX_RETURN_IF_ERROR(check_compat("redis " + options().redis, value.substr(2, n)));
+    ECX_RETURN_IF_ERROR(core_.check_compat("redis " + core_.options().redis, value.substr(2, n)));
     size_t block_bytes = value.size() - 2 - n;
     if (block_bytes != slot.block.block_length) {
       return InvalidArgument("redis value for " + mm_hash.str() + " holds " +
@@ -104,24 +100,24 @@ class StoreConnector final : public ConnectorBase {
                              slot.item->meta.to_string());
     }
     std::memcpy(slot.block.block, value.data() + 2 + n, block_bytes);
-    return consumer_cache()->commit_received(
+    return core_.consumer_cache()->commit_received(
         mm_hash, slot.block.generation,
         {mm_hash, slot.item->meta, 0, "redis key " + key_for(mm_hash)});
   }
 
  private:
+  ConnectorCore& core_;
   std::unique_ptr<RedisClient> redis_;
   std::atomic<uint64_t> next_token_{1};
   std::mutex mu_;
   std::map<uint64_t, std::string> staging_;  // guarded by mu_
 };
 
-class LocalConnector final : public ConnectorBase {
+// local: nothing moves; PD encodes every item itself (the baseline).
+class LocalDriver final : public ConnectorDriver {
  public:
-  LocalConnector(ConnectorConfig config, ConnectorOptions options, ConnectorContext context)
-      : ConnectorBase("local", std::move(config), options, std::move(context)) {}
-  ~LocalConnector() override { shutdown_base(); }
-  Status init() { return init_base(false); }
+  explicit LocalDriver(ConnectorCore&) {}
+  Status start() { return Status::Ok(); }
 
   Result<SaveSlot> begin_save(const MmHash&, const TensorMeta&) override {
     return Status(StatusCode::kFailedPrecondition,
@@ -135,7 +131,7 @@ class LocalConnector final : public ConnectorBase {
   }
   void abort_save(const SaveSlot&) override {}
   bool can_load(const LoadItem&) override { return false; }
-  void fetch(const LoadRequest&, std::vector<FetchSlot*>&, Deadline) override {}
+  void fetch(std::vector<FetchSlot*>&, Deadline) override {}
 };
 
 }  // namespace
@@ -143,13 +139,15 @@ class LocalConnector final : public ConnectorBase {
 Result<std::unique_ptr<EcConnector>> create_store_connector(ConnectorConfig config,
                                                             ConnectorOptions options,
                                                             ConnectorContext context) {
-  return make_connector<StoreConnector>(std::move(config), std::move(options), std::move(context));
+  return make_connector(driver_kind<StoreDriver>("store"), std::move(config), std::move(options),
+                        std::move(context));
 }
 
 Result<std::unique_ptr<EcConnector>> create_local_connector(ConnectorConfig config,
                                                             ConnectorOptions options,
                                                             ConnectorContext context) {
-  return make_connector<LocalConnector>(std::move(config), std::move(options), std::move(context));
+  return make_connector(driver_kind<LocalDriver>("local"), std::move(config), std::move(options),
+                        std::move(context));
 }
 
 }  // namespace ecx::connector

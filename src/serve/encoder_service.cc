@@ -97,7 +97,7 @@ int run_encoder_service(const ServiceConfig& config) {
                     "application/json");
   });
   add_common_routes(server, config, "encoder", [&] {
-    json s = (*conn)->stats();
+    json s = connector::to_json((*conn)->stats());
     if (s.contains("producer_pool")) {
       for (const char* k : {"capacity_bytes", "used_bytes", "entries", "pins", "evictions"}) {
         metrics.set(std::string("ecx_pool_") + k, "", s["producer_pool"][k].get<double>());

@@ -327,7 +327,7 @@ int run_pd_service(const ServiceConfig& config) {
         [job, finish](bool) { finish(job); });
   });
   add_common_routes(server, config, "pd", [&] {
-    json s = (*conn)->stats();
+    json s = connector::to_json((*conn)->stats());
     if (s.contains("consumer_cache")) {
       for (const char* k : {"capacity_bytes", "used_bytes", "entries", "pins", "evictions"}) {
         metrics.set(std::string("ecx_cache_") + k, "", s["consumer_cache"][k].get<double>());

@@ -125,7 +125,7 @@ TEST_F(P2pTrustTest, ForgedOrTamperedParamsAreIgnoredAndTheItemComputedHere) {
   ASSERT_TRUE(swapped.status.ok()) << swapped.status.to_string();
   EXPECT_TRUE(swapped.items[0].recomputed);
   expect_bytes("swapped", "victim3");
-  EXPECT_EQ(consumer_->stats()["params_rejected"].get<uint64_t>(), 4u);
+  EXPECT_EQ(consumer_->stats().params_rejected, 4u);
   // The genuine params still load, with no recompute.
   auto good = load("good", hash_of("b"), save("b", 2));
   ASSERT_TRUE(good.status.ok()) << good.status.to_string();

@@ -9,8 +9,15 @@ case "$action" in
     mkdir -p "$dir"
     "$0" stop "$port" "$dir"  # a server left over from an interrupted run
     rm -f "$dir/redis.log"
-    redis-server --port "$port" --bind 127.0.0.1 --save '' --appendonly no --dir "$dir" \
-      --pidfile "$dir/redis.pid" --logfile "$dir/redis.log" --daemonize yes
+    # The daemon keeps no descriptor of ours open (a build lock held by the caller would
+    # otherwise stay held for as long as the server runs).
+    (
+      for fd in $(ls /proc/$BASHPID/fd); do
+        if [ "$fd" -gt 2 ]; then eval "exec $fd>&-" 2>/dev/null || true; fi
+      done
+      exec redis-server --port "$port" --bind 127.0.0.1 --save '' --appendonly no --dir "$dir" \
+        --pidfile "$dir/redis.pid" --logfile "$dir/redis.log" --daemonize yes
+    )
     # Ready when the server says so in its log: follow the log (no polling loop), at
     # most 20 s. tail runs detached from our output so nothing waits for it.
     if ! grep -q -m1 "Ready to accept connections" \

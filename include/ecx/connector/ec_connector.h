@@ -18,6 +18,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <span>
@@ -100,6 +101,41 @@ struct ConnectorContext {
   NotReadyFn on_not_ready;
 };
 
+// A connector's counters and pool figures: for /metrics, tests and benchmarks. Rendered
+// to JSON (to_json) or Prometheus only at the edge.
+struct ConnectorStats {
+  std::string connector;  // "p2p:pull", "disk", ...
+  std::string engine_id;
+  Role role = Role::kBoth;
+  uint64_t saves = 0;
+  uint64_t loads_ok = 0;
+  uint64_t loads_failed = 0;
+  uint64_t items_loaded = 0;
+  uint64_t items_recomputed = 0;
+  uint64_t local_hits = 0;  // items already in the consumer cache
+  uint64_t bytes_loaded = 0;
+  uint64_t not_ready_retries = 0;
+  double load_seconds_total = 0;
+  std::map<std::string, uint64_t> nacks;  // failed item loads by status code name
+  // Producer pins given back by this consumer, and received back by this producer.
+  uint64_t releases_sent = 0;
+  uint64_t releases_received = 0;
+  // ec_transfer_params ignored: unsigned, not signed by this deployment, or not the item's.
+  uint64_t params_rejected = 0;
+  std::optional<cache::PoolStats> consumer_cache;  // consumers
+  std::optional<cache::PoolStats> producer_pool;   // p2p producers
+  struct Disk {
+    std::string root;
+    uint64_t bytes_on_disk = 0;
+    uint64_t files_evicted = 0;
+    uint64_t files_expired = 0;
+    uint64_t files_released = 0;
+  };
+  std::optional<Disk> disk;  // the disk connector
+};
+nlohmann::json to_json(const ConnectorStats& stats);
+nlohmann::json to_json(const cache::PoolStats& stats);
+
 // A block reserved by begin_save, written by the caller, published by commit_save.
 struct SaveSlot {
   MmHash mm_hash;
@@ -128,6 +164,10 @@ class EcConnector {
   // Waits until no consumer holds a pin on this producer's items (RELEASEd or leases
   // expired): what a graceful shutdown of E waits for. Ok at once where nothing pins.
   virtual Status wait_for_readers(Deadline deadline) = 0;
+  // Ends the pin `params` (issued by this producer) hold, for a request that will not
+  // load them: what the proxy calls when a request is abandoned between E and PD. Checks
+  // that this deployment signed them; ok where nothing is pinned.
+  virtual Status release_params(const EcTransferParams& params) = 0;
   Result<EcTransferParams> save_caches(const MmHash& mm_hash, const TensorMeta& meta,
                                        std::span<const std::byte> payload);
 
@@ -142,12 +182,15 @@ class EcConnector {
   virtual std::vector<std::string> get_finished() = 0;
   virtual Result<cache::BlockRef> loaded(const std::string& request_id, const MmHash& mm_hash) = 0;
   virtual void request_finished(const std::string& request_id) = 0;
+  // `request` will not be loaded (it failed before its load started): gives back what
+  // its items' params hold at producers, off the critical path.
+  virtual void discard(const LoadRequest& request) = 0;
 
   // has_caches + update_state_after_alloc for every loadable item + build + start + wait.
   LoadOutcome load(const LoadRequest& request, Deadline deadline);
 
   // Counters and pool figures, for /metrics and tests.
-  virtual nlohmann::json stats() const = 0;
+  virtual ConnectorStats stats() const = 0;
 };
 
 // Creates a connector by name ("p2p", "disk", "store", "local").

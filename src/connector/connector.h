@@ -1,0 +1,112 @@
+// Connector: the one EcConnector class. It owns the agent and the consumer-side cache,
+// runs the scheduler side (which items to load) and the loader threads, applies the
+// failure policy, keeps the counters, and shuts down in one order: loaders, agent
+// serving threads, driver, cache, agent. What varies per connector kind is its driver
+// (connector_driver.h). connector.cc: lifecycle, producer and scheduler side, stats;
+// connector_load.cc: the loaders and one request's load.
+#pragma once
+
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "connector/connector_driver.h"
+
+namespace ecx::connector {
+
+using Clock = std::chrono::steady_clock;
+
+class Connector final : public EcConnector {
+ public:
+  Connector(std::string name, ConnectorConfig config, ConnectorOptions options,
+            ConnectorContext context)
+      : core_(std::move(name), std::move(config), std::move(options), std::move(context)) {}
+  ~Connector() override;
+
+  Status init(const ConnectorKind& kind);
+
+  const std::string& name() const override { return core_.name(); }
+  Role role() const override { return core_.config().role; }
+  const std::string& compat_hash() const override { return core_.options().compat_hash; }
+  FailurePolicy failure_policy() const override { return core_.options().failure_policy; }
+
+  Result<SaveSlot> begin_save(const MmHash& mm_hash, const TensorMeta& meta) override;
+  Result<EcTransferParams> commit_save(const SaveSlot& slot) override;
+  Result<EcTransferParams> saved_params(const MmHash& mm_hash) override;
+  void abort_save(const SaveSlot& slot) override;
+  Status wait_for_readers(Deadline deadline) override;
+  Status release_params(const EcTransferParams& params) override;
+
+  std::vector<bool> has_caches(const LoadRequest& request) override;
+  Status update_state_after_alloc(const LoadRequest& request, size_t index) override;
+  ConnectorMetadata build_connector_meta() override;
+  Status start_load_caches(const ConnectorMetadata& metadata) override;
+  LoadOutcome wait_for_load(const std::string& request_id, Deadline deadline) override;
+  std::vector<std::string> get_finished() override;
+  Result<cache::BlockRef> loaded(const std::string& request_id, const MmHash& mm_hash) override;
+  void request_finished(const std::string& request_id) override;
+  void discard(const LoadRequest& request) override;
+  ConnectorStats stats() const override;
+
+ private:
+  struct RequestState {
+    LoadRequest request;
+    std::vector<size_t> items;
+    std::vector<uint64_t> pins;  // consumer cache pins held for the request
+    LoadOutcome outcome;
+    bool done = false;
+    bool abandoned = false;  // request_finished came before the load ended
+  };
+  // One load's working state, from planning to the outcome.
+  struct LoadJob {
+    std::shared_ptr<RequestState> state;
+    Deadline deadline;
+    std::string holder;  // of the consumer cache pins
+    std::vector<FetchSlot> slots;
+    std::vector<FetchSlot*> to_fetch, to_encode;
+    std::vector<uint64_t> pins;
+    LoadOutcome outcome;
+  };
+
+  Status producer_only(const char* what) const;
+  void run_load(const std::shared_ptr<RequestState>& state);
+  void plan(LoadJob& job);
+  bool take_local_hit(LoadJob& job, FetchSlot& slot);
+  // fetch(), with anything it throws turned into failed slots, and every slot that
+  // claims success checked to be committed.
+  void fetch_guarded(std::vector<FetchSlot*>& slots, Deadline deadline);
+  void settle_fetched(LoadJob& job);
+  Status recompute(LoadJob& job, const LoadItem& item, double* recompute_ms);
+  void recompute_or_fail(LoadJob& job);
+  void report_settled_failures(LoadJob& job);
+  void finish(LoadJob& job);
+  // A pinned block to write (second = false), or the entry another loader wrote
+  // (second = true), for `item` in the consumer cache.
+  Result<std::pair<cache::Pin, bool>> reserve_or_join(const LoadItem& item,
+                                                      const std::string& holder, Deadline deadline);
+  void queue_background(std::function<void()> task);
+  void loader_loop();
+  void stop();
+
+  ConnectorCore core_;
+  std::unique_ptr<ConnectorDriver> driver_;
+
+  mutable std::mutex mu_;
+  std::condition_variable done_cv_;
+  std::condition_variable work_cv_;
+  std::map<std::string, ConnectorMetadata::Entry> scheduled_;      // guarded by mu_
+  std::map<std::string, std::shared_ptr<RequestState>> requests_;  // guarded by mu_
+  std::deque<std::shared_ptr<RequestState>> queue_;                // guarded by mu_
+  std::deque<std::function<void()>> background_;  // releases and the like; guarded by mu_
+  std::vector<std::string> finished_;             // guarded by mu_
+  std::map<std::string, uint64_t> nacks_;         // guarded by mu_
+  bool stopping_ = false;                         // guarded by mu_
+  std::vector<std::thread> loaders_;
+
+  std::atomic<uint64_t> saves_{0}, loads_ok_{0}, loads_failed_{0}, items_loaded_{0},
+      items_recomputed_{0}, local_hits_{0}, bytes_loaded_{0}, load_us_total_{0};
+};
+
+}  // namespace ecx::connector

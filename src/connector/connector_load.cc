@@ -1,0 +1,303 @@
+// The loaders, and one request's load: plan (invalid, already cached, to fetch, to
+// encode), fetch through the driver, settle, recompute or fail per the failure policy,
+// publish the outcome, then give back what the request holds at producers.
+#include <algorithm>
+
+#include "connector/connector.h"
+#include "ecx/common/log.h"
+
+namespace ecx::connector {
+
+void Connector::queue_background(std::function<void()> task) {
+  {
+    std::lock_guard lock(mu_);
+    if (stopping_) return;
+    background_.push_back(std::move(task));
+  }
+  work_cv_.notify_one();
+}
+
+void Connector::loader_loop() {
+  while (true) {
+    std::shared_ptr<RequestState> state;
+    {
+      std::unique_lock lock(mu_);
+      work_cv_.wait(lock, [&] { return stopping_ || !queue_.empty() || !background_.empty(); });
+      if (stopping_) return;
+      if (!background_.empty()) {
+        auto task = std::move(background_.front());
+        background_.pop_front();
+        lock.unlock();
+        try {
+          task();
+        } catch (const std::exception& e) {
+          spdlog::error("connector {}: background task failed: {}", name(), e.what());
+        }
+        continue;
+      }
+      state = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    run_load(state);  // catches what its driver throws (fetch_guarded)
+  }
+}
+
+Result<std::pair<cache::Pin, bool>> Connector::reserve_or_join(const LoadItem& item,
+                                                               const std::string& holder,
+                                                               Deadline deadline) {
+  cache::EncoderCachePool* cache = core_.consumer_cache();
+  while (true) {
+    auto reserved = cache->reserve_pinned(item.mm_hash, item.meta, holder, deadline);
+    if (reserved.ok()) return std::make_pair(*reserved, false);
+    if (reserved.status().code() != StatusCode::kAlreadyExists) return reserved.status();
+    // Someone else is writing (or wrote) it: wait for theirs instead of writing twice.
+    auto ready = cache->wait_ready(item.mm_hash, deadline);
+    if (ready.status().code() == StatusCode::kNotFound && !deadline.expired())
+      continue;  // they gave up
+    if (!ready.ok()) return ready.status();
+    auto pin = cache->pin(item.mm_hash, holder);
+    if (pin.status().code() == StatusCode::kNotFound && !deadline.expired()) continue;
+    if (!pin.ok()) return pin.status();
+    if (!(pin->ref.meta == item.meta)) {
+      cache->unpin(pin->pin_id).ignore_error();
+      return InvalidArgument("cached " + item.mm_hash.str() + " is " + pin->ref.meta.to_string() +
+                             ", request says " + item.meta.to_string());
+    }
+    return std::make_pair(*pin, true);
+  }
+}
+
+void Connector::run_load(const std::shared_ptr<RequestState>& state) {
+  const auto start = Clock::now();
+  LoadJob job{.state = state,
+              // The earlier of the connector's load timeout and the request's own deadline.
+              .deadline = Deadline::after_ms(core_.options().load_timeout_ms),
+              .holder = "request:" + state->request.request_id};
+  if (state->request.deadline)
+    job.deadline = Deadline::earliest(job.deadline, *state->request.deadline);
+  plan(job);
+  if (!job.to_fetch.empty()) fetch_guarded(job.to_fetch, job.deadline);
+  settle_fetched(job);
+  recompute_or_fail(job);
+  report_settled_failures(job);
+  job.outcome.load_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+  finish(job);
+}
+
+// An item already here (an earlier request, or a concurrent one still loading it): pins
+// it for the request. False when it is not (or not with this geometry).
+bool Connector::take_local_hit(LoadJob& job, FetchSlot& slot) {
+  cache::EncoderCachePool* cache = core_.consumer_cache();
+  const LoadItem& item = *slot.item;
+  auto existing = cache->find(item.mm_hash);
+  if (!existing.ok() && existing.status().code() != StatusCode::kNotReady) return false;
+  auto ready = cache->wait_ready(item.mm_hash, job.deadline);
+  auto pin = ready.ok() ? cache->pin(item.mm_hash, job.holder) : Result<cache::Pin>(ready.status());
+  if (!pin.ok()) return false;
+  if (!(pin->ref.meta == item.meta)) {
+    cache->unpin(pin->pin_id).ignore_error();
+    return false;
+  }
+  job.pins.push_back(pin->pin_id);
+  slot.block = pin->ref;
+  slot.status = Status::Ok();
+  slot.done = true;
+  job.outcome.items.push_back({.mm_hash = item.mm_hash, .status = Status::Ok(), .local_hit = true});
+  local_hits_++;
+  return true;
+}
+
+// Sorts the request's items: invalid, already here, to fetch into a reserved block, or
+// to encode (no driver can load it).
+void Connector::plan(LoadJob& job) {
+  const LoadRequest& request = job.state->request;
+  job.slots.resize(job.state->items.size());
+  for (size_t k = 0; k < job.state->items.size(); ++k) {
+    FetchSlot& slot = job.slots[k];
+    slot.item = &request.items[job.state->items[k]];
+    const LoadItem& item = *slot.item;
+    if (Status valid = item.meta.validate(); !valid.ok()) {
+      slot.status = valid.with_context("item " + item.mm_hash.str());
+      slot.done = true;
+      continue;
+    }
+    if (take_local_hit(job, slot)) continue;
+    if (!driver_->can_load(item)) {
+      slot.status = NotFound("connector " + name() + " has no cache for " + item.mm_hash.str());
+      job.to_encode.push_back(&slot);
+      continue;
+    }
+    auto reserved = reserve_or_join(item, job.holder, job.deadline);
+    if (!reserved.ok()) {
+      slot.status = reserved.status().with_context("reserve " + item.mm_hash.str() +
+                                                   " in the consumer cache");
+      slot.done = true;
+      continue;
+    }
+    job.pins.push_back(reserved->first.pin_id);
+    if (reserved->second) {  // another request brought it in meanwhile
+      slot.status = Status::Ok();
+      slot.done = true;
+      job.outcome.items.push_back(
+          {.mm_hash = item.mm_hash, .status = Status::Ok(), .local_hit = true});
+      local_hits_++;
+      continue;
+    }
+    slot.block = reserved->first.ref;
+    slot.pin_id = reserved->first.pin_id;
+    job.to_fetch.push_back(&slot);
+  }
+}
+
+void Connector::fetch_guarded(std::vector<FetchSlot*>& slots, Deadline deadline) {
+  try {
+    driver_->fetch(slots, deadline);
+  } catch (const std::exception& e) {
+    // A bug in a driver must not take the process down nor leave entries "writing".
+    for (FetchSlot* slot : slots) {
+      slot->status = Internal("connector " + name() + " failed while loading " +
+                              slot->item->mm_hash.str() + ": " + e.what());
+    }
+  }
+  // Success means committed: an entry still being written is a failure, and is dropped.
+  for (FetchSlot* slot : slots) {
+    if (slot->status.ok() && !core_.consumer_cache()->find(slot->item->mm_hash).ok()) {
+      slot->status = Internal("connector " + name() + " reported " + slot->item->mm_hash.str() +
+                              " loaded but did not commit it");
+    }
+  }
+}
+
+void Connector::settle_fetched(LoadJob& job) {
+  for (FetchSlot* slot : job.to_fetch) {
+    const LoadItem& item = *slot->item;
+    if (!slot->status.ok()) {
+      {
+        std::lock_guard lock(mu_);
+        nacks_[std::string(status_code_name(slot->status.code()))]++;
+      }
+      core_.consumer_cache()->abort(item.mm_hash, slot->block.generation);
+      job.to_encode.push_back(slot);
+      continue;
+    }
+    items_loaded_++;
+    bytes_loaded_ += item.meta.byte_size();
+    job.outcome.bytes += item.meta.byte_size();
+    job.outcome.items.push_back({.mm_hash = item.mm_hash, .status = Status::Ok()});
+  }
+}
+
+// Encodes `item` here into a block of the consumer cache (or joins the request that
+// is already doing so).
+Status Connector::recompute(LoadJob& job, const LoadItem& item, double* recompute_ms) {
+  ECX_ASSIGN_OR_RETURN(auto reserved, reserve_or_join(item, job.holder, job.deadline));
+  job.pins.push_back(reserved.first.pin_id);
+  if (reserved.second) return Status::Ok();
+  const cache::BlockRef& ref = reserved.first.ref;
+  auto t_encode = Clock::now();
+  Status s;
+  try {
+    s = core_.context().recompute(item.mm_hash, item.meta,
+                                  std::span<std::byte>(ref.payload(), item.meta.byte_size()));
+  } catch (const std::exception& e) {
+    s = Internal(std::string("local encode threw: ") + e.what());
+  }
+  *recompute_ms = std::chrono::duration<double, std::milli>(Clock::now() - t_encode).count();
+  if (s.ok()) s = core_.consumer_cache()->commit(item.mm_hash, ref.generation);
+  if (!s.ok()) core_.consumer_cache()->abort(item.mm_hash, ref.generation);
+  return s;
+}
+
+// Failures: encode locally if allowed and possible, else fail the request clearly.
+void Connector::recompute_or_fail(LoadJob& job) {
+  const bool may_encode = core_.options().failure_policy == FailurePolicy::kRecompute &&
+                          core_.context().recompute != nullptr;
+  for (FetchSlot* slot : job.to_encode) {
+    const LoadItem& item = *slot->item;
+    Status failure = slot->status;
+    if (may_encode) {
+      double recompute_ms = 0;
+      Status s = recompute(job, item, &recompute_ms);
+      if (s.ok()) {
+        items_recomputed_++;
+        job.outcome.items.push_back({.mm_hash = item.mm_hash,
+                                     .status = Status::Ok(),
+                                     .recomputed = true,
+                                     .recompute_ms = recompute_ms});
+        continue;
+      }
+      failure = s.with_context("recompute after '" + failure.message() + "'");
+    }
+    job.outcome.items.push_back({.mm_hash = item.mm_hash, .status = failure});
+    if (job.outcome.status.ok()) {
+      job.outcome.status = failure.with_context("request " + job.state->request.request_id +
+                                                ": item " + item.mm_hash.str());
+    }
+  }
+}
+
+// Items that failed before any fetch (validation, reserve) and are not reported yet.
+void Connector::report_settled_failures(LoadJob& job) {
+  for (const auto& slot : job.slots) {
+    if (!slot.done || slot.status.ok() || slot.item == nullptr) continue;
+    bool reported = false;
+    for (const auto& o : job.outcome.items) reported |= (o.mm_hash == slot.item->mm_hash);
+    if (reported) continue;
+    job.outcome.items.push_back({.mm_hash = slot.item->mm_hash, .status = slot.status});
+    if (job.outcome.status.ok())
+      job.outcome.status = slot.status.with_context("request " + job.state->request.request_id);
+  }
+}
+
+// Publishes the outcome, then gives back, off the critical path, what the request
+// holds at producers (and its cache pins, if the caller already gave up on it).
+void Connector::finish(LoadJob& job) {
+  const auto& state = job.state;
+  load_us_total_ += static_cast<uint64_t>(job.outcome.load_ms * 1000);
+  (job.outcome.status.ok() ? loads_ok_ : loads_failed_)++;
+  bool abandoned = false;
+  {
+    std::lock_guard lock(mu_);
+    state->outcome = job.outcome;
+    state->pins = std::move(job.pins);
+    state->done = true;
+    finished_.push_back(state->request.request_id);
+    abandoned = state->abandoned;
+    if (abandoned) requests_.erase(state->request.request_id);
+  }
+  done_cv_.notify_all();
+  if (abandoned) {
+    for (uint64_t pin : state->pins) core_.consumer_cache()->unpin(pin).ignore_error();
+    driver_->on_request_finished(state->request);
+  }
+  queue_background(
+      [this, state, slots = std::move(job.slots)] { driver_->release(state->request, slots); });
+}
+
+LoadOutcome Connector::wait_for_load(const std::string& request_id, Deadline deadline) {
+  std::unique_lock lock(mu_);
+  auto it = requests_.find(request_id);
+  if (it == requests_.end()) {
+    LoadOutcome out;
+    out.status = NotFound("no load started for request " + request_id);
+    return out;
+  }
+  auto state = it->second;
+  // Not picked up by a loader yet: run it on this thread instead of waiting for one
+  // (saves two thread hand-offs on the critical path).
+  auto queued = std::find(queue_.begin(), queue_.end(), state);
+  if (queued != queue_.end()) {
+    queue_.erase(queued);
+    lock.unlock();
+    run_load(state);
+    lock.lock();
+  }
+  if (!done_cv_.wait_until(lock, deadline.time_point(), [&] { return state->done; })) {
+    LoadOutcome out;
+    out.status = DeadlineExceeded("request " + request_id + ": load still running at the deadline");
+    return out;
+  }
+  return state->outcome;
+}
+
+}  // namespace ecx::connector

@@ -9,9 +9,10 @@
 #include <numeric>
 
 #include "ecx/common/auth.h"
+#include "ecx/common/json_reader.h"
 #include "ecx/common/subprocess.h"
 #include "ecx/engine/image.h"
-#include "serve/http_util.h"
+#include "serve/http_server.h"
 
 namespace ecx::serve {
 namespace {
@@ -24,14 +25,14 @@ struct Service {
   std::string url;
 };
 
-Status start(Service& s, const std::vector<std::string>& argv) {
+Status launch(Service& s, const std::vector<std::string>& argv) {
   ECX_ASSIGN_OR_RETURN(RunningService r, spawn_service(argv, Deadline::after_ms(60000)));
   s.process.emplace(std::move(r.process));
   s.url = r.url;
   return Status::Ok();
 }
 
-void stop(Service& s) {
+void shut_down(Service& s) {
   if (!s.process) return;
   stop_service(*s.process, Deadline::after_ms(10000));
   s.process.reset();
@@ -82,38 +83,56 @@ std::string sample_chat_request(const std::string& text, const std::vector<uint6
       .dump();
 }
 
-int run_demo(const DemoOptions& o, const std::string& exe) {
-  // Ctrl-C reaches the children too (same process group); they drain and exit, and
-  // the Subprocess destructors reap them.
-  Service e{"encoder"}, pd{"pd"}, proxy{"proxy"};
-  std::vector<Service*> all = {&e, &pd, &proxy};
-  auto fail = [&](const Status& s) {
-    std::cerr << "ecx demo: " << s.to_string() << "\n";
-    for (auto* svc : all) stop(*svc);
-    return 1;
-  };
-  std::printf("ecx demo: connector %s; starting encoder, pd and proxy on loopback...\n",
-              o.connector.c_str());
-  use_new_stack_secret();  // E and PD authenticate each other with a secret of this run
-  if (Status s = start(e, {exe, "serve", "encoder", "--port", "0", "--connector", o.connector,
-                           "--log-level", "warn"});
-      !s.ok())
-    return fail(s);
-  if (Status s = start(pd, {exe, "serve", "pd", "--port", "0", "--connector", o.connector,
-                            "--log-level", "warn"});
-      !s.ok())
-    return fail(s);
-  if (Status s = start(proxy, {exe, "serve", "proxy", "--port", "0", "--connector", o.connector,
-                               "--encoders", e.url, "--pd", pd.url, "--log-level", "warn"});
-      !s.ok()) {
-    return fail(s);
+namespace {
+
+// The demo's encoder, PD and proxy, on free loopback ports.
+struct DemoStack {
+  Service encoder{"encoder"}, pd{"pd"}, proxy{"proxy"};
+
+  Status start(const std::string& exe, const std::string& connector) {
+    ECX_RETURN_IF_ERROR(launch(encoder, {exe, "serve", "encoder", "--port", "0", "--connector",
+                                         connector, "--log-level", "warn"}));
+    ECX_RETURN_IF_ERROR(launch(
+        pd, {exe, "serve", "pd", "--port", "0", "--connector", connector, "--log-level", "warn"}));
+    return launch(proxy, {exe, "serve", "proxy", "--port", "0", "--connector", connector,
+                          "--encoders", encoder.url, "--pd", pd.url, "--log-level", "warn"});
   }
-  std::printf("  encoder %s\n  pd      %s\n  proxy   %s\n\n", e.url.c_str(), pd.url.c_str(),
-              proxy.url.c_str());
-  auto hp = parse_url(proxy.url).value();
+  void stop() {
+    for (auto* s : {&proxy, &pd, &encoder}) shut_down(*s);
+  }
+};
+
+// Prints one answer of the proxy and its per-stage timings.
+Status print_answer(int index, const DemoOptions& o, const std::string& body, double ms) {
+  ECX_ASSIGN_OR_RETURN(json out, parse_json_object(body, "proxy answer"));
+  JsonReader answer(out, "proxy answer");
+  ECX_ASSIGN_OR_RETURN(const json* choices, answer.array("choices", Presence::kRequired));
+  if (choices->empty()) return Internal("proxy answer has no choices");
+  ECX_ASSIGN_OR_RETURN(
+      JsonReader message,
+      JsonReader(choices->front(), "choice").child("message", Presence::kRequired));
+  ECX_ASSIGN_OR_RETURN(std::string content,
+                       message.string("content", Presence::kRequired, 1 << 20));
+  ECX_ASSIGN_OR_RETURN(JsonReader t, answer.child("ecx_timings"));
+  auto timing = [&t](const char* key) {
+    auto ms = t.number(key);
+    return ms.ok() ? *ms : 0.0;
+  };
+  std::printf("request %d (%d images of 560x560): \"%s\"\n", index + 1, o.images_per_request,
+              content.c_str());
+  std::printf(
+      "  encode %.1f ms | EC load %.2f ms | prefill %.1f ms | decode %.1f ms | total %.1f ms\n",
+      timing("proxy_encode_ms"), timing("ec_load_ms"), timing("prefill_ms"), timing("decode_ms"),
+      ms);
+  return Status::Ok();
+}
+
+// The sample requests, one after the other (images repeat every other request).
+Status send_sample_requests(const DemoOptions& o, const std::string& proxy_url) {
+  auto hp = parse_url(proxy_url).value();
   httplib::Client cli(hp.first, hp.second);
   cli.set_read_timeout(std::chrono::seconds(120));
-  std::vector<double> latencies;
+  double total_ms = 0;
   for (int r = 0; r < o.requests; ++r) {
     std::vector<uint64_t> seeds;
     for (int i = 0; i < o.images_per_request; ++i)
@@ -123,42 +142,63 @@ int run_demo(const DemoOptions& o, const std::string& exe) {
     auto res = cli.Post("/v1/chat/completions", body, "application/json");
     double ms =
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-    if (!res) return fail(Unavailable("proxy: " + httplib::to_string(res.error())));
-    json out = json::parse(res->body, nullptr, false);
-    if (res->status != 200 || out.is_discarded())
-      return fail(Internal("HTTP " + std::to_string(res->status) + ": " + res->body));
-    latencies.push_back(ms);
-    const json& t = out["ecx_timings"];
-    std::printf("request %d (%d images of 560x560): \"%s\"\n", r + 1, o.images_per_request,
-                out["choices"][0]["message"]["content"].get<std::string>().c_str());
-    std::printf(
-        "  encode %.1f ms | EC load %.2f ms | prefill %.1f ms | decode %.1f ms | total %.1f ms\n",
-        t.value("proxy_encode_ms", 0.0), t.value("ec_load_ms", 0.0), t.value("prefill_ms", 0.0),
-        t.value("decode_ms", 0.0), ms);
-  }
-  double mean = std::accumulate(latencies.begin(), latencies.end(), 0.0) /
-                std::max<size_t>(1, latencies.size());
-  std::printf("\n%d requests, mean latency %.1f ms (repeated images hit the encoder's cache)\n",
-              o.requests, mean);
-  // A short load run through the same stack (`ecx bench serve`, the seed workload's shape).
-  if (o.bench_prompts > 0) {
-    std::printf("\nshort load run: ecx bench serve --num-prompts %d --output-len 32\n",
-                o.bench_prompts);
-    auto bench = Subprocess::spawn({exe, "bench", "serve", "--base-url", proxy.url, "--num-prompts",
-                                    std::to_string(o.bench_prompts), "--output-len", "32"});
-    if (!bench.ok()) return fail(bench.status());
-    while (true) {
-      auto line = bench->read_line(Deadline::after_ms(300000));
-      if (!line.ok()) break;  // the bench closed its output
-      std::printf("%s\n", line->c_str());
+    if (!res) return Unavailable("proxy: " + httplib::to_string(res.error()));
+    if (res->status != 200)
+      return Internal("HTTP " + std::to_string(res->status) + ": " + res->body);
+    if (Status s = print_answer(r, o, res->body, ms); !s.ok()) {
+      return Internal("HTTP " + std::to_string(res->status) + ": " + s.message());
     }
-    auto bench_code = bench->wait(Deadline::after_ms(60000));
-    if (!bench_code.ok() || *bench_code != 0) return fail(Internal("bench serve failed"));
+    total_ms += ms;
   }
-  auto metrics = cli.Get("/metrics");
+  std::printf("\n%d requests, mean latency %.1f ms (repeated images hit the encoder's cache)\n",
+              o.requests, total_ms / std::max(1, o.requests));
+  return Status::Ok();
+}
+
+// A short load run through the stack (`ecx bench serve`, the seed workload's shape),
+// its output passed through.
+Status run_short_bench(const std::string& exe, const std::string& proxy_url, int prompts) {
+  std::printf("\nshort load run: ecx bench serve --num-prompts %d --output-len 32\n", prompts);
+  ECX_ASSIGN_OR_RETURN(
+      Subprocess bench,
+      Subprocess::spawn({exe, "bench", "serve", "--base-url", proxy_url, "--num-prompts",
+                         std::to_string(prompts), "--output-len", "32"}));
+  while (true) {
+    auto line = bench.read_line(Deadline::after_ms(300000));
+    if (!line.ok()) break;  // the bench closed its output
+    std::printf("%s\n", line->c_str());
+  }
+  auto code = bench.wait(Deadline::after_ms(60000));
+  if (!code.ok() || *code != 0) return Internal("bench serve failed");
+  return Status::Ok();
+}
+
+}  // namespace
+
+int run_demo(const DemoOptions& o, const std::string& exe) {
+  // Ctrl-C reaches the children too (same process group); they drain and exit, and
+  // the Subprocess destructors reap them.
+  DemoStack stack;
+  std::printf("ecx demo: connector %s; starting encoder, pd and proxy on loopback...\n",
+              o.connector.c_str());
+  use_new_stack_secret();  // E and PD authenticate each other with a secret of this run
+  Status s = stack.start(exe, o.connector);
+  if (s.ok()) {
+    std::printf("  encoder %s\n  pd      %s\n  proxy   %s\n\n", stack.encoder.url.c_str(),
+                stack.pd.url.c_str(), stack.proxy.url.c_str());
+    s = send_sample_requests(o, stack.proxy.url);
+  }
+  if (s.ok() && o.bench_prompts > 0) s = run_short_bench(exe, stack.proxy.url, o.bench_prompts);
+  if (!s.ok()) {
+    std::cerr << "ecx demo: " << s.to_string() << "\n";
+    stack.stop();
+    return 1;
+  }
+  auto hp = parse_url(stack.proxy.url).value();
+  auto metrics = httplib::Client(hp.first, hp.second).Get("/metrics");
   if (metrics && metrics->status == 200)
     std::printf("proxy /metrics: %zu bytes of Prometheus text\n", metrics->body.size());
-  for (auto* svc : {&proxy, &pd, &e}) stop(*svc);
+  stack.stop();
   std::printf("ecx demo: stopped all services cleanly\n");
   return 0;
 }

@@ -1,113 +1,205 @@
 // The encode instance (E): decodes an image, runs the vision encoder straight into the
-// connector's block (no extra copy), and answers with the params PD needs.
+// connector's block (no extra copy), and answers with the params PD needs. A request
+// that will not reach a PD gives those params back (POST /v1/ec/release), so their pins
+// end at once instead of at the lease.
 #include <unistd.h>
 
-#include <chrono>
+#include <iostream>
+#include <limits>
 
+#include "ecx/common/json_reader.h"
 #include "ecx/common/log.h"
 #include "ecx/engine/image.h"
-#include "serve/http_util.h"
+#include "serve/http_server.h"
+#include "serve/metrics.h"
 #include "serve/model_setup.h"
 
 namespace ecx::serve {
+namespace {
 
 using nlohmann::json;
+using Clock = std::chrono::steady_clock;
 
-int run_encoder_service(const ServiceConfig& config) {
-  block_shutdown_signals();
-  auto model = load_model(config);
-  if (!model.ok()) {
-    std::cerr << "ecx serve encoder: " << model.status().to_string() << "\n";
-    return 1;
+// The image of a /v1/encode body {"image": "data:image/...;base64,..."}, decoded from
+// its data URL.
+Result<std::string> read_encode_body(const std::string& body) {
+  static const std::string kShape = "body must be {\"image\": \"data:image/...;base64,...\"}";
+  auto doc = parse_json_object(body, "encode body");
+  if (!doc.ok()) return InvalidArgument(kShape);
+  auto image = JsonReader(*doc, "encode body")
+                   .string("image", Presence::kRequired, std::numeric_limits<size_t>::max());
+  if (!image.ok()) return InvalidArgument(kShape);
+  return *image;
+}
+
+// The params of a /v1/ec/release body {"ec_transfer_params": {<mm_hash>: <params>, ...}}:
+// each must parse and be keyed by its own mm_hash.
+Result<std::vector<connector::EcTransferParams>> read_release_body(const std::string& body) {
+  ECX_ASSIGN_OR_RETURN(json doc, parse_json_object(body, "release body"));
+  JsonReader reader(doc, "release body");
+  ECX_ASSIGN_OR_RETURN(const json* by_hash,
+                       reader.object("ec_transfer_params", Presence::kRequired));
+  std::vector<connector::EcTransferParams> out;
+  for (const auto& [key, value] : by_hash->items()) {
+    auto params = connector::EcTransferParams::from_json(value);
+    if (!params.ok()) return params.status().with_context("ec_transfer_params for " + key);
+    if (params->mm_hash.str() != key) {
+      return InvalidArgument("ec_transfer_params for " + key + " name mm_hash " +
+                             params->mm_hash.str());
+    }
+    out.push_back(std::move(*params));
   }
-  auto encoder = engine::VisionEncoder::create(model->config, model->weights);
+  return out;
+}
+
+// What saving one image's embeddings came to.
+struct Saved {
+  connector::EcTransferParams params;
+  bool cached = false;  // already held: not encoded again
+};
+
+class EncoderService {
+ public:
+  // `config` must outlive the service.
+  static Result<std::unique_ptr<EncoderService>> create(const EncoderServiceConfig& config);
+
+  void handle_encode(const httplib::Request& req, httplib::Response& res);
+  void handle_release(const httplib::Request& req, httplib::Response& res);
+  std::string render_metrics();
+  // Lets consumers finish reading what this encoder handed out (bounded).
+  void drain() { connector_->wait_for_readers(Deadline::after_ms(5000)).ignore_error(); }
+
+ private:
+  explicit EncoderService(const EncoderServiceConfig& config) : config_(config) {}
+  // The image's params: those of the block this encoder holds, or a new block encoded
+  // straight into the connector's pool.
+  Result<Saved> save(const engine::PreparedImage& image, const TensorMeta& meta);
+
+  const EncoderServiceConfig& config_;
+  ModelBundle model_;  // the encoder reads its weights
+  std::unique_ptr<engine::VisionEncoder> encoder_;
+  std::unique_ptr<connector::EcConnector> connector_;
+  Metrics metrics_;
+};
+
+Result<std::unique_ptr<EncoderService>> EncoderService::create(const EncoderServiceConfig& config) {
+  std::unique_ptr<EncoderService> e(new EncoderService(config));
+  ECX_ASSIGN_OR_RETURN(e->model_, load_model(config.common, config.engine));
+  const ModelBundle& model = e->model_;
   std::string engine_id = "e-" + std::to_string(::getpid());
-  auto cc = connector_config(config, connector::Role::kProducer, model->config, engine_id);
-  auto conn = cc.ok() ? connector::create_connector(*cc)
-                      : Result<std::unique_ptr<connector::EcConnector>>(cc.status());
-  if (!encoder.ok() || !conn.ok()) {
-    std::cerr << "ecx serve encoder: "
-              << (encoder.ok() ? conn.status() : encoder.status()).to_string() << "\n";
+  ECX_ASSIGN_OR_RETURN(auto cc, connector_config(config.engine, connector::Role::kProducer,
+                                                 model.config, engine_id));
+  ECX_ASSIGN_OR_RETURN(e->connector_, connector::create_connector(cc));
+  ECX_ASSIGN_OR_RETURN(e->encoder_, engine::VisionEncoder::create(model.config, model.weights));
+  return e;
+}
+
+Result<Saved> EncoderService::save(const engine::PreparedImage& image, const TensorMeta& meta) {
+  auto held = connector_->saved_params(image.mm_hash);
+  if (held.ok()) return Saved{std::move(*held), true};
+  auto slot = connector_->begin_save(image.mm_hash, meta);
+  if (!slot.ok() && slot.status().code() == StatusCode::kAlreadyExists) {
+    // Encoded concurrently by another request.
+    ECX_ASSIGN_OR_RETURN(auto params, connector_->saved_params(image.mm_hash));
+    return Saved{std::move(params), false};
+  }
+  if (!slot.ok()) return slot.status();
+  if (Status s = encoder_->encode(image, slot->payload); !s.ok()) {
+    connector_->abort_save(*slot);
+    return s;
+  }
+  ECX_ASSIGN_OR_RETURN(auto params, connector_->commit_save(*slot));
+  return Saved{std::move(params), false};
+}
+
+void EncoderService::handle_encode(const httplib::Request& req, httplib::Response& res) {
+  auto t0 = Clock::now();
+  auto data_url = read_encode_body(req.body);
+  if (!data_url.ok()) {
+    metrics_.add("ecx_encode_failures_total", "reason=\"bad_request\"", 1);
+    return send_error(res, 400, "invalid_request_error", data_url.status().message());
+  }
+  auto bytes = engine::decode_data_url(*data_url);
+  if (!bytes.ok()) return send_error(res, 400, "invalid_request_error", bytes.status().message());
+  auto image = engine::decode_image(
+      *bytes, {config_.common.max_image_bytes, config_.common.max_image_pixels});
+  if (!image.ok()) {
+    metrics_.add("ecx_encode_failures_total", "reason=\"bad_image\"", 1);
+    int code = image.status().code() == StatusCode::kResourceExhausted ? 413 : 422;
+    return send_error(res, code, code == 413 ? "request_too_large" : "invalid_image",
+                      image.status().message());
+  }
+  auto prepared = encoder_->prepare(*image);
+  if (!prepared.ok()) return send_error(res, 422, "invalid_image", prepared.status().message());
+  TensorMeta meta = encoder_->output_meta(*prepared);
+  auto saved = save(*prepared, meta);
+  if (!saved.ok()) {
+    const Status& s = saved.status();
+    metrics_.add("ecx_encode_failures_total",
+                 "reason=\"" + std::string(status_code_name(s.code())) + "\"", 1);
+    // A full pool is this server's condition, not the client's: 503, not 413.
+    if (s.code() == StatusCode::kResourceExhausted) {
+      return send_error(res, 503, "encoder_busy", s.message());
+    }
+    return send_status(res, s);
+  }
+  double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+  metrics_.add("ecx_encode_requests_total", saved->cached ? "cache=\"hit\"" : "cache=\"miss\"", 1);
+  metrics_.observe("ecx_encode_seconds", "", ms / 1000);
+  metrics_.add("ecx_ec_bytes_saved_total", "",
+               saved->cached ? 0 : static_cast<double>(meta.byte_size()));
+  res.set_content(json{{"mm_hash", prepared->mm_hash.str()},
+                       {"num_tokens", prepared->tokens()},
+                       {"ec_transfer_params", saved->params.to_json()},
+                       {"encode_ms", ms},
+                       {"cached", saved->cached}}
+                      .dump(),
+                  "application/json");
+}
+
+void EncoderService::handle_release(const httplib::Request& req, httplib::Response& res) {
+  auto params = read_release_body(req.body);
+  if (!params.ok()) {
+    return send_error(res, 400, "invalid_request_error", params.status().message());
+  }
+  int released = 0;
+  for (const auto& p : *params) {
+    Status s = connector_->release_params(p);
+    if (s.ok()) {
+      ++released;
+    } else {
+      spdlog::warn("event=release_refused mm_hash={} error=\"{}\"", p.mm_hash.str(), s.to_string());
+    }
+  }
+  res.set_content(json{{"released", released}}.dump(), "application/json");
+}
+
+std::string EncoderService::render_metrics() {
+  set_producer_metrics(connector_->stats(), metrics_);
+  return metrics_.render("ecx encoder service");
+}
+
+}  // namespace
+
+int run_encoder_service(const EncoderServiceConfig& config) {
+  block_shutdown_signals();
+  set_log_level(config.common.log_level).ignore_error();
+  auto encoder = EncoderService::create(config);
+  if (!encoder.ok()) {
+    std::cerr << "ecx serve encoder: " << encoder.status().to_string() << "\n";
     return 1;
   }
-  Metrics metrics;
-  engine::ImageLimits limits{config.max_image_bytes, config.max_image_pixels};
+  EncoderService& e = **encoder;
   httplib::Server server;
-
-  server.Post("/v1/encode", [&](const httplib::Request& req, httplib::Response& res) {
-    auto t0 = std::chrono::steady_clock::now();
-    json body = json_too_deep(req.body) ? json() : json::parse(req.body, nullptr, false);
-    if (body.is_discarded() || !body.is_object() || !body.contains("image") ||
-        !body["image"].is_string()) {
-      metrics.add("ecx_encode_failures_total", "reason=\"bad_request\"", 1);
-      return send_error(res, 400, "invalid_request_error",
-                        "body must be {\"image\": \"data:image/...;base64,...\"}");
-    }
-    auto bytes = engine::decode_data_url(body["image"].get<std::string>());
-    if (!bytes.ok()) return send_error(res, 400, "invalid_request_error", bytes.status().message());
-    auto image = engine::decode_image(*bytes, limits);
-    if (!image.ok()) {
-      metrics.add("ecx_encode_failures_total", "reason=\"bad_image\"", 1);
-      int code = image.status().code() == StatusCode::kResourceExhausted ? 413 : 422;
-      return send_error(res, code, code == 413 ? "request_too_large" : "invalid_image",
-                        image.status().message());
-    }
-    auto prepared = (*encoder)->prepare(*image);
-    if (!prepared.ok()) return send_error(res, 422, "invalid_image", prepared.status().message());
-    TensorMeta meta = (*encoder)->output_meta(*prepared);
-    bool cached = true;
-    auto params = (*conn)->saved_params(prepared->mm_hash);
-    if (!params.ok()) {
-      cached = false;
-      auto slot = (*conn)->begin_save(prepared->mm_hash, meta);
-      if (!slot.ok() && slot.status().code() == StatusCode::kAlreadyExists) {
-        params = (*conn)->saved_params(prepared->mm_hash);  // encoded concurrently
-      } else if (!slot.ok()) {
-        params = slot.status();
-      } else {
-        Status s = (*encoder)->encode(*prepared, slot->payload);
-        if (s.ok()) {
-          params = (*conn)->commit_save(*slot);
-        } else {
-          (*conn)->abort_save(*slot);
-          params = s;
-        }
-      }
-    }
-    if (!params.ok()) {
-      metrics.add("ecx_encode_failures_total",
-                  "reason=\"" + std::string(status_code_name(params.status().code())) + "\"", 1);
-      // A full pool is this server's condition, not the client's: 503, not 413.
-      if (params.status().code() == StatusCode::kResourceExhausted) {
-        return send_error(res, 503, "encoder_busy", params.status().message());
-      }
-      return send_status(res, params.status());
-    }
-    double ms =
-        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-    metrics.add("ecx_encode_requests_total", cached ? "cache=\"hit\"" : "cache=\"miss\"", 1);
-    metrics.observe("ecx_encode_seconds", "", ms / 1000);
-    metrics.add("ecx_ec_bytes_saved_total", "", cached ? 0 : static_cast<double>(meta.byte_size()));
-    res.set_content(json{{"mm_hash", prepared->mm_hash.str()},
-                         {"num_tokens", prepared->tokens()},
-                         {"ec_transfer_params", params->to_json()},
-                         {"encode_ms", ms},
-                         {"cached", cached}}
-                        .dump(),
-                    "application/json");
+  server.Post("/v1/encode", [&e](const httplib::Request& req, httplib::Response& res) {
+    e.handle_encode(req, res);
   });
-  add_common_routes(server, config, "encoder", [&] {
-    json s = connector::to_json((*conn)->stats());
-    if (s.contains("producer_pool")) {
-      for (const char* k : {"capacity_bytes", "used_bytes", "entries", "pins", "evictions"}) {
-        metrics.set(std::string("ecx_pool_") + k, "", s["producer_pool"][k].get<double>());
-      }
-    }
-    return metrics.render("ecx encoder service");
+  server.Post("/v1/ec/release", [&e](const httplib::Request& req, httplib::Response& res) {
+    e.handle_release(req, res);
   });
-  int rc = serve_until_signal(server, config, "encoder");
-  // Graceful: let consumers finish reading what we handed out (bounded).
-  (*conn)->wait_for_readers(Deadline::after_ms(5000)).ignore_error();
+  add_common_routes(server, config.common, "encoder", [&e] { return e.render_metrics(); });
+  int rc = serve_until_signal(server, config.common, "encoder");
+  e.drain();  // graceful: consumers finish reading what we handed out
   return rc;
 }
 

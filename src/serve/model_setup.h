@@ -1,4 +1,4 @@
-// Loading the reference model and the connector, as every service does at start-up.
+// Loading the reference model and the connector, as E and PD do at start-up.
 #pragma once
 
 #include <memory>
@@ -13,12 +13,12 @@ struct ModelBundle {
   engine::ModelConfig config;
   engine::Weights weights;
 };
-Result<ModelBundle> load_model(const ServiceConfig& config);
+// The served model (common.model) with setup.weights, or seeded weights.
+Result<ModelBundle> load_model(const CommonServiceConfig& common, const EngineConfig& setup);
 
 // The connector config from --ec-config or --connector, with the model's compatibility
-// hash and an engine id filled in when absent.
-Result<connector::ConnectorConfig> connector_config(const ServiceConfig& config,
-                                                    connector::Role role,
+// hash, an engine id and the deployment secret filled in when absent.
+Result<connector::ConnectorConfig> connector_config(const EngineConfig& setup, connector::Role role,
                                                     const engine::ModelConfig& model,
                                                     const std::string& engine_id);
 

@@ -1,5 +1,5 @@
-// Fuzz target: parse_chat_request (src/serve/http_util.h), the proxy's and PD's parser of
-// an OpenAI chat completion body, with the default ServiceConfig (no local files).
+// Fuzz target: parse_chat_request (src/serve/openai_request.h), the proxy's and PD's parser
+// of an OpenAI chat completion body, with the default CommonServiceConfig (no local files).
 // Invariants: it never throws; an error is a 400 or 413 with a message; an accepted
 // request is within the configured limits, and its parts line up with the raw JSON the
 // proxy rewrites by index (raw["messages"][m]["content"][p]); the raw JSON nests no
@@ -8,9 +8,10 @@
 #include <utility>
 #include <vector>
 
+#include "ecx/common/json_reader.h"
 #include "ecx/serve/services.h"
 #include "fuzz/fuzz_target.h"
-#include "serve/http_util.h"
+#include "serve/openai_request.h"
 
 namespace {
 
@@ -35,7 +36,7 @@ int depth_of(const json& root) {
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace ecx::serve;
-  static const ServiceConfig config;
+  static const CommonServiceConfig config;
   std::string body(reinterpret_cast<const char*>(data), size);
   ChatRequest chat;
   auto err = parse_chat_request(body, config, &chat);

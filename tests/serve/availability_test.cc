@@ -15,7 +15,7 @@
 
 #include "ecx/engine/image.h"
 #include "ecx/serve/services.h"
-#include "serve/http_util.h"
+#include "serve/http_server.h"
 
 namespace ecx::serve {
 namespace {

@@ -1,6 +1,4 @@
 // ecx: one binary, one subcommand per job (DESIGN.md §7).
-#include <unistd.h>
-
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cstdlib>
@@ -10,6 +8,7 @@
 
 #include "bench.h"
 #include "ecx/common/log.h"
+#include "ecx/common/subprocess.h"
 #include "ecx/engine/model.h"
 #include "ecx/serve/services.h"
 #include "epd_bench.h"
@@ -17,16 +16,10 @@
 
 namespace {
 
-std::string self_exe() {
-  char buf[4096] = {};
-  ssize_t n = ::readlink("/proc/self/exe", buf, sizeof(buf) - 1);
-  return n > 0 ? std::string(buf, static_cast<size_t>(n)) : "ecx";
-}
-
 // Every service flag can also come from a config file (--config) or an ECX_* environment
 // variable. Precedence: a flag on the command line, then the file, then the
 // environment, then the default shown in --help.
-void add_service_flags(CLI::App* app, ecx::serve::ServiceConfig& c) {
+void add_common_flags(CLI::App* app, ecx::serve::CommonServiceConfig& c) {
   app->option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   app->add_option("--config", "Read flags from a file of `key = value` lines (keys = flag names)");
   app->add_option("--host", c.host, "Listen address")->envname("ECX_HOST")->capture_default_str();
@@ -36,14 +29,6 @@ void add_service_flags(CLI::App* app, ecx::serve::ServiceConfig& c) {
   app->add_option("--model", c.model, "Served model name")
       ->envname("ECX_MODEL")
       ->capture_default_str();
-  app->add_option("--connector", c.connector, "p2p, p2p:push, p2p:pull-2step, disk, store or local")
-      ->envname("ECX_CONNECTOR")
-      ->capture_default_str();
-  app->add_option("--ec-config", c.ec_config,
-                  "Whole connector config JSON (as vLLM's --ec-transfer-config)")
-      ->envname("ECX_EC_CONFIG");
-  app->add_option("--weights", c.weights, "Model weights (safetensors); default: seeded")
-      ->envname("ECX_WEIGHTS");
   app->add_option("--allowed-root", c.allowed_root, "Folder local image files may come from")
       ->envname("ECX_ALLOWED_ROOT");
   app->add_option("--threads", c.threads, "HTTP worker threads")
@@ -58,17 +43,117 @@ void add_service_flags(CLI::App* app, ecx::serve::ServiceConfig& c) {
   app->add_option("--max-image-pixels", c.max_image_pixels, "Decoded image pixel limit")
       ->envname("ECX_MAX_IMAGE_PIXELS")
       ->capture_default_str();
-  app->add_option("--max-model-len", c.max_model_len, "Prompt + generated tokens limit")
-      ->envname("ECX_MAX_MODEL_LEN")
+}
+
+void add_connector_flag(CLI::App* app, std::string& connector) {
+  app->add_option("--connector", connector, "p2p, p2p:push, p2p:pull-2step, disk, store or local")
+      ->envname("ECX_CONNECTOR")
       ->capture_default_str();
-  app->add_option("--request-timeout-ms", c.request_timeout_ms, "Deadline of a request")
-      ->envname("ECX_REQUEST_TIMEOUT_MS")
-      ->capture_default_str();
+}
+
+// The model and connector flags of E and PD.
+void add_engine_flags(CLI::App* app, ecx::serve::EngineConfig& c) {
+  add_connector_flag(app, c.connector);
+  app->add_option("--ec-config", c.ec_config,
+                  "Whole connector config JSON (as vLLM's --ec-transfer-config)")
+      ->envname("ECX_EC_CONFIG");
+  app->add_option("--weights", c.weights, "Model weights (safetensors); default: seeded")
+      ->envname("ECX_WEIGHTS");
   app->add_option("--auth-token-file", c.auth_token_file,
                   "File holding the deployment secret (mode 600); or set ECX_AUTH_TOKEN")
       ->envname("ECX_AUTH_TOKEN_FILE");
   // The secret itself only from the environment: a command line is visible to `ps`.
   if (const char* token = std::getenv("ECX_AUTH_TOKEN")) c.auth_token = token;
+}
+
+void add_max_model_len_flag(CLI::App* app, int64_t& max_model_len) {
+  app->add_option("--max-model-len", max_model_len, "Prompt + generated tokens limit")
+      ->envname("ECX_MAX_MODEL_LEN")
+      ->capture_default_str();
+}
+
+void add_request_timeout_flag(CLI::App* app, int64_t& timeout_ms) {
+  app->add_option("--request-timeout-ms", timeout_ms, "Deadline of a request")
+      ->envname("ECX_REQUEST_TIMEOUT_MS")
+      ->capture_default_str();
+}
+
+std::vector<std::string> split_urls(const std::string& text) {
+  std::vector<std::string> out;
+  std::stringstream ss(text);
+  std::string url;
+  while (std::getline(ss, url, ',')) {
+    if (!url.empty()) out.push_back(url);
+  }
+  return out;
+}
+
+// What `ecx serve <role>` fills in: one config per role, and sinks for the flags a role
+// accepts without using them (so one config file or environment serves every role).
+struct ServeCommands {
+  ecx::serve::EncoderServiceConfig encoder;
+  ecx::serve::PdServiceConfig pd;
+  ecx::serve::ProxyServiceConfig proxy;
+  std::string encoder_urls, pd_urls;  // the proxy's, comma-separated
+  std::string unused_text;
+  int64_t unused_number = 0;
+};
+
+constexpr const char* kUnused =
+    "Not used by this role (accepted, so one config file can serve every role)";
+
+void add_encoder_command(CLI::App* serve, ServeCommands& cmds, std::string& log_level,
+                         int* exit_code) {
+  CLI::App* s = serve->add_subcommand("encoder", "The encoder service");
+  add_common_flags(s, cmds.encoder.common);
+  add_engine_flags(s, cmds.encoder.engine);
+  for (const char* flag : {"--max-model-len", "--request-timeout-ms"}) {
+    s->add_option(flag, cmds.unused_number, kUnused);
+  }
+  s->add_option("--log-level", log_level, "trace, debug, info, warn, error, off");
+  s->callback([&cmds, &log_level, exit_code] {
+    cmds.encoder.common.log_level = log_level;
+    *exit_code = ecx::serve::run_encoder_service(cmds.encoder);
+  });
+}
+
+void add_pd_command(CLI::App* serve, ServeCommands& cmds, std::string& log_level, int* exit_code) {
+  CLI::App* s = serve->add_subcommand("pd", "The pd service");
+  add_common_flags(s, cmds.pd.common);
+  add_engine_flags(s, cmds.pd.engine);
+  add_max_model_len_flag(s, cmds.pd.max_model_len);
+  add_request_timeout_flag(s, cmds.pd.request_timeout_ms);
+  s->add_option("--log-level", log_level, "trace, debug, info, warn, error, off");
+  s->callback([&cmds, &log_level, exit_code] {
+    cmds.pd.common.log_level = log_level;
+    *exit_code = ecx::serve::run_pd_service(cmds.pd);
+  });
+}
+
+void add_proxy_command(CLI::App* serve, ServeCommands& cmds, std::string& log_level,
+                       int* exit_code) {
+  CLI::App* s = serve->add_subcommand("proxy", "The proxy service");
+  add_common_flags(s, cmds.proxy.common);
+  add_connector_flag(s, cmds.proxy.connector);
+  for (const char* flag : {"--ec-config", "--weights", "--auth-token-file"}) {
+    s->add_option(flag, cmds.unused_text, kUnused);
+  }
+  s->add_option("--max-model-len", cmds.unused_number, kUnused);
+  add_request_timeout_flag(s, cmds.proxy.request_timeout_ms);
+  s->add_option("--log-level", log_level, "trace, debug, info, warn, error, off");
+  s->add_option("--encoders", cmds.encoder_urls, "Encoder URLs, comma-separated")
+      ->envname("ECX_ENCODERS");
+  s->add_option("--pd", cmds.pd_urls, "Prefill/decode URLs, comma-separated")
+      ->envname("ECX_PD")
+      ->required();
+  s->add_option("--encode-timeout-ms", cmds.proxy.encode_timeout_ms, "Deadline of one encode")
+      ->capture_default_str();
+  s->callback([&cmds, &log_level, exit_code] {
+    cmds.proxy.common.log_level = log_level;
+    cmds.proxy.encoders = split_urls(cmds.encoder_urls);
+    cmds.proxy.pd = split_urls(cmds.pd_urls);
+    *exit_code = ecx::serve::run_proxy_service(cmds.proxy);
+  });
 }
 
 // Expands `--config FILE` into flags placed before the command line's own, so a flag
@@ -114,6 +199,38 @@ bool expand_config(std::vector<std::string>& args) {
   return true;
 }
 
+void add_demo_command(CLI::App& app, ecx::serve::DemoOptions& demo, int* exit_code) {
+  CLI::App* d =
+      app.add_subcommand("demo", "All-in-one on loopback: proxy + 1 E + 1 PD, sample requests");
+  d->add_option("--connector", demo.connector, "Connector to demonstrate")->capture_default_str();
+  d->add_option("--requests", demo.requests, "Requests to send")->capture_default_str();
+  d->add_option("--images", demo.images_per_request, "Images per request")->capture_default_str();
+  d->add_option("--max-tokens", demo.max_tokens, "Tokens per answer")->capture_default_str();
+  d->add_option("--bench-prompts", demo.bench_prompts,
+                "Requests in the closing bench serve run (0 = none)")
+      ->capture_default_str();
+  d->callback(
+      [&demo, exit_code] { *exit_code = ecx::serve::run_demo(demo, ecx::current_executable()); });
+}
+
+void add_weights_command(CLI::App& app, std::string& out_path, int* exit_code) {
+  CLI::App* weights = app.add_subcommand("weights", "Model weights");
+  weights->require_subcommand(1);
+  CLI::App* exp =
+      weights->add_subcommand("export", "Write the seeded reference weights as safetensors");
+  exp->add_option("--out", out_path, "Output file")->required();
+  exp->callback([&out_path, exit_code] {
+    ecx::engine::ModelConfig mc;
+    ecx::Status s = ecx::engine::Weights::seeded(mc).save(out_path);
+    if (!s.ok()) {
+      std::cerr << "ecx weights export: " << s.to_string() << "\n";
+      *exit_code = 1;
+    } else {
+      std::cout << "wrote " << out_path << "\n";
+    }
+  });
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -133,69 +250,15 @@ int main(int argc, char** argv) {
 
   CLI::App* serve = app.add_subcommand("serve", "Run one service: encoder, pd or proxy");
   serve->require_subcommand(1);
-  ecx::serve::ServiceConfig cfg;
-  std::string encoders, pds;
-  for (const char* role : {"encoder", "pd", "proxy"}) {
-    CLI::App* s = serve->add_subcommand(role, std::string("The ") + role + " service");
-    add_service_flags(s, cfg);
-    s->add_option("--log-level", log_level, "trace, debug, info, warn, error, off");
-    if (std::string(role) == "proxy") {
-      s->add_option("--encoders", encoders, "Encoder URLs, comma-separated")
-          ->envname("ECX_ENCODERS");
-      s->add_option("--pd", pds, "Prefill/decode URLs, comma-separated")
-          ->envname("ECX_PD")
-          ->required();
-      s->add_option("--encode-timeout-ms", cfg.encode_timeout_ms, "Deadline of one encode")
-          ->capture_default_str();
-    }
-    std::string r = role;
-    s->callback([&, r] {
-      auto split = [](const std::string& t) {
-        std::vector<std::string> out;
-        std::stringstream ss(t);
-        std::string x;
-        while (std::getline(ss, x, ',')) {
-          if (!x.empty()) out.push_back(x);
-        }
-        return out;
-      };
-      cfg.encoders = split(encoders);
-      cfg.pd = split(pds);
-      ecx::set_log_level(log_level).ignore_error();
-      exit_code = r == "encoder" ? ecx::serve::run_encoder_service(cfg)
-                  : r == "pd"    ? ecx::serve::run_pd_service(cfg)
-                                 : ecx::serve::run_proxy_service(cfg);
-    });
-  }
+  ServeCommands serve_commands;
+  add_encoder_command(serve, serve_commands, log_level, &exit_code);
+  add_pd_command(serve, serve_commands, log_level, &exit_code);
+  add_proxy_command(serve, serve_commands, log_level, &exit_code);
 
   ecx::serve::DemoOptions demo;
-  CLI::App* d =
-      app.add_subcommand("demo", "All-in-one on loopback: proxy + 1 E + 1 PD, sample requests");
-  d->add_option("--connector", demo.connector, "Connector to demonstrate")->capture_default_str();
-  d->add_option("--requests", demo.requests, "Requests to send")->capture_default_str();
-  d->add_option("--images", demo.images_per_request, "Images per request")->capture_default_str();
-  d->add_option("--max-tokens", demo.max_tokens, "Tokens per answer")->capture_default_str();
-  d->add_option("--bench-prompts", demo.bench_prompts,
-                "Requests in the closing bench serve run (0 = none)")
-      ->capture_default_str();
-  d->callback([&] { exit_code = ecx::serve::run_demo(demo, self_exe()); });
-
-  CLI::App* weights = app.add_subcommand("weights", "Model weights");
-  weights->require_subcommand(1);
-  std::string out_path;
-  CLI::App* exp =
-      weights->add_subcommand("export", "Write the seeded reference weights as safetensors");
-  exp->add_option("--out", out_path, "Output file")->required();
-  exp->callback([&] {
-    ecx::engine::ModelConfig mc;
-    ecx::Status s = ecx::engine::Weights::seeded(mc).save(out_path);
-    if (!s.ok()) {
-      std::cerr << "ecx weights export: " << s.to_string() << "\n";
-      exit_code = 1;
-    } else {
-      std::cout << "wrote " << out_path << "\n";
-    }
-  });
+  add_demo_command(app, demo, &exit_code);
+  std::string weights_out;
+  add_weights_command(app, weights_out, &exit_code);
 
   app.parse_complete_callback([&] {
     ecx::Status s = ecx::set_log_level(log_level);

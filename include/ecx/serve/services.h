@@ -14,30 +14,53 @@
 
 namespace ecx::serve {
 
-struct ServiceConfig {
+// What every service has: where it listens, what it serves, and what one request may
+// hold (413 past a limit).
+struct CommonServiceConfig {
   std::string host = "127.0.0.1";
   uint16_t port = 8000;               // 0 = any free port (printed on start)
   std::string model = "ecx-tiny-vl";  // the served model name
-  std::string connector = "p2p";      // p2p | p2p:push | p2p:pull-2step | disk | store | local
-  std::string ec_config;              // whole connector config JSON (overrides `connector`)
-  std::string weights;                // safetensors file; empty = seeded weights
-  std::vector<std::string> encoders;  // proxy: E URLs
-  std::vector<std::string> pd;        // proxy: PD URLs
-  std::string allowed_root;           // local image files must be under this folder
+  std::string log_level = "warn";     // trace, debug, info, warn, error, off
   int threads = 8;                    // HTTP worker threads
-  int max_images = 8;                 // per request
+  uint64_t max_body_bytes = 64ull << 20;
+  int max_images = 8;  // per chat request
   uint64_t max_image_bytes = 20ull << 20;
   uint64_t max_image_pixels = 4096ull * 4096;
-  uint64_t max_body_bytes = 64ull << 20;
-  int max_tokens_limit = 4096;
-  int64_t max_model_len = 16384;        // prompt + generated tokens
-  int64_t encode_timeout_ms = 30000;    // proxy -> E
-  int64_t request_timeout_ms = 120000;  // proxy -> PD
-  std::string log_level = "info";
+  int max_tokens_limit = 4096;  // the largest max_tokens a chat request may ask for
+  std::string allowed_root;     // local image files must be under this folder
+};
+
+// What E and PD run: the reference model's weights and an EC connector.
+struct EngineConfig {
+  std::string connector = "p2p";  // p2p | p2p:push | p2p:pull-2step | disk | store | local
+  std::string ec_config;          // whole connector config JSON (overrides `connector`)
+  std::string weights;            // safetensors file; empty = seeded weights
   // The deployment secret for E and PD agents (see docs/SECURITY.md): from the
   // ECX_AUTH_TOKEN environment variable, or a file only its owner can read.
   std::string auth_token;
   std::string auth_token_file;
+};
+
+struct EncoderServiceConfig {
+  CommonServiceConfig common;
+  EngineConfig engine;
+};
+
+struct PdServiceConfig {
+  CommonServiceConfig common;
+  EngineConfig engine;
+  int64_t max_model_len = 16384;        // prompt + generated tokens
+  int64_t request_timeout_ms = 120000;  // deadline of the EC load
+};
+
+struct ProxyServiceConfig {
+  CommonServiceConfig common;
+  // "local": the PDs encode images themselves and the encoders are not used.
+  std::string connector = "p2p";
+  std::vector<std::string> encoders;    // E URLs
+  std::vector<std::string> pd;          // PD URLs
+  int64_t encode_timeout_ms = 30000;    // proxy -> E, per image
+  int64_t request_timeout_ms = 120000;  // proxy -> PD
 };
 
 // A service started as a child process, once it listens.
@@ -61,9 +84,9 @@ std::string sample_chat_request(const std::string& text, const std::vector<uint6
                                 int max_tokens);
 
 // Each returns the process exit code.
-int run_encoder_service(const ServiceConfig& config);
-int run_pd_service(const ServiceConfig& config);
-int run_proxy_service(const ServiceConfig& config);
+int run_encoder_service(const EncoderServiceConfig& config);
+int run_pd_service(const PdServiceConfig& config);
+int run_proxy_service(const ProxyServiceConfig& config);
 
 struct DemoOptions {
   std::string connector = "p2p";

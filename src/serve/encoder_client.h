@@ -1,0 +1,96 @@
+// The proxy's side of its encoders: encoding an image on the best live encoder, with
+// failover, and giving back the params of a request abandoned before a PD read them.
+#pragma once
+
+#include <httplib.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "serve/upstream.h"
+
+namespace ecx::serve {
+
+using UpstreamList = std::vector<std::shared_ptr<Upstream>>;
+
+// One POST /v1/encode.
+struct EncodeResult {
+  int http_status = 0;  // 200 on success; 0 = no HTTP answer (see transport)
+  httplib::Error transport = httplib::Error::Success;
+  bool timed_out = false;
+  // A 200 with a well-formed answer: the image's mm_hash and E's ec_transfer_params.
+  bool encoded = false;
+  std::string mm_hash;
+  nlohmann::json params;
+  std::string error;  // why not encoded
+};
+EncodeResult call_encoder(Upstream& encoder, const std::string& data_url, int64_t timeout_ms);
+
+// What encoding one image came to.
+struct ImageEncode {
+  enum Outcome { kEncoded, kClientError, kFallback } outcome = kFallback;
+  EncodeResult result;                // the encoder's answer (kEncoded, kClientError)
+  std::shared_ptr<Upstream> encoder;  // kEncoded: the encoder that holds the params' pin
+  std::string why;                    // kFallback: the last failure
+  std::string reason_label;           // kFallback: no_live_encoder | encoder_failed | timeout
+  int failed_attempts = 0;
+  double ms = 0;
+};
+
+// The live encoders for an image, best first: rendezvous hashing, so the same bytes
+// reach the same encoder while it lives, and the next-best one when it does not.
+UpstreamList encoder_order(const UpstreamList& encoders, uint64_t key);
+
+// Tries the encoders of `order` until one encodes the image, all within one encode
+// deadline. A client error (bad image) ends the search: another encoder would say the
+// same.
+ImageEncode encode_with_failover(const UpstreamList& order, const std::string& data_url,
+                                 int64_t timeout_ms);
+
+// The ec_transfer_params a request got from its encoders, per encoder: {mm_hash: params}.
+using IssuedParams = std::map<std::shared_ptr<Upstream>, nlohmann::json>;
+
+// Gives the params of abandoned requests back to the encoders that issued them
+// (POST /v1/ec/release), so their pins end now rather than when their lease runs out.
+// Runs on a thread of its own (no answer waits for it); each call is bounded by
+// `timeout`. Best effort: an encoder that cannot be reached keeps its pins until the
+// lease ends them.
+class ParamsReleaser {
+ public:
+  // `on_released(n)`: an encoder confirmed n released params.
+  ParamsReleaser(std::chrono::milliseconds timeout, std::function<void(int)> on_released);
+  // Stops after the release in progress; what is still queued is left to the leases.
+  ~ParamsReleaser();
+  ParamsReleaser(const ParamsReleaser&) = delete;
+  ParamsReleaser& operator=(const ParamsReleaser&) = delete;
+
+  void release(const IssuedParams& issued);
+
+ private:
+  struct Release {
+    std::shared_ptr<Upstream> encoder;
+    std::string body;  // {"ec_transfer_params": {...}}
+  };
+  void run();
+  // One POST; the number of params the encoder released (0 on failure).
+  int post(const Release& release) const;
+
+  const std::chrono::milliseconds timeout_;
+  const std::function<void(int)> on_released_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Release> queue_;  // guarded by mu_
+  bool stop_ = false;          // guarded by mu_
+  std::thread thread_;         // started last
+};
+
+}  // namespace ecx::serve

@@ -1,0 +1,202 @@
+#include "serve/openai_request.h"
+
+#include <filesystem>
+#include <fstream>
+#include <limits>
+
+#include "ecx/common/json_reader.h"
+#include "ecx/engine/image.h"
+
+namespace ecx::serve {
+
+using nlohmann::json;
+
+int ChatRequest::image_count() const {
+  int n = 0;
+  for (const auto& m : messages) {
+    for (const auto& p : m.parts) n += p.kind == ContentPart::kImage;
+  }
+  return n;
+}
+
+namespace {
+
+constexpr size_t kAnyLength = std::numeric_limits<size_t>::max();
+
+RequestError bad(const std::string& message, int status = 400) {
+  return RequestError{status, status == 413 ? "request_too_large" : "invalid_request_error",
+                      message};
+}
+
+RequestError bad(const Status& s) { return bad(s.message()); }
+
+// A local file named by an image URL: it must be a regular file under the allowed root.
+std::optional<RequestError> read_local_image(const std::string& url,
+                                             const CommonServiceConfig& config,
+                                             std::string* bytes) {
+  std::string path = url.rfind("file://", 0) == 0 ? url.substr(7) : url;
+  if (config.allowed_root.empty())
+    return bad("image_url: local files are not allowed (no --allowed-root)");
+  std::error_code ec;
+  auto root = std::filesystem::weakly_canonical(config.allowed_root, ec);
+  auto file = std::filesystem::weakly_canonical(path, ec);
+  auto rel = file.lexically_relative(root);
+  if (ec || rel.empty() || rel.native().rfind("..", 0) == 0 ||
+      !std::filesystem::is_regular_file(file, ec)) {
+    return bad("image_url: '" + path.substr(0, 200) + "' is not a file under the allowed root");
+  }
+  if (std::filesystem::file_size(file, ec) > config.max_image_bytes) {
+    return bad("image file exceeds " + std::to_string(config.max_image_bytes) + " bytes", 413);
+  }
+  std::ifstream in(file, std::ios::binary);
+  bytes->assign(std::istreambuf_iterator<char>(in), {});
+  return std::nullopt;
+}
+
+// Resolves an image URL to its bytes: data: URLs and files under the allowed root.
+std::optional<RequestError> resolve_image(const std::string& url, const CommonServiceConfig& config,
+                                          std::string* bytes) {
+  if (url.rfind("data:", 0) == 0) {
+    if (url.size() > config.max_image_bytes * 4 / 3 + 256) {
+      return bad("image data URL exceeds " + std::to_string(config.max_image_bytes) + " bytes",
+                 413);
+    }
+    auto decoded = engine::decode_data_url(url);
+    if (!decoded.ok()) return bad("image_url: " + decoded.status().message());
+    *bytes = std::move(*decoded);
+  } else if (url.rfind("http://", 0) == 0 || url.rfind("https://", 0) == 0) {
+    return bad("image_url: remote URLs are not fetched; send a data: URL or a local file");
+  } else if (auto err = read_local_image(url, config, bytes)) {
+    return err;
+  }
+  if (bytes->size() > config.max_image_bytes) {
+    return bad("image of " + std::to_string(bytes->size()) + " bytes exceeds " +
+                   std::to_string(config.max_image_bytes),
+               413);
+  }
+  return std::nullopt;
+}
+
+// An image part's URL: "image_url": "URL" or "image_url": {"url": "URL"}.
+std::optional<std::string> image_url_of(const JsonReader& part) {
+  const json& doc = part.document();
+  auto it = doc.find("image_url");
+  if (it == doc.end()) return std::nullopt;
+  if (it->is_string()) return it->get<std::string>();
+  auto url = it->is_object() ? it->find("url") : it->end();
+  if (it->is_object() && url != it->end() && url->is_string()) return url->get<std::string>();
+  return std::nullopt;
+}
+
+std::optional<RequestError> read_content_part(const JsonReader& part,
+                                              const CommonServiceConfig& config, ChatMessage* msg) {
+  if (!part.object().ok()) return bad("every content part needs a string 'type'");
+  auto type = part.string("type", Presence::kRequired, kAnyLength);
+  if (!type.ok()) return bad("every content part needs a string 'type'");
+  if (*type == "text") {
+    auto text = part.string("text", Presence::kRequired, kAnyLength);
+    if (!text.ok()) return bad("text part needs a string 'text'");
+    msg->parts.push_back({ContentPart::kText, std::move(*text), "", ""});
+    return std::nullopt;
+  }
+  if (*type != "image_url")
+    return bad("unsupported content part type '" + type->substr(0, 50) + "'");
+  auto url = image_url_of(part);
+  if (!url) return bad("image_url part needs 'image_url': {'url': string}");
+  ContentPart p{ContentPart::kImage, "", *url, ""};
+  if (auto err = resolve_image(*url, config, &p.image_bytes)) return err;
+  msg->parts.push_back(std::move(p));
+  return std::nullopt;
+}
+
+std::optional<RequestError> read_message(const JsonReader& m, const CommonServiceConfig& config,
+                                         ChatMessage* msg) {
+  if (!m.object().ok()) return bad("every message needs a string 'role'");
+  auto role = m.string("role", Presence::kRequired, kAnyLength);
+  if (!role.ok()) return bad("every message needs a string 'role'");
+  msg->role = std::move(*role);
+  if (msg->role != "system" && msg->role != "user" && msg->role != "assistant") {
+    return bad("unknown role '" + msg->role.substr(0, 50) + "'");
+  }
+  auto content = m.document().find("content");
+  if (content != m.document().end() && content->is_string()) {
+    msg->parts.push_back({ContentPart::kText, content->get<std::string>(), "", ""});
+    return std::nullopt;
+  }
+  if (content == m.document().end() || !content->is_array()) {
+    return bad("'content' must be a string or an array of parts");
+  }
+  for (size_t i = 0; i < content->size(); ++i) {
+    JsonReader part((*content)[i], m.where() + ".content[" + std::to_string(i) + "]");
+    if (auto err = read_content_part(part, config, msg)) return err;
+  }
+  return std::nullopt;
+}
+
+// max_tokens, or its newer name max_completion_tokens (null = absent).
+std::optional<RequestError> read_max_tokens(const JsonReader& r, int limit, ChatRequest* out) {
+  for (const char* key : {"max_tokens", "max_completion_tokens"}) {
+    auto it = r.document().find(key);
+    if (it == r.document().end() || it->is_null()) continue;
+    auto v = r.i64(key, 1, limit);
+    if (!v.ok()) return bad(v.status());
+    out->max_tokens = static_cast<int>(*v);
+  }
+  return std::nullopt;
+}
+
+// Everything but the messages: model, stream, stream_options, max_tokens, ignore_eos,
+// ec_transfer_params.
+std::optional<RequestError> read_options(const JsonReader& r, const CommonServiceConfig& config,
+                                         ChatRequest* out) {
+  auto model = r.string("model", Presence::kRequired, kAnyLength);
+  if (!model.ok()) return bad(model.status());
+  out->model = std::move(*model);
+  if (out->model != config.model) {
+    return RequestError{400, "model_not_found",
+                        "model '" + out->model.substr(0, 100) + "' is not served here (this is '" +
+                            config.model + "')"};
+  }
+  auto stream = r.boolean("stream");
+  if (!stream.ok()) return bad(stream.status());
+  out->stream = *stream;
+  auto stream_options = r.child("stream_options");
+  if (!stream_options.ok()) return bad(stream_options.status());
+  auto include_usage = stream_options->boolean("include_usage");
+  if (!include_usage.ok()) return bad(include_usage.status());
+  out->include_usage = *include_usage;
+  if (auto err = read_max_tokens(r, config.max_tokens_limit, out)) return err;
+  auto ignore_eos = r.boolean("ignore_eos");
+  if (!ignore_eos.ok()) return bad(ignore_eos.status());
+  out->ignore_eos = *ignore_eos;
+  auto params = r.object("ec_transfer_params");
+  if (!params.ok()) return bad("'ec_transfer_params' must be an object keyed by mm_hash");
+  if (*params != nullptr) out->ec_transfer_params = **params;
+  return std::nullopt;
+}
+
+}  // namespace
+
+std::optional<RequestError> parse_chat_request(const std::string& body,
+                                               const CommonServiceConfig& config,
+                                               ChatRequest* out) {
+  auto doc = parse_json_object(body, "request body", JsonLimits{config.max_body_bytes, 64});
+  if (!doc.ok()) return bad(doc.status());
+  out->raw = std::move(*doc);
+  JsonReader request(out->raw, "request");
+  if (auto err = read_options(request, config, out)) return err;
+  auto messages = request.array("messages", Presence::kRequired);
+  if (!messages.ok() || (*messages)->empty()) return bad("'messages' must be a non-empty array");
+  for (size_t i = 0; i < (*messages)->size(); ++i) {
+    ChatMessage msg;
+    JsonReader m((**messages)[i], "request.messages[" + std::to_string(i) + "]");
+    if (auto err = read_message(m, config, &msg)) return err;
+    out->messages.push_back(std::move(msg));
+    if (out->image_count() > config.max_images) {
+      return bad("more than " + std::to_string(config.max_images) + " images in one request", 413);
+    }
+  }
+  return std::nullopt;
+}
+
+}  // namespace ecx::serve

@@ -78,96 +78,75 @@ Status JsonReader::wrong(std::string_view key, std::string_view what) const {
 
 Result<std::string> JsonReader::string(std::string_view key, Presence presence, size_t max_length,
                                        std::string fallback) const {
-  const json* v = find(key);
-  if (v == nullptr) {
-    if (presence == Presence::kRequired) return missing(key);
-    return fallback;
-  }
-  if (!v->is_string()) return wrong(key, "a string");
-  const auto& s = v->get_ref<const std::string&>();
-  if (s.size() > max_length) {
-    return wrong(key, "at most " + std::to_string(max_length) + " characters");
-  }
-  return s;
+  return field<std::string>(
+      key, presence, std::move(fallback), [&](const json& v) -> Result<std::string> {
+        if (!v.is_string()) return wrong(key, "a string");
+        const auto& s = v.get_ref<const std::string&>();
+        if (s.size() > max_length) {
+          return wrong(key, "at most " + std::to_string(max_length) + " characters");
+        }
+        return s;
+      });
 }
 
 Result<uint64_t> JsonReader::u64(std::string_view key, Presence presence, uint64_t max,
                                  uint64_t fallback) const {
-  const json* v = find(key);
-  if (v == nullptr) {
-    if (presence == Presence::kRequired) return missing(key);
-    return fallback;
-  }
-  if (!v->is_number_unsigned() && !(v->is_number_integer() && v->get<int64_t>() >= 0)) {
-    return wrong(key, "a non-negative integer");
-  }
-  uint64_t n = v->get<uint64_t>();
-  if (n > max)
-    return Status(StatusCode::kOutOfRange,
-                  where_ + " '" + std::string(key) + "' must be at most " + std::to_string(max));
-  return n;
+  return field<uint64_t>(key, presence, fallback, [&](const json& v) -> Result<uint64_t> {
+    if (!v.is_number_unsigned() && !(v.is_number_integer() && v.get<int64_t>() >= 0)) {
+      return wrong(key, "a non-negative integer");
+    }
+    uint64_t n = v.get<uint64_t>();
+    if (n > max)
+      return OutOfRange(where_ + " '" + std::string(key) + "' must be at most " +
+                        std::to_string(max));
+    return n;
+  });
 }
 
 Result<int64_t> JsonReader::i64(std::string_view key, int64_t min, int64_t max, Presence presence,
                                 int64_t fallback) const {
-  const json* v = find(key);
-  if (v == nullptr) {
-    if (presence == Presence::kRequired) return missing(key);
-    return fallback;
-  }
-  if (!v->is_number_integer()) return wrong(key, "an integer");
-  if (v->is_number_unsigned() && v->get<uint64_t>() > static_cast<uint64_t>(INT64_MAX)) {
-    return wrong(key, "at most " + std::to_string(max));
-  }
-  int64_t n = v->get<int64_t>();
-  if (n < min || n > max) {
-    return Status(StatusCode::kOutOfRange,
-                  where_ + " '" + std::string(key) + "' = " + std::to_string(n) + " is outside [" +
-                      std::to_string(min) + ", " + std::to_string(max) + "]");
-  }
-  return n;
+  return field<int64_t>(key, presence, fallback, [&](const json& v) -> Result<int64_t> {
+    if (!v.is_number_integer()) return wrong(key, "an integer");
+    if (v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX)) {
+      return wrong(key, "at most " + std::to_string(max));
+    }
+    int64_t n = v.get<int64_t>();
+    if (n < min || n > max) {
+      return OutOfRange(where_ + " '" + std::string(key) + "' = " + std::to_string(n) +
+                        " is outside [" + std::to_string(min) + ", " + std::to_string(max) + "]");
+    }
+    return n;
+  });
 }
 
 Result<double> JsonReader::number(std::string_view key, Presence presence, double fallback) const {
-  const json* v = find(key);
-  if (v == nullptr) {
-    if (presence == Presence::kRequired) return missing(key);
-    return fallback;
-  }
-  if (!v->is_number()) return wrong(key, "a number");
-  return v->get<double>();
+  return field<double>(key, presence, fallback, [&](const json& v) -> Result<double> {
+    if (!v.is_number()) return wrong(key, "a number");
+    return v.get<double>();
+  });
 }
 
 Result<bool> JsonReader::boolean(std::string_view key, Presence presence, bool fallback) const {
-  const json* v = find(key);
-  if (v == nullptr) {
-    if (presence == Presence::kRequired) return missing(key);
-    return fallback;
-  }
-  if (!v->is_boolean()) return wrong(key, "a boolean");
-  return v->get<bool>();
+  return field<bool>(key, presence, fallback, [&](const json& v) -> Result<bool> {
+    if (!v.is_boolean()) return wrong(key, "a boolean");
+    return v.get<bool>();
+  });
 }
 
 Result<const json*> JsonReader::array(std::string_view key, Presence presence,
                                       size_t max_items) const {
-  const json* v = find(key);
-  if (v == nullptr) {
-    if (presence == Presence::kRequired) return missing(key);
-    return static_cast<const json*>(nullptr);
-  }
-  if (!v->is_array()) return wrong(key, "an array");
-  if (v->size() > max_items) return wrong(key, "at most " + std::to_string(max_items) + " items");
-  return v;
+  return field<const json*>(key, presence, nullptr, [&](const json& v) -> Result<const json*> {
+    if (!v.is_array()) return wrong(key, "an array");
+    if (v.size() > max_items) return wrong(key, "at most " + std::to_string(max_items) + " items");
+    return &v;
+  });
 }
 
 Result<const json*> JsonReader::object(std::string_view key, Presence presence) const {
-  const json* v = find(key);
-  if (v == nullptr) {
-    if (presence == Presence::kRequired) return missing(key);
-    return static_cast<const json*>(nullptr);
-  }
-  if (!v->is_object()) return wrong(key, "an object");
-  return v;
+  return field<const json*>(key, presence, nullptr, [&](const json& v) -> Result<const json*> {
+    if (!v.is_object()) return wrong(key, "an object");
+    return &v;
+  });
 }
 
 Result<JsonReader> JsonReader::child(std::string_view key, Presence presence) const {

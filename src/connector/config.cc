@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "ecx/common/auth.h"
+#include "ecx/common/enum_names.h"
 #include "ecx/common/json_reader.h"
 #include "ecx/connector/ec_connector.h"
 
@@ -10,25 +11,16 @@ namespace ecx::connector {
 
 using nlohmann::json;
 
-Result<Role> parse_role(std::string_view name) {
-  if (name == "producer") return Role::kProducer;
-  if (name == "consumer") return Role::kConsumer;
-  if (name == "both") return Role::kBoth;
-  return InvalidArgument("unknown role '" + std::string(name) +
-                         "' (expected producer, consumer or both)");
-}
+namespace {
 
-std::string_view role_name(Role role) {
-  switch (role) {
-    case Role::kProducer:
-      return "producer";
-    case Role::kConsumer:
-      return "consumer";
-    case Role::kBoth:
-      return "both";
-  }
-  return "?";
-}
+constexpr EnumName<Role> kRoles[] = {
+    {Role::kProducer, "producer"}, {Role::kConsumer, "consumer"}, {Role::kBoth, "both"}};
+
+}  // namespace
+
+Result<Role> parse_role(std::string_view name) { return parse_name<Role>(kRoles, name, "role"); }
+
+std::string_view role_name(Role role) { return name_of<Role>(kRoles, role); }
 
 Result<ConnectorConfig> ConnectorConfig::parse(std::string_view text) {
   ECX_ASSIGN_OR_RETURN(json j, parse_json_object(text, "connector config"));

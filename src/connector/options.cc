@@ -7,12 +7,16 @@
 
 #include "ecx/common/auth.h"
 #include "ecx/common/bytes.h"
+#include "ecx/common/enum_names.h"
 #include "ecx/common/json_reader.h"
 
 namespace ecx::connector {
 namespace {
 
 using nlohmann::json;
+
+constexpr EnumName<P2pMode> kModes[] = {
+    {P2pMode::kPull, "pull"}, {P2pMode::kPull2Step, "pull-2step"}, {P2pMode::kPush, "push"}};
 
 const std::set<std::string> kKnownKeys = {"engine_id",
                                           "compat_hash",
@@ -46,11 +50,8 @@ Result<uint64_t> read_bytes(const JsonReader& r, const char* key, uint64_t fallb
   return parse_bytes(r.document()[key].get<std::string>());
 }
 
-Result<FailurePolicy> parse_failure_policy(const std::string& policy) {
-  if (policy == "recompute") return FailurePolicy::kRecompute;
-  if (policy == "fail") return FailurePolicy::kFail;
-  return InvalidArgument("failure_policy must be 'recompute' or 'fail', not '" + policy + "'");
-}
+constexpr EnumName<FailurePolicy> kPolicies[] = {{FailurePolicy::kRecompute, "recompute"},
+                                                 {FailurePolicy::kFail, "fail"}};
 
 // The options every connector shares.
 Status read_common(const JsonReader& r, ConnectorOptions& o) {
@@ -67,7 +68,8 @@ Status read_common(const JsonReader& r, ConnectorOptions& o) {
                        r.string("compat_hash", Presence::kOptional, 4096, o.compat_hash));
   ECX_ASSIGN_OR_RETURN(std::string policy,
                        r.string("failure_policy", Presence::kOptional, 64, "recompute"));
-  ECX_ASSIGN_OR_RETURN(o.failure_policy, parse_failure_policy(policy));
+  ECX_ASSIGN_OR_RETURN(o.failure_policy,
+                       parse_name<FailurePolicy>(kPolicies, policy, "failure_policy"));
   ECX_ASSIGN_OR_RETURN(o.load_timeout_ms, r.i64("load_timeout_ms", 1, 3'600'000,
                                                 Presence::kOptional, o.load_timeout_ms));
   ECX_ASSIGN_OR_RETURN(o.pool_bytes, read_bytes(r, "pool_bytes", o.pool_bytes));
@@ -121,23 +123,9 @@ Result<ConnectorOptions> ConnectorOptions::parse(const std::string& connector, c
 }
 
 Result<P2pMode> parse_p2p_mode(std::string_view name) {
-  if (name == "pull") return P2pMode::kPull;
-  if (name == "pull-2step") return P2pMode::kPull2Step;
-  if (name == "push") return P2pMode::kPush;
-  return InvalidArgument("p2p mode must be pull, pull-2step or push, not '" + std::string(name) +
-                         "'");
+  return parse_name<P2pMode>(kModes, name, "p2p mode");
 }
 
-std::string_view p2p_mode_name(P2pMode mode) {
-  switch (mode) {
-    case P2pMode::kPull:
-      return "pull";
-    case P2pMode::kPull2Step:
-      return "pull-2step";
-    case P2pMode::kPush:
-      return "push";
-  }
-  return "?";
-}
+std::string_view p2p_mode_name(P2pMode mode) { return name_of<P2pMode>(kModes, mode); }
 
 }  // namespace ecx::connector

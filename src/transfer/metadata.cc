@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "ecx/common/auth.h"
+#include "ecx/common/enum_names.h"
 #include "ecx/common/json_reader.h"
 
 #include <unistd.h>
@@ -19,10 +20,13 @@ constexpr uint64_t kMaxRegionLength = uint64_t{1} << 48;
 
 using nlohmann::json;
 
+constexpr EnumName<MemoryKind> kMemoryKinds[] = {{MemoryKind::kHost, "host"},
+                                                 {MemoryKind::kCuda, "cuda"}};
+constexpr EnumName<Backend> kBackends[] = {
+    {Backend::kAuto, "auto"}, {Backend::kShm, "shm"}, {Backend::kTcp, "tcp"}};
+
 Result<MemoryKind> parse_kind(const std::string& kind) {
-  if (kind == "host") return MemoryKind::kHost;
-  if (kind == "cuda") return MemoryKind::kCuda;
-  return InvalidArgument("agent metadata region has unknown kind '" + kind + "'");
+  return parse_name<MemoryKind>(kMemoryKinds, kind, "agent metadata region kind");
 }
 
 Result<RegionInfo> parse_region(const JsonReader& r) {
@@ -93,26 +97,13 @@ std::string local_host_id() {
 }
 
 std::string_view memory_kind_name(MemoryKind kind) {
-  return kind == MemoryKind::kCuda ? "cuda" : "host";
+  return name_of<MemoryKind>(kMemoryKinds, kind);
 }
 
-std::string_view backend_name(Backend backend) {
-  switch (backend) {
-    case Backend::kAuto:
-      return "auto";
-    case Backend::kShm:
-      return "shm";
-    case Backend::kTcp:
-      return "tcp";
-  }
-  return "?";
-}
+std::string_view backend_name(Backend backend) { return name_of<Backend>(kBackends, backend); }
 
 Result<Backend> parse_backend(std::string_view name) {
-  if (name == "auto") return Backend::kAuto;
-  if (name == "shm") return Backend::kShm;
-  if (name == "tcp") return Backend::kTcp;
-  return InvalidArgument("unknown backend '" + std::string(name) + "' (expected auto, shm or tcp)");
+  return parse_name<Backend>(kBackends, name, "backend");
 }
 
 bool Capability::empty() const {

@@ -76,6 +76,14 @@ class JsonReader {
 
  private:
   const nlohmann::json* find(std::string_view key) const;
+  // The field at `key` through `convert`; when absent, `fallback` (an error if required).
+  template <typename T, typename Convert>
+  Result<T> field(std::string_view key, Presence presence, T fallback, Convert convert) const {
+    const nlohmann::json* v = find(key);
+    if (v != nullptr) return convert(*v);
+    if (presence == Presence::kRequired) return missing(key);
+    return fallback;
+  }
 
   const nlohmann::json* j_;
   std::string where_;

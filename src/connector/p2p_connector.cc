@@ -43,11 +43,28 @@ class P2pDriver final : public ConnectorDriver {
   Status start();
 
   // ---------------- producer ----------------
-  Result<SaveSlot> begin_save(const MmHash& mm_hash, const TensorMeta& meta) override;
-  Result<EcTransferParams> commit_save(const SaveSlot& slot) override;
-  Result<EcTransferParams> saved_params(const MmHash& mm_hash) override;
-  void abort_save(const SaveSlot& slot) override;
-  Status wait_for_readers(Deadline deadline) override;
+  Result<SaveSlot> begin_save(const MmHash& mm_hash, const TensorMeta& meta) override {
+    auto ref = producer_pool_->reserve(mm_hash, meta, Deadline::after_ms(options().save_wait_ms));
+    if (!ref.ok()) return ref.status();
+    return SaveSlot{mm_hash, meta, {ref->payload(), meta.byte_size()}, ref->generation};
+  }
+  Result<EcTransferParams> commit_save(const SaveSlot& slot) override {
+    ECX_RETURN_IF_ERROR(producer_pool_->commit(slot.mm_hash, slot.token));
+    return params_for(slot.mm_hash);
+  }
+  Result<EcTransferParams> saved_params(const MmHash& mm_hash) override {
+    // Another request may be encoding this very item: wait for it rather than fail.
+    ECX_RETURN_IF_ERROR(
+        producer_pool_->wait_ready(mm_hash, Deadline::after_ms(options().load_timeout_ms))
+            .status());
+    return params_for(mm_hash);
+  }
+  void abort_save(const SaveSlot& slot) override {
+    producer_pool_->abort(slot.mm_hash, slot.token);
+  }
+  Status wait_for_readers(Deadline deadline) override {
+    return producer_pool_->wait_unpinned(deadline);
+  }
   Status release_params(const EcTransferParams& params) override;
 
   // ---------------- consumer ----------------
@@ -124,32 +141,6 @@ Status P2pDriver::start() {
 }
 
 // ---------------- producer ----------------
-
-Result<SaveSlot> P2pDriver::begin_save(const MmHash& mm_hash, const TensorMeta& meta) {
-  auto ref = producer_pool_->reserve(mm_hash, meta, Deadline::after_ms(options().save_wait_ms));
-  if (!ref.ok()) return ref.status();
-  return SaveSlot{mm_hash, meta, {ref->payload(), meta.byte_size()}, ref->generation};
-}
-
-Result<EcTransferParams> P2pDriver::commit_save(const SaveSlot& slot) {
-  ECX_RETURN_IF_ERROR(producer_pool_->commit(slot.mm_hash, slot.token));
-  return params_for(slot.mm_hash);
-}
-
-Result<EcTransferParams> P2pDriver::saved_params(const MmHash& mm_hash) {
-  // Another request may be encoding this very item: wait for it rather than fail.
-  ECX_RETURN_IF_ERROR(
-      producer_pool_->wait_ready(mm_hash, Deadline::after_ms(options().load_timeout_ms)).status());
-  return params_for(mm_hash);
-}
-
-void P2pDriver::abort_save(const SaveSlot& slot) {
-  producer_pool_->abort(slot.mm_hash, slot.token);
-}
-
-Status P2pDriver::wait_for_readers(Deadline deadline) {
-  return producer_pool_->wait_unpinned(deadline);
-}
 
 Status P2pDriver::release_params(const EcTransferParams& p) {
   if (p.connector != "p2p" || p.engine_id != options().engine_id) {

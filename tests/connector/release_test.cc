@@ -14,9 +14,6 @@
 namespace ecx::connector {
 namespace {
 
-using ecx::testing::ConnectorPeer;
-using nlohmann::json;
-
 const TensorMeta kItem{DType::kBF16, {64, 1024}};
 const std::string kSecret = "release-test-deployment-secret";
 
@@ -25,11 +22,12 @@ class ReleaseTest : public ::testing::TestWithParam<std::string> {
   void SetUp() override {
     static int counter = 0;
     tag_ = std::to_string(::getpid()) + "-" + std::to_string(counter++);
-    json extra = {{"engine_id", "e-" + tag_},
-                  {"pool_bytes", "64MiB"},
-                  {"lease_ms", 600000},
-                  {"auth_token", kSecret}};
-    auto p = ConnectorPeer::start({{"connector", "p2p"}, {"role", "producer"}, {"extra", extra}});
+    nlohmann::json extra = {{"engine_id", "e-" + tag_},
+                            {"pool_bytes", "64MiB"},
+                            {"lease_ms", 600000},
+                            {"auth_token", kSecret}};
+    auto p = ecx::testing::ConnectorPeer::start(
+        {{"connector", "p2p"}, {"role", "producer"}, {"extra", extra}});
     ASSERT_TRUE(p.ok()) << p.status().to_string();
     producer_.emplace(std::move(*p));
     extra["engine_id"] = "pd-" + tag_;
@@ -76,7 +74,7 @@ class ReleaseTest : public ::testing::TestWithParam<std::string> {
   }
 
   std::string tag_;
-  std::optional<ConnectorPeer> producer_;
+  std::optional<ecx::testing::ConnectorPeer> producer_;
   std::unique_ptr<EcConnector> consumer_;
 };
 
@@ -127,10 +125,10 @@ TEST_P(ReleaseTest, ForgedParamsReleaseNothing) {
 
 // What E does when the proxy gives back the params of a request that never reached PD.
 TEST(ReleaseParamsTest, AProducerEndsThePinOfItsOwnSignedParamsOnly) {
-  json extra = {{"engine_id", "e-release-params-" + std::to_string(::getpid())},
-                {"pool_bytes", "16MiB"},
-                {"lease_ms", 600000},
-                {"auth_token", kSecret}};
+  nlohmann::json extra = {{"engine_id", "e-release-params-" + std::to_string(::getpid())},
+                          {"pool_bytes", "16MiB"},
+                          {"lease_ms", 600000},
+                          {"auth_token", kSecret}};
   auto producer = create_connector({.connector = "p2p", .role = Role::kProducer, .extra = extra});
   ASSERT_TRUE(producer.ok()) << producer.status().to_string();
   std::vector<std::byte> payload(kItem.byte_size());

@@ -101,10 +101,18 @@ class AgentImpl final : public Agent {
   Result<std::shared_ptr<Peer>> connected_peer(const std::string& name) const;
   Result<std::shared_ptr<Peer>> open_peer(const AgentMetadata& meta, Backend backend,
                                           Deadline deadline);
+  Status open_shm(const AgentMetadata& meta, Peer& peer, Deadline deadline);
+  Status open_tcp(const AgentMetadata& meta, Peer& peer, Deadline deadline);
+  ControlChannel::DeathHandler death_handler(const Peer& peer);
   Result<TransferHandle> transfer(const std::string& peer,
                                   std::span<const TransferDescriptor> descriptors, bool write,
                                   std::optional<std::string> notification,
                                   std::optional<Deadline> deadline);
+  Result<uint64_t> check_descriptors(std::span<const TransferDescriptor> descriptors,
+                                     const char* op);
+  std::function<Status(const Status&)> transfer_finalizer(
+      const std::shared_ptr<ControlChannel>& control, bool write, uint64_t total,
+      std::optional<std::string> notification);
   void on_peer_death(const std::string& name, uint64_t connection_id, const Status& reason);
   // Destroys dead peers (joins their threads, unmaps their memory) off their own threads.
   void reap_dead_peers();
@@ -277,50 +285,63 @@ Result<std::shared_ptr<Peer>> AgentImpl::open_peer(const AgentMetadata& meta, Ba
   auto peer = std::make_shared<Peer>();
   peer->name = meta.name;
   peer->backend = backend;
-  std::string name = meta.name;
-  uint64_t connection_id = next_connection_id_.fetch_add(1);
-  peer->connection_id = connection_id;
-  auto on_death = [this, name, connection_id](const Status& reason) {
-    on_peer_death(name, connection_id, reason);
-  };
-  AgentMetadata self = metadata();
-  if (backend == Backend::kShm) {
-    if (meta.shm_endpoint.empty()) {
-      return Unavailable("agent '" + meta.name + "' has no shm endpoint");
-    }
-    ECX_ASSIGN_OR_RETURN(UniqueFd fd, connect_unix(meta.shm_endpoint, deadline));
-    ECX_ASSIGN_OR_RETURN(
-        peer->control,
-        ControlChannel::open(std::move(fd), true, self, config_.auth_secret, deadline, on_death));
-    peer->shm = std::make_unique<ShmPeer>(peer->control.get(), &stats_);
-    std::string endpoint = meta.shm_endpoint;
-    peer->unix_writes = std::make_shared<TcpDataPool>(
-        config_, self, peer->control->peer(),
-        [endpoint](Deadline d) { return connect_unix(endpoint, d); }, "unix @" + endpoint, 1);
-  } else {
-    if (meta.tcp_endpoint.empty()) {
-      return Unavailable("agent '" + meta.name + "' has no tcp endpoint");
-    }
-    ECX_ASSIGN_OR_RETURN(HostPort address, parse_host_port(meta.tcp_endpoint));
-    ECX_ASSIGN_OR_RETURN(UniqueFd fd, connect_tcp(address, deadline));
-    ECX_ASSIGN_OR_RETURN(
-        peer->control,
-        ControlChannel::open(std::move(fd), false, self, config_.auth_secret, deadline, on_death));
-    int buffer = config_.tcp_socket_buffer;
-    peer->tcp = std::make_shared<TcpDataPool>(
-        config_, self, peer->control->peer(),
-        [address, buffer](Deadline d) -> Result<UniqueFd> {
-          ECX_ASSIGN_OR_RETURN(UniqueFd fd, connect_tcp(address, d));
-          tune_tcp_socket(fd.get(), buffer);
-          return fd;
-        },
-        address.to_string(), config_.tcp_streams);
-  }
+  peer->connection_id = next_connection_id_.fetch_add(1);
+  Status opened =
+      backend == Backend::kShm ? open_shm(meta, *peer, deadline) : open_tcp(meta, *peer, deadline);
+  ECX_RETURN_IF_ERROR(opened);
   if (peer->control->peer().name != meta.name) {
     return Unavailable("endpoint of agent '" + meta.name + "' is now served by agent '" +
                        peer->control->peer().name + "' (stale metadata)");
   }
   return peer;
+}
+
+ControlChannel::DeathHandler AgentImpl::death_handler(const Peer& peer) {
+  return [this, name = peer.name, connection_id = peer.connection_id](const Status& reason) {
+    on_peer_death(name, connection_id, reason);
+  };
+}
+
+// The control channel over the peer's unix socket, its memory mapped for reads, and a
+// unix data stream for writes.
+Status AgentImpl::open_shm(const AgentMetadata& meta, Peer& peer, Deadline deadline) {
+  if (meta.shm_endpoint.empty()) {
+    return Unavailable("agent '" + meta.name + "' has no shm endpoint");
+  }
+  AgentMetadata self = metadata();
+  ECX_ASSIGN_OR_RETURN(UniqueFd fd, connect_unix(meta.shm_endpoint, deadline));
+  ECX_ASSIGN_OR_RETURN(
+      peer.control, ControlChannel::open(std::move(fd), true, self, config_.auth_secret, deadline,
+                                         death_handler(peer)));
+  peer.shm = std::make_unique<ShmPeer>(peer.control.get(), &stats_);
+  std::string endpoint = meta.shm_endpoint;
+  peer.unix_writes = std::make_shared<TcpDataPool>(
+      config_, self, peer.control->peer(),
+      [endpoint](Deadline d) { return connect_unix(endpoint, d); }, "unix @" + endpoint, 1);
+  return Status::Ok();
+}
+
+// The control channel over tcp, and a pool of tcp data streams for both directions.
+Status AgentImpl::open_tcp(const AgentMetadata& meta, Peer& peer, Deadline deadline) {
+  if (meta.tcp_endpoint.empty()) {
+    return Unavailable("agent '" + meta.name + "' has no tcp endpoint");
+  }
+  AgentMetadata self = metadata();
+  ECX_ASSIGN_OR_RETURN(HostPort address, parse_host_port(meta.tcp_endpoint));
+  ECX_ASSIGN_OR_RETURN(UniqueFd fd, connect_tcp(address, deadline));
+  ECX_ASSIGN_OR_RETURN(
+      peer.control, ControlChannel::open(std::move(fd), false, self, config_.auth_secret, deadline,
+                                         death_handler(peer)));
+  int buffer = config_.tcp_socket_buffer;
+  peer.tcp = std::make_shared<TcpDataPool>(
+      config_, self, peer.control->peer(),
+      [address, buffer](Deadline d) -> Result<UniqueFd> {
+        ECX_ASSIGN_OR_RETURN(UniqueFd fd, connect_tcp(address, d));
+        tune_tcp_socket(fd.get(), buffer);
+        return fd;
+      },
+      address.to_string(), config_.tcp_streams);
+  return Status::Ok();
 }
 
 Result<AgentMetadata> AgentImpl::connect(const AgentMetadata& meta, ConnectOptions options) {
@@ -436,6 +457,40 @@ Result<TransferHandle> AgentImpl::transfer(const std::string& peer_name,
                                            bool write, std::optional<std::string> notification,
                                            std::optional<Deadline> deadline_opt) {
   const char* op = write ? "write" : "read";
+  ECX_ASSIGN_OR_RETURN(uint64_t total, check_descriptors(descriptors, op));
+  ECX_ASSIGN_OR_RETURN(auto peer, connected_peer(peer_name));
+  if (peer->tcp || (write && peer->unix_writes)) {
+    Status inside =
+        check_announced_regions(descriptors, peer->control->peer().regions, write, peer_name);
+    if (!inside.ok()) {
+      stats_.rejected_descriptors++;
+      return inside;
+    }
+  }
+  Deadline deadline = deadline_opt.value_or(Deadline::after_ms(config_.transfer_timeout_ms));
+  std::string description = std::string(op) + " of " + std::to_string(descriptors.size()) +
+                            " items (" + std::to_string(total) + " bytes) " +
+                            (write ? "to" : "from") + " agent " + peer_name + " over " +
+                            std::string(backend_name(peer->backend));
+  TcpDataPool* stream = peer->tcp ? peer->tcp.get() : (write ? peer->unix_writes.get() : nullptr);
+  if (stream != nullptr) {
+    // Over a data stream the notification follows the last acknowledged slice, so it
+    // arrives after the data.
+    auto finalizer = transfer_finalizer(peer->control, write, total, std::move(notification));
+    return TransferHandle(
+        stream->submit(descriptors, write, deadline, description, std::move(finalizer)));
+  }
+  auto state = std::make_shared<TransferState>(description, 1);
+  state->set_finalizer(transfer_finalizer(peer->control, write, total, std::nullopt));
+  Status s = peer->shm->read(descriptors, deadline);
+  if (s.ok() && notification) s = peer->control->notify(*notification);
+  state->part_done(s.with_context(description));
+  return TransferHandle(std::move(state));
+}
+
+// Every descriptor names a buffer and a length; returns their total bytes.
+Result<uint64_t> AgentImpl::check_descriptors(std::span<const TransferDescriptor> descriptors,
+                                              const char* op) {
   if (descriptors.empty()) return InvalidArgument(std::string(op) + ": no descriptors");
   uint64_t total = 0;
   for (size_t i = 0; i < descriptors.size(); ++i) {
@@ -447,51 +502,21 @@ Result<TransferHandle> AgentImpl::transfer(const std::string& peer_name,
     }
     total += d.length;
   }
-  ECX_ASSIGN_OR_RETURN(auto peer, connected_peer(peer_name));
-  if (peer->tcp || (write && peer->unix_writes)) {
-    // Validate the whole batch against the regions the peer announced before any byte
-    // moves (the server re-checks each request; regions added later are checked there).
-    const auto& regions = peer->control->peer().regions;
-    for (size_t i = 0; i < descriptors.size(); ++i) {
-      const auto& d = descriptors[i];
-      for (const auto& r : regions) {
-        if (r.id != d.remote_region) continue;
-        if (d.remote_offset > r.length || d.length > r.length - d.remote_offset) {
-          stats_.rejected_descriptors++;
-          return OutOfRange(
-              "descriptor " + std::to_string(i) + ": " +
-              describe_access(write, d.length, d.remote_offset, d.remote_region, peer_name) +
-              ": outside the region's " + std::to_string(r.length) + " bytes");
-        }
-        if (write && !r.remote_write) {
-          stats_.rejected_descriptors++;
-          return Status(
-              StatusCode::kFailedPrecondition,
-              "descriptor " + std::to_string(i) + ": " +
-                  describe_access(write, d.length, d.remote_offset, d.remote_region, peer_name) +
-                  ": region is not remotely writable");
-        }
-      }
-    }
-  }
-  Deadline deadline = deadline_opt.value_or(Deadline::after_ms(config_.transfer_timeout_ms));
-  std::string description = std::string(op) + " of " + std::to_string(descriptors.size()) +
-                            " items (" + std::to_string(total) + " bytes) " +
-                            (write ? "to" : "from") + " agent " + peer_name + " over " +
-                            std::string(backend_name(peer->backend));
-  // Counted once the transfer completes; over tcp the notification follows the last
-  // acknowledged slice, so it arrives after the data.
-  std::weak_ptr<ControlChannel> weak = peer->control;
+  return total;
+}
+
+// Runs once the transfer completes: sends `notification` (when given) and counts the
+// outcome. Holds the control channel weakly: a finalizer must not keep a peer alive.
+std::function<Status(const Status&)> AgentImpl::transfer_finalizer(
+    const std::shared_ptr<ControlChannel>& control, bool write, uint64_t total,
+    std::optional<std::string> notification) {
+  std::weak_ptr<ControlChannel> weak = control;
   StatsCounters* stats = &stats_;
-  TcpDataPool* stream = peer->tcp ? peer->tcp.get() : (write ? peer->unix_writes.get() : nullptr);
-  bool via_tcp = stream != nullptr;
-  std::optional<std::string> tcp_notification = via_tcp ? notification : std::nullopt;
-  auto finalizer = [weak, stats, total, write,
-                    tcp_notification = std::move(tcp_notification)](const Status& s) {
+  return [weak, stats, total, write, notification = std::move(notification)](const Status& s) {
     Status result = s;
-    if (result.ok() && tcp_notification) {
+    if (result.ok() && notification) {
       if (auto control = weak.lock()) {
-        result = control->notify(*tcp_notification);
+        result = control->notify(*notification);
       } else {
         result = Unavailable("peer gone before the notification was sent");
       }
@@ -504,17 +529,6 @@ Result<TransferHandle> AgentImpl::transfer(const std::string& peer_name,
     }
     return result;
   };
-  std::shared_ptr<TransferState> state;
-  if (!via_tcp) {
-    state = std::make_shared<TransferState>(description, 1);
-    state->set_finalizer(std::move(finalizer));
-    Status s = peer->shm->read(descriptors, deadline);
-    if (s.ok() && notification) s = peer->control->notify(*notification);
-    state->part_done(s.with_context(description));
-  } else {
-    state = stream->submit(descriptors, write, deadline, description, std::move(finalizer));
-  }
-  return TransferHandle(std::move(state));
 }
 
 Status AgentImpl::notify(const std::string& peer_name, std::string message) {

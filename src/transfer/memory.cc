@@ -77,6 +77,29 @@ std::string describe_access(bool write, uint64_t length, uint64_t offset, uint32
          std::to_string(offset) + " of region " + std::to_string(region) + " on agent " + agent;
 }
 
+Status check_announced_regions(std::span<const TransferDescriptor> descriptors,
+                               const std::vector<RegionInfo>& regions, bool write,
+                               const std::string& peer) {
+  for (size_t i = 0; i < descriptors.size(); ++i) {
+    const auto& d = descriptors[i];
+    for (const auto& r : regions) {
+      if (r.id != d.remote_region) continue;
+      auto what = [&] {
+        return "descriptor " + std::to_string(i) + ": " +
+               describe_access(write, d.length, d.remote_offset, d.remote_region, peer);
+      };
+      if (d.remote_offset > r.length || d.length > r.length - d.remote_offset) {
+        return OutOfRange(what() + ": outside the region's " + std::to_string(r.length) + " bytes");
+      }
+      if (write && !r.remote_write) {
+        return Status(StatusCode::kFailedPrecondition,
+                      what() + ": region is not remotely writable");
+      }
+    }
+  }
+  return Status::Ok();
+}
+
 LocalRegion RegionTable::add(std::shared_ptr<RegionEntry> entry) {
   std::lock_guard lock(mu_);
   entry->id = next_id_++;

@@ -5,6 +5,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -45,6 +46,14 @@ Status check_received_memfd(int fd, uint64_t length, const std::string& what);
 // "read 1638400 bytes at offset 96 of region 3 on agent e-0".
 std::string describe_access(bool write, uint64_t length, uint64_t offset, uint32_t region,
                             const std::string& agent);
+
+// Checks a batch against the regions agent `peer` announced, before any byte moves: a
+// descriptor naming an announced region lies inside it, and for a write that region is
+// remotely writable. (The peer re-checks each request, and alone checks regions it
+// added after announcing these.)
+Status check_announced_regions(std::span<const TransferDescriptor> descriptors,
+                               const std::vector<RegionInfo>& regions, bool write,
+                               const std::string& peer);
 
 class RegionTable {
  public:

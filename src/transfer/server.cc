@@ -26,6 +26,19 @@ std::string unique_socket_name(const std::string& agent) {
          std::to_string(counter.fetch_add(1));
 }
 
+// Reads and drops `length` bytes (a refused WRITE's data); false if the stream broke.
+bool drain(int fd, uint64_t length) {
+  std::vector<char> sink(std::min<uint64_t>(length, 1 << 20));
+  for (uint64_t left = length; left > 0;) {
+    uint64_t n = std::min<uint64_t>(left, sink.size());
+    if (!recv_all(fd, sink.data(), n, Deadline::after_ms(kReplyTimeoutMs), "drain WRITE").ok()) {
+      return false;
+    }
+    left -= n;
+  }
+  return true;
+}
+
 FrameHeader reply_header(FrameType type, uint64_t id) {
   FrameHeader h;
   h.type = static_cast<uint16_t>(type);
@@ -187,103 +200,19 @@ void Server::serve(Connection* connection) {
 bool Server::handle_frame(Connection* connection, const std::string& peer, Frame& frame) {
   int fd = connection->fd.get();
   const FrameHeader& h = frame.header;
-  Deadline reply_deadline = Deadline::never();  // data replies rely on the peer reading
   Capability capability;
   if (frame.payload.size() == capability.bytes.size()) {
     std::memcpy(capability.bytes.data(), frame.payload.data(), capability.bytes.size());
   }
   switch (static_cast<FrameType>(h.type)) {
-    case FrameType::kRead: {
-      auto region =
-          regions_->check_access(h.region, h.offset, h.length, /*write=*/false, peer, capability);
-      if (!region.ok()) {
-        stats_->rejected_requests++;
-        return send_error(fd, h.id, region.status()).ok();
-      }
-      FrameHeader reply = reply_header(FrameType::kReadData, h.id);
-      reply.length = h.length;
-      if (!send_frame(fd, reply, std::string(), reply_deadline).ok()) return false;
-      const std::byte* src = (*region)->data + h.offset;
-      uint64_t length = h.length;
-      uint64_t stall = config_.fault_stall_read_after_bytes;
-      if (stall > 0 && length > stall) {
-        send_all(fd, src, stall, reply_deadline, "send READ data").ignore_error();
-        std::unique_lock lock(mu_);
-        stop_cv_.wait(lock, [&] { return stopping_; });  // fault injection: hang until stopped
-        return false;
-      }
-      return send_all(fd, src, length, reply_deadline, "send READ data").ok();
-    }
-    case FrameType::kWrite: {
-      auto region =
-          regions_->check_access(h.region, h.offset, h.length, /*write=*/true, peer, capability);
-      if (!region.ok()) {
-        stats_->rejected_requests++;
-        if (h.length > kMaxDrainBytes) {
-          send_error(fd, h.id, region.status()).ignore_error();
-          return false;
-        }
-        std::vector<char> sink(std::min<uint64_t>(h.length, 1 << 20));
-        for (uint64_t left = h.length; left > 0;) {
-          uint64_t n = std::min<uint64_t>(left, sink.size());
-          if (!recv_all(fd, sink.data(), n, Deadline::after_ms(kReplyTimeoutMs), "drain WRITE")
-                   .ok()) {
-            return false;
-          }
-          left -= n;
-        }
-        return send_error(fd, h.id, region.status()).ok();
-      }
-      Status got = recv_all(fd, (*region)->data + h.offset, h.length, Deadline::never(),
-                            "receive WRITE data");
-      if (!got.ok()) return false;
-      return send_frame(fd, reply_header(FrameType::kWriteAck, h.id), std::string(),
-                        Deadline::after_ms(kReplyTimeoutMs))
-          .ok();
-    }
-    case FrameType::kRegionQuery: {
-      if (Status allowed = regions_->check_region_grant(h.region, peer, capability);
-          !allowed.ok()) {
-        stats_->rejected_requests++;
-        return send_error(fd, h.id, allowed).ok();
-      }
-      auto region = regions_->find(h.region);
-      if (!region) {
-        stats_->rejected_requests++;
-        return send_error(fd, h.id,
-                          NotFound("region " + std::to_string(h.region) + " on agent " +
-                                   config_.name + ": no such region"))
-            .ok();
-      }
-      FrameHeader reply = reply_header(FrameType::kRegionInfo, h.id);
-      reply.region = h.region;
-      reply.length = region->length;
-      if (region->access.remote_write) reply.flags |= kRegionRemoteWrite;
-      if (region->access.remote_read) reply.flags |= kRegionRemoteRead;
-      if (connection->unix_socket && region->memfd.valid()) {
-        reply.flags |= kRegionHasFd;
-        reply.magic = kFrameMagic;
-        return send_with_fd(fd, &reply, sizeof(reply), region->memfd.get()).ok();
-      }
-      return send_frame(fd, reply, std::string(), Deadline::after_ms(kReplyTimeoutMs)).ok();
-    }
-    case FrameType::kCall: {
-      Result<std::string> answer =
-          hooks_.handle_call
-              ? hooks_.handle_call(peer, frame.payload)
-              : Result<std::string>(Status(StatusCode::kFailedPrecondition,
-                                           "agent " + config_.name + " serves no calls"));
-      if (!answer.ok()) return send_error(fd, h.id, answer.status()).ok();
-      if (answer->size() > kMaxControlPayload) {
-        return send_error(fd, h.id,
-                          Internal("reply of " + std::to_string(answer->size()) +
-                                   " bytes exceeds the control payload limit"))
-            .ok();
-      }
-      return send_frame(fd, reply_header(FrameType::kCallReply, h.id), *answer,
-                        Deadline::after_ms(kReplyTimeoutMs))
-          .ok();
-    }
+    case FrameType::kRead:
+      return serve_read(fd, peer, h, capability);
+    case FrameType::kWrite:
+      return serve_write(fd, peer, h, capability);
+    case FrameType::kRegionQuery:
+      return serve_region_query(*connection, peer, h, capability);
+    case FrameType::kCall:
+      return serve_call(fd, peer, h, frame.payload);
     case FrameType::kNotify:
       stats_->notifications_received++;
       hooks_.deliver_notification(Notification{peer, std::move(frame.payload)});
@@ -296,6 +225,101 @@ bool Server::handle_frame(Connection* connection, const std::string& peer, Frame
           .ignore_error();
       return false;
   }
+}
+
+Result<std::shared_ptr<RegionEntry>> Server::accessible_region(const std::string& peer,
+                                                               const FrameHeader& h,
+                                                               const Capability& capability,
+                                                               bool write) {
+  auto region = regions_->check_access(h.region, h.offset, h.length, write, peer, capability);
+  if (!region.ok()) stats_->rejected_requests++;
+  return region;
+}
+
+bool Server::serve_read(int fd, const std::string& peer, const FrameHeader& h,
+                        const Capability& capability) {
+  auto region = accessible_region(peer, h, capability, /*write=*/false);
+  if (!region.ok()) return send_error(fd, h.id, region.status()).ok();
+  Deadline reply_deadline = Deadline::never();  // data replies rely on the peer reading
+  FrameHeader reply = reply_header(FrameType::kReadData, h.id);
+  reply.length = h.length;
+  if (!send_frame(fd, reply, std::string(), reply_deadline).ok()) return false;
+  const std::byte* src = (*region)->data + h.offset;
+  uint64_t stall = config_.fault_stall_read_after_bytes;
+  if (stall > 0 && h.length > stall) {
+    send_all(fd, src, stall, reply_deadline, "send READ data").ignore_error();
+    std::unique_lock lock(mu_);
+    stop_cv_.wait(lock, [&] { return stopping_; });  // fault injection: hang until stopped
+    return false;
+  }
+  return send_all(fd, src, h.length, reply_deadline, "send READ data").ok();
+}
+
+bool Server::serve_write(int fd, const std::string& peer, const FrameHeader& h,
+                         const Capability& capability) {
+  auto region = accessible_region(peer, h, capability, /*write=*/true);
+  if (!region.ok()) {
+    // The refused data is drained to keep the stream in sync, up to kMaxDrainBytes.
+    if (h.length > kMaxDrainBytes) {
+      send_error(fd, h.id, region.status()).ignore_error();
+      return false;
+    }
+    if (!drain(fd, h.length)) return false;
+    return send_error(fd, h.id, region.status()).ok();
+  }
+  Status got =
+      recv_all(fd, (*region)->data + h.offset, h.length, Deadline::never(), "receive WRITE data");
+  if (!got.ok()) return false;
+  return send_frame(fd, reply_header(FrameType::kWriteAck, h.id), std::string(),
+                    Deadline::after_ms(kReplyTimeoutMs))
+      .ok();
+}
+
+bool Server::serve_region_query(const Connection& connection, const std::string& peer,
+                                const FrameHeader& h, const Capability& capability) {
+  int fd = connection.fd.get();
+  if (Status allowed = regions_->check_region_grant(h.region, peer, capability); !allowed.ok()) {
+    stats_->rejected_requests++;
+    return send_error(fd, h.id, allowed).ok();
+  }
+  auto region = regions_->find(h.region);
+  if (!region) {
+    stats_->rejected_requests++;
+    return send_error(fd, h.id,
+                      NotFound("region " + std::to_string(h.region) + " on agent " + config_.name +
+                               ": no such region"))
+        .ok();
+  }
+  FrameHeader reply = reply_header(FrameType::kRegionInfo, h.id);
+  reply.region = h.region;
+  reply.length = region->length;
+  if (region->access.remote_write) reply.flags |= kRegionRemoteWrite;
+  if (region->access.remote_read) reply.flags |= kRegionRemoteRead;
+  if (connection.unix_socket && region->memfd.valid()) {
+    reply.flags |= kRegionHasFd;
+    reply.magic = kFrameMagic;
+    return send_with_fd(fd, &reply, sizeof(reply), region->memfd.get()).ok();
+  }
+  return send_frame(fd, reply, std::string(), Deadline::after_ms(kReplyTimeoutMs)).ok();
+}
+
+bool Server::serve_call(int fd, const std::string& peer, const FrameHeader& h,
+                        std::string_view payload) {
+  Result<std::string> answer =
+      hooks_.handle_call
+          ? hooks_.handle_call(peer, payload)
+          : Result<std::string>(Status(StatusCode::kFailedPrecondition,
+                                       "agent " + config_.name + " serves no calls"));
+  if (!answer.ok()) return send_error(fd, h.id, answer.status()).ok();
+  if (answer->size() > kMaxControlPayload) {
+    return send_error(fd, h.id,
+                      Internal("reply of " + std::to_string(answer->size()) +
+                               " bytes exceeds the control payload limit"))
+        .ok();
+  }
+  return send_frame(fd, reply_header(FrameType::kCallReply, h.id), *answer,
+                    Deadline::after_ms(kReplyTimeoutMs))
+      .ok();
 }
 
 }  // namespace ecx::transfer

@@ -54,6 +54,18 @@ class Server {
   void serve(Connection* connection);
   // Handles one request frame; returns false when the connection must close.
   bool handle_frame(Connection* connection, const std::string& peer, Frame& frame);
+  // The region a READ or WRITE `h` may access; a refusal counts as a rejected request.
+  Result<std::shared_ptr<RegionEntry>> accessible_region(const std::string& peer,
+                                                         const FrameHeader& h,
+                                                         const Capability& capability, bool write);
+  // One per request type, as handle_frame: false when the connection must close.
+  bool serve_read(int fd, const std::string& peer, const FrameHeader& h,
+                  const Capability& capability);
+  bool serve_write(int fd, const std::string& peer, const FrameHeader& h,
+                   const Capability& capability);
+  bool serve_region_query(const Connection& connection, const std::string& peer,
+                          const FrameHeader& h, const Capability& capability);
+  bool serve_call(int fd, const std::string& peer, const FrameHeader& h, std::string_view payload);
   void reap_finished();
 
   const AgentConfig config_;

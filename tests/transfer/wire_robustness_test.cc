@@ -16,6 +16,8 @@ namespace {
 
 using ecx::testing::local_config;
 
+constexpr uint16_t wire_type(FrameType type) { return static_cast<uint16_t>(type); }
+
 class WireRobustnessTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -45,6 +47,14 @@ class WireRobustnessTest : public ::testing::Test {
     auto c = recv_frame(fd, Deadline::after_ms(5000));
     ASSERT_TRUE(c.ok()) << c.status().to_string();
     ASSERT_EQ(c->header.type, static_cast<uint16_t>(FrameType::kChallenge));
+  }
+
+  // The server's answer, which must be an ERROR frame; stored in `error` if given.
+  void expect_error(int fd, Frame* error = nullptr) {
+    auto r = recv_frame(fd, Deadline::after_ms(10000));
+    ASSERT_TRUE(r.ok());
+    EXPECT_EQ(r->header.type, static_cast<uint16_t>(FrameType::kError));
+    if (error != nullptr) *error = std::move(*r);
   }
 
   // The server still serves a well-behaved agent.
@@ -80,15 +90,10 @@ TEST_F(WireRobustnessTest, GarbageBytesCloseTheConnection) {
 
 TEST_F(WireRobustnessTest, ReadBeforeHelloIsRefused) {
   UniqueFd fd = raw_connect();
-  FrameHeader h;
-  h.type = static_cast<uint16_t>(FrameType::kRead);
-  h.region = region_.id;
-  h.length = 16;
+  FrameHeader h{.type = wire_type(FrameType::kRead), .region = region_.id, .length = 16};
   expect_challenge(fd.get());
   ASSERT_TRUE(send_frame(fd.get(), h, "", Deadline::after_ms(5000)).ok());
-  auto r = recv_frame(fd.get(), Deadline::after_ms(10000));
-  ASSERT_TRUE(r.ok());
-  EXPECT_EQ(r->header.type, static_cast<uint16_t>(FrameType::kError));
+  ASSERT_NO_FATAL_FAILURE(expect_error(fd.get()));
   EXPECT_EQ(server_->stats().handshakes_rejected, 1u);
   expect_still_serving();
 }
@@ -96,15 +101,13 @@ TEST_F(WireRobustnessTest, ReadBeforeHelloIsRefused) {
 TEST_F(WireRobustnessTest, OversizedPayloadIsRefusedWithoutAllocating) {
   UniqueFd fd = raw_connect();
   hello(fd.get());
-  FrameHeader h;
-  h.magic = kFrameMagic;
-  h.type = static_cast<uint16_t>(FrameType::kCall);
-  h.payload_length = 0xFFFFFFF0u;  // 4 GiB claimed, never sent
+  FrameHeader h{.magic = kFrameMagic,
+                .type = wire_type(FrameType::kCall),
+                .payload_length = 0xFFFFFFF0u};  // 4 GiB claimed, never sent
   ASSERT_TRUE(send_all(fd.get(), &h, sizeof(h), Deadline::after_ms(5000), "header").ok());
-  auto r = recv_frame(fd.get(), Deadline::after_ms(10000));
-  ASSERT_TRUE(r.ok());
-  EXPECT_EQ(r->header.type, static_cast<uint16_t>(FrameType::kError));
-  EXPECT_NE(r->payload.find("exceeds the limit"), std::string::npos) << r->payload;
+  Frame error;
+  ASSERT_NO_FATAL_FAILURE(expect_error(fd.get(), &error));
+  EXPECT_NE(error.payload.find("exceeds the limit"), std::string::npos) << error.payload;
   EXPECT_GE(server_->stats().rejected_requests, 1u);
   expect_still_serving();
 }
@@ -113,23 +116,17 @@ TEST_F(WireRobustnessTest, BadReadAndWriteAreAnsweredAndTheStreamStaysInSync) {
   UniqueFd fd = raw_connect();
   hello(fd.get());
   // READ past the end of the region.
-  FrameHeader read;
-  read.type = static_cast<uint16_t>(FrameType::kRead);
-  read.id = 1;
-  read.region = region_.id;
-  read.offset = (1 << 20) - 4;
-  read.length = 8;
+  FrameHeader read{.type = wire_type(FrameType::kRead),
+                   .region = region_.id,
+                   .id = 1,
+                   .offset = (1 << 20) - 4,
+                   .length = 8};
   ASSERT_TRUE(send_frame(fd.get(), read, "", Deadline::after_ms(5000)).ok());
-  auto r1 = recv_frame(fd.get(), Deadline::after_ms(10000));
-  ASSERT_TRUE(r1.ok());
-  EXPECT_EQ(r1->header.type, static_cast<uint16_t>(FrameType::kError));
-  EXPECT_EQ(r1->header.status, static_cast<uint32_t>(StatusCode::kOutOfRange));
+  Frame r1;
+  ASSERT_NO_FATAL_FAILURE(expect_error(fd.get(), &r1));
+  EXPECT_EQ(r1.header.status, static_cast<uint32_t>(StatusCode::kOutOfRange));
   // WRITE to an unknown region, with its data: drained, answered.
-  FrameHeader write;
-  write.type = static_cast<uint16_t>(FrameType::kWrite);
-  write.id = 2;
-  write.region = 4242;
-  write.length = 1000;
+  FrameHeader write{.type = wire_type(FrameType::kWrite), .region = 4242, .id = 2, .length = 1000};
   std::string data(1000, 'd');
   ASSERT_TRUE(send_frame(fd.get(), write, "", Deadline::after_ms(5000)).ok());
   ASSERT_TRUE(send_all(fd.get(), data.data(), data.size(), Deadline::after_ms(5000), "data").ok());

@@ -55,27 +55,36 @@ struct Block {
   int d, ff;
 };
 
+// The data of tensor `name`, which must have `shape`.
+Result<const float*> resolve(const Weights& w, const std::string& name, const Shape& shape) {
+  ECX_ASSIGN_OR_RETURN(const Weights::Tensor* t, w.get(name, shape));
+  return t->data.data();
+}
+
 Result<Block> resolve_block(const Weights& w, const std::string& p, int d, int ff) {
   Block b{};
   b.d = d;
   b.ff = ff;
-  ECX_ASSIGN_OR_RETURN(auto t1, w.get(p + ".ln1.g", {d}));
-  ECX_ASSIGN_OR_RETURN(auto t2, w.get(p + ".ln1.b", {d}));
-  ECX_ASSIGN_OR_RETURN(auto t3, w.get(p + ".qkv", {d, 3 * d}));
-  ECX_ASSIGN_OR_RETURN(auto t4, w.get(p + ".out", {d, d}));
-  ECX_ASSIGN_OR_RETURN(auto t5, w.get(p + ".ln2.g", {d}));
-  ECX_ASSIGN_OR_RETURN(auto t6, w.get(p + ".ln2.b", {d}));
-  ECX_ASSIGN_OR_RETURN(auto t7, w.get(p + ".fc1", {d, ff}));
-  ECX_ASSIGN_OR_RETURN(auto t8, w.get(p + ".fc2", {ff, d}));
-  b.ln1_g = t1->data.data();
-  b.ln1_b = t2->data.data();
-  b.qkv = t3->data.data();
-  b.out = t4->data.data();
-  b.ln2_g = t5->data.data();
-  b.ln2_b = t6->data.data();
-  b.fc1 = t7->data.data();
-  b.fc2 = t8->data.data();
+  ECX_ASSIGN_OR_RETURN(b.ln1_g, resolve(w, p + ".ln1.g", {d}));
+  ECX_ASSIGN_OR_RETURN(b.ln1_b, resolve(w, p + ".ln1.b", {d}));
+  ECX_ASSIGN_OR_RETURN(b.qkv, resolve(w, p + ".qkv", {d, 3 * d}));
+  ECX_ASSIGN_OR_RETURN(b.out, resolve(w, p + ".out", {d, d}));
+  ECX_ASSIGN_OR_RETURN(b.ln2_g, resolve(w, p + ".ln2.g", {d}));
+  ECX_ASSIGN_OR_RETURN(b.ln2_b, resolve(w, p + ".ln2.b", {d}));
+  ECX_ASSIGN_OR_RETURN(b.fc1, resolve(w, p + ".fc1", {d, ff}));
+  ECX_ASSIGN_OR_RETURN(b.fc2, resolve(w, p + ".fc2", {ff, d}));
   return b;
+}
+
+// Blocks `prefix`0 .. `prefix`(count-1).
+Result<std::vector<Block>> resolve_blocks(const Weights& w, const std::string& prefix, int count,
+                                          int d, int ff) {
+  std::vector<Block> blocks;
+  for (int i = 0; i < count; ++i) {
+    ECX_ASSIGN_OR_RETURN(Block b, resolve_block(w, prefix + std::to_string(i), d, ff));
+    blocks.push_back(b);
+  }
+  return blocks;
 }
 
 // x [rows, d] in place. Keys/values of earlier positions may come from a cache (LM).
@@ -250,18 +259,11 @@ Result<std::unique_ptr<VisionEncoder>> VisionEncoder::create(const ModelConfig& 
   ops::use_single_thread();
   auto impl = std::make_unique<Impl>();
   impl->config = c;
-  ECX_ASSIGN_OR_RETURN(auto patch, w.get("vis.patch", {c.patch * c.patch * 3, c.vit_width}));
-  ECX_ASSIGN_OR_RETURN(auto merge,
-                       w.get("vis.merge", {c.merge * c.merge * c.vit_width, c.vit_width}));
-  ECX_ASSIGN_OR_RETURN(auto proj, w.get("vis.proj", {c.vit_width, c.embed_dim}));
-  impl->patch = patch->data.data();
-  impl->merge = merge->data.data();
-  impl->proj = proj->data.data();
-  for (int i = 0; i < c.vit_depth; ++i) {
-    ECX_ASSIGN_OR_RETURN(
-        Block b, resolve_block(w, "vis.blk" + std::to_string(i), c.vit_width, 4 * c.vit_width));
-    impl->blocks.push_back(b);
-  }
+  const int dv = c.vit_width;
+  ECX_ASSIGN_OR_RETURN(impl->patch, resolve(w, "vis.patch", {c.patch * c.patch * 3, dv}));
+  ECX_ASSIGN_OR_RETURN(impl->merge, resolve(w, "vis.merge", {c.merge * c.merge * dv, dv}));
+  ECX_ASSIGN_OR_RETURN(impl->proj, resolve(w, "vis.proj", {dv, c.embed_dim}));
+  ECX_ASSIGN_OR_RETURN(impl->blocks, resolve_blocks(w, "vis.blk", c.vit_depth, dv, 4 * dv));
   return std::unique_ptr<VisionEncoder>(new VisionEncoder(std::move(impl)));
 }
 
@@ -373,11 +375,51 @@ Status VisionEncoder::encode(const PreparedImage& image, std::span<std::byte> ou
 
 // ---------------------------------------------------------------- language model
 
+namespace {
+
+// Tokens of a prompt: BOS, one per text byte, an image's tokens.
+int64_t prompt_tokens(const std::vector<PromptPart>& prompt) {
+  int64_t tokens = 1;
+  for (const auto& part : prompt) {
+    tokens += part.image.empty() ? static_cast<int64_t>(part.text.size()) : part.image_tokens;
+  }
+  return tokens;
+}
+
+// Adds the sinusoidal encoding of position `pos` to `row` [d].
+void add_position(float* row, int64_t pos, int d) {
+  for (int i = 0; i < d; i += 2) {
+    double freq = std::pow(10000.0, -static_cast<double>(i) / d);
+    row[i] += static_cast<float>(std::sin(pos * freq));
+    if (i + 1 < d) row[i + 1] += static_cast<float>(std::cos(pos * freq));
+  }
+}
+
+// Keys and values of every position so far, per block.
+struct KvCache {
+  explicit KvCache(size_t blocks) : k(blocks), v(blocks) {}
+  std::vector<std::vector<float>> k, v;
+};
+
+}  // namespace
+
 struct LanguageModel::Impl {
   ModelConfig config;
   const float *embed = nullptr, *img_proj = nullptr, *ln_g = nullptr, *ln_b = nullptr,
               *head = nullptr;
   std::vector<Block> blocks;
+
+  // The prompt's embeddings [tokens, lm_width], positions not yet added.
+  Result<std::vector<float>> embed_prompt(const std::vector<PromptPart>& prompt) const;
+  // Appends an image's embeddings, projected to lm_width, to `x`.
+  Status embed_image(const PromptPart& part, std::vector<float>& x) const;
+  // Runs `rows` new positions `h` through every block, extending `cache`.
+  void forward(std::vector<float>& h, int rows, KvCache& cache) const;
+  // The greedy choice after hidden state `last`.
+  int next_token(const float* last, bool ignore_eos) const;
+  // Generates after the prompt's last hidden state; returns how many tokens it produced.
+  int decode(const float* last, int64_t pos, const GenerateOptions& options,
+             const std::function<bool(const std::string&)>& on_token, KvCache& cache) const;
 };
 
 LanguageModel::LanguageModel(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -388,37 +430,21 @@ Result<std::unique_ptr<LanguageModel>> LanguageModel::create(const ModelConfig& 
   ops::use_single_thread();
   auto impl = std::make_unique<Impl>();
   impl->config = c;
-  ECX_ASSIGN_OR_RETURN(auto embed, w.get("lm.embed", {kVocabSize, c.lm_width}));
-  ECX_ASSIGN_OR_RETURN(auto img, w.get("lm.img_proj", {c.embed_dim, c.lm_width}));
-  ECX_ASSIGN_OR_RETURN(auto g, w.get("lm.ln_f.g", {c.lm_width}));
-  ECX_ASSIGN_OR_RETURN(auto b, w.get("lm.ln_f.b", {c.lm_width}));
-  ECX_ASSIGN_OR_RETURN(auto head, w.get("lm.head", {c.lm_width, kVocabSize}));
-  impl->embed = embed->data.data();
-  impl->img_proj = img->data.data();
-  impl->ln_g = g->data.data();
-  impl->ln_b = b->data.data();
-  impl->head = head->data.data();
-  for (int i = 0; i < c.lm_layers; ++i) {
-    ECX_ASSIGN_OR_RETURN(Block blk,
-                         resolve_block(w, "lm.blk" + std::to_string(i), c.lm_width, c.lm_ff));
-    impl->blocks.push_back(blk);
-  }
+  const int d = c.lm_width;
+  ECX_ASSIGN_OR_RETURN(impl->embed, resolve(w, "lm.embed", {kVocabSize, d}));
+  ECX_ASSIGN_OR_RETURN(impl->img_proj, resolve(w, "lm.img_proj", {c.embed_dim, d}));
+  ECX_ASSIGN_OR_RETURN(impl->ln_g, resolve(w, "lm.ln_f.g", {d}));
+  ECX_ASSIGN_OR_RETURN(impl->ln_b, resolve(w, "lm.ln_f.b", {d}));
+  ECX_ASSIGN_OR_RETURN(impl->head, resolve(w, "lm.head", {d, kVocabSize}));
+  ECX_ASSIGN_OR_RETURN(impl->blocks, resolve_blocks(w, "lm.blk", c.lm_layers, d, c.lm_ff));
   return std::unique_ptr<LanguageModel>(new LanguageModel(std::move(impl)));
 }
 
-Result<int64_t> LanguageModel::generate(const std::vector<PromptPart>& prompt,
-                                        const GenerateOptions& options,
-                                        const std::function<bool(const std::string&)>& on_token,
-                                        int* generated, double* prefill_ms) const {
-  const ModelConfig& c = impl_->config;
-  const int d = c.lm_width;
-  auto t0 = std::chrono::steady_clock::now();
-  // Embed the prompt: BOS, text bytes, projected image embeddings.
+Result<std::vector<float>> LanguageModel::Impl::embed_prompt(
+    const std::vector<PromptPart>& prompt) const {
+  const int d = config.lm_width;
   // Check the length before allocating anything for it.
-  int64_t expected_len = 1;
-  for (const auto& part : prompt) {
-    expected_len += part.image.empty() ? static_cast<int64_t>(part.text.size()) : part.image_tokens;
-  }
+  int64_t expected_len = prompt_tokens(prompt);
   if (expected_len > kMaxPromptTokens) {
     return Status(StatusCode::kResourceExhausted, "prompt of " + std::to_string(expected_len) +
                                                       " tokens exceeds " +
@@ -426,16 +452,9 @@ Result<int64_t> LanguageModel::generate(const std::vector<PromptPart>& prompt,
   }
   std::vector<float> x;
   x.reserve(static_cast<size_t>(expected_len) * d);
-  auto add_position = [&](float* row, int64_t pos) {
-    for (int i = 0; i < d; i += 2) {
-      double freq = std::pow(10000.0, -static_cast<double>(i) / d);
-      row[i] += static_cast<float>(std::sin(pos * freq));
-      if (i + 1 < d) row[i + 1] += static_cast<float>(std::cos(pos * freq));
-    }
-  };
   auto push_token = [&](int tok) {
-    x.insert(x.end(), impl_->embed + static_cast<size_t>(tok) * d,
-             impl_->embed + static_cast<size_t>(tok + 1) * d);
+    x.insert(x.end(), embed + static_cast<size_t>(tok) * d,
+             embed + static_cast<size_t>(tok + 1) * d);
   };
   push_token(kBosToken);
   for (const auto& part : prompt) {
@@ -443,58 +462,82 @@ Result<int64_t> LanguageModel::generate(const std::vector<PromptPart>& prompt,
       for (unsigned char ch : part.text) push_token(ch);
       continue;
     }
-    if (part.image.size() != static_cast<size_t>(part.image_tokens) * c.embed_dim * 2) {
-      return InvalidArgument("image embedding of " + std::to_string(part.image.size()) +
-                             " bytes for " + std::to_string(part.image_tokens) + " tokens");
-    }
-    std::vector<float> img(static_cast<size_t>(part.image_tokens) * c.embed_dim);
-    const auto* src = reinterpret_cast<const uint16_t*>(part.image.data());
-    for (size_t i = 0; i < img.size(); ++i) img[i] = bf16_to_float(src[i]);
-    size_t base = x.size();
-    x.resize(base + static_cast<size_t>(part.image_tokens) * d);
-    ops::matmul(img.data(), impl_->img_proj, x.data() + base, static_cast<int>(part.image_tokens),
-                c.embed_dim, d);
+    ECX_RETURN_IF_ERROR(embed_image(part, x));
   }
-  const int64_t prompt_len = static_cast<int64_t>(x.size() / d);
+  return x;
+}
 
-  for (int64_t pos = 0; pos < prompt_len; ++pos) add_position(x.data() + pos * d, pos);
+Status LanguageModel::Impl::embed_image(const PromptPart& part, std::vector<float>& x) const {
+  const int d = config.lm_width;
+  if (part.image.size() != static_cast<size_t>(part.image_tokens) * config.embed_dim * 2) {
+    return InvalidArgument("image embedding of " + std::to_string(part.image.size()) +
+                           " bytes for " + std::to_string(part.image_tokens) + " tokens");
+  }
+  std::vector<float> img(static_cast<size_t>(part.image_tokens) * config.embed_dim);
+  const auto* src = reinterpret_cast<const uint16_t*>(part.image.data());
+  for (size_t i = 0; i < img.size(); ++i) img[i] = bf16_to_float(src[i]);
+  size_t base = x.size();
+  x.resize(base + static_cast<size_t>(part.image_tokens) * d);
+  ops::matmul(img.data(), img_proj, x.data() + base, static_cast<int>(part.image_tokens),
+              config.embed_dim, d);
+  return Status::Ok();
+}
 
-  std::vector<std::vector<float>> k_cache(impl_->blocks.size()), v_cache(impl_->blocks.size());
-  auto forward = [&](std::vector<float>& h, int rows) {
-    for (size_t l = 0; l < impl_->blocks.size(); ++l) {
-      run_block(impl_->blocks[l], h, rows, c.lm_heads, true, &k_cache[l], &v_cache[l]);
-    }
-  };
-  auto next_token = [&](const float* last) {
-    std::vector<float> h(last, last + d);
-    ops::layer_norm(h.data(), 1, d, impl_->ln_g, impl_->ln_b);
-    std::vector<float> logits(kVocabSize);
-    ops::matmul(h.data(), impl_->head, logits.data(), 1, d, kVocabSize);
-    // Printable ASCII only (the byte tokenizer never emits broken UTF-8), plus EOS.
-    int best = -1;
-    for (int t = 32; t <= 126; ++t) {
-      if (best < 0 || logits[t] > logits[best]) best = t;
-    }
-    if (!options.ignore_eos && logits[kEosToken] > logits[best]) best = kEosToken;
-    return best;
-  };
-  forward(x, static_cast<int>(prompt_len));
-  if (prefill_ms)
-    *prefill_ms =
-        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+void LanguageModel::Impl::forward(std::vector<float>& h, int rows, KvCache& cache) const {
+  for (size_t l = 0; l < blocks.size(); ++l) {
+    run_block(blocks[l], h, rows, config.lm_heads, true, &cache.k[l], &cache.v[l]);
+  }
+}
+
+int LanguageModel::Impl::next_token(const float* last, bool ignore_eos) const {
+  const int d = config.lm_width;
+  std::vector<float> h(last, last + d);
+  ops::layer_norm(h.data(), 1, d, ln_g, ln_b);
+  std::vector<float> logits(kVocabSize);
+  ops::matmul(h.data(), head, logits.data(), 1, d, kVocabSize);
+  // Printable ASCII only (the byte tokenizer never emits broken UTF-8), plus EOS.
+  int best = -1;
+  for (int t = 32; t <= 126; ++t) {
+    if (best < 0 || logits[t] > logits[best]) best = t;
+  }
+  if (!ignore_eos && logits[kEosToken] > logits[best]) best = kEosToken;
+  return best;
+}
+
+int LanguageModel::Impl::decode(const float* last, int64_t pos, const GenerateOptions& options,
+                                const std::function<bool(const std::string&)>& on_token,
+                                KvCache& cache) const {
+  const int d = config.lm_width;
   int count = 0;
-  int tok = next_token(x.data() + (prompt_len - 1) * d);
-  int64_t pos = prompt_len;
+  int tok = next_token(last, options.ignore_eos);
   while (count < options.max_tokens && tok != kEosToken) {
     ++count;
     if (!on_token(std::string(1, static_cast<char>(tok)))) break;
     if (count == options.max_tokens) break;
-    std::vector<float> h(impl_->embed + static_cast<size_t>(tok) * d,
-                         impl_->embed + static_cast<size_t>(tok + 1) * d);
-    add_position(h.data(), pos++);
-    forward(h, 1);
-    tok = next_token(h.data());
+    std::vector<float> h(embed + static_cast<size_t>(tok) * d,
+                         embed + static_cast<size_t>(tok + 1) * d);
+    add_position(h.data(), pos++, d);
+    forward(h, 1, cache);
+    tok = next_token(h.data(), options.ignore_eos);
   }
+  return count;
+}
+
+Result<int64_t> LanguageModel::generate(const std::vector<PromptPart>& prompt,
+                                        const GenerateOptions& options,
+                                        const std::function<bool(const std::string&)>& on_token,
+                                        int* generated, double* prefill_ms) const {
+  const int d = impl_->config.lm_width;
+  auto t0 = std::chrono::steady_clock::now();
+  ECX_ASSIGN_OR_RETURN(std::vector<float> x, impl_->embed_prompt(prompt));
+  const int64_t prompt_len = static_cast<int64_t>(x.size() / d);
+  for (int64_t pos = 0; pos < prompt_len; ++pos) add_position(x.data() + pos * d, pos, d);
+  KvCache cache(impl_->blocks.size());
+  impl_->forward(x, static_cast<int>(prompt_len), cache);
+  if (prefill_ms)
+    *prefill_ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  int count = impl_->decode(x.data() + (prompt_len - 1) * d, prompt_len, options, on_token, cache);
   if (generated) *generated = count;
   return prompt_len;
 }

@@ -55,18 +55,12 @@ class Producer {
   Subprocess process_;
 };
 
-ConnectorRow run_one(const ConnectorBenchOptions& o, const std::string& exe,
-                     const std::string& name, int index, const std::string& security) {
-  ConnectorRow row;
-  row.connector = name;
-  row.security = security;
-  row.items = o.items;
-  row.item_bytes = o.item_bytes;
-  row.requests = o.requests;
+// The config both sides share: pool, timeouts, the connector's own settings, security.
+json connector_extra(const ConnectorBenchOptions& o, const std::string& name,
+                     const std::string& tag, const std::filesystem::path& disk_root,
+                     const std::string& security) {
   auto colon = name.find(':');
   std::string kind = name.substr(0, colon);
-  std::string tag = std::to_string(::getpid()) + "-" + std::to_string(index);
-  auto root = std::filesystem::temp_directory_path() / ("ecx-bench-disk-" + tag);
   uint64_t pool = std::max<uint64_t>(64ull << 20, 8ull * o.items * (o.item_bytes + 4096));
   json extra = {{"pool_bytes", pool}, {"load_timeout_ms", 30000}, {"compat_hash", "bench"}};
   if (kind == "p2p") {
@@ -74,7 +68,7 @@ ConnectorRow run_one(const ConnectorBenchOptions& o, const std::string& exe,
     extra["backend"] = o.backend;
   }
   if (kind == "disk") {
-    extra["root"] = root.string();
+    extra["root"] = disk_root.string();
     extra["delete_on_release"] = true;
   }
   if (kind == "store") extra["redis"] = o.redis;
@@ -83,92 +77,135 @@ ConnectorRow run_one(const ConnectorBenchOptions& o, const std::string& exe,
   } else {
     extra["require_grants"] = false;
   }
-  json producer_extra = extra;
-  producer_extra["engine_id"] = "bench-e-" + tag;
-  auto producer =
-      Producer::start(exe, {{"connector", kind}, {"role", "producer"}, {"extra", producer_extra}});
-  if (!producer.ok()) {
-    row.error = producer.status().message();
-    return row;
-  }
-  connector::ConnectorConfig cc;
-  cc.connector = kind;
-  cc.role = connector::Role::kConsumer;
-  cc.extra = extra;
-  cc.extra["engine_id"] = "bench-pd-" + tag;
-  cc.extra["failure_policy"] = "fail";
-  auto consumer = connector::create_connector(cc);
-  if (!consumer.ok()) {
-    row.error = consumer.status().message();
-    return row;
-  }
-  // Items of the seed's geometry when sizes allow: bf16 [tokens, 2048].
-  TensorMeta meta = o.item_bytes % 4096 == 0
-                        ? TensorMeta{DType::kBF16, {int64_t(o.item_bytes / 4096), 2048}}
-                        : TensorMeta{DType::kU8, {int64_t(o.item_bytes)}};
+  return extra;
+}
+
+// Items of the seed's geometry when sizes allow: bf16 [tokens, 2048].
+TensorMeta item_meta(uint64_t item_bytes) {
+  return item_bytes % 4096 == 0 ? TensorMeta{DType::kBF16, {int64_t(item_bytes / 4096), 2048}}
+                                : TensorMeta{DType::kU8, {int64_t(item_bytes)}};
+}
+
+// "d0,d1,...", as the producer's save command takes a shape.
+std::string dims_text(const TensorMeta& meta) {
   std::string dims;
   for (size_t i = 0; i < meta.shape.size(); ++i) {
     // Appended piecewise: `"," + std::to_string(...)` trips GCC 12's false -Wrestrict at -O3.
     if (i > 0) dims += ',';
     dims += std::to_string(meta.shape[i]);
   }
+  return dims;
+}
+
+// One request of the measurement: its items saved on the producer (item i filled with
+// the pattern of seeds[i]), and the load request that names them.
+struct BenchRequest {
+  connector::LoadRequest load;
+  std::vector<uint64_t> seeds;
+};
+
+Result<BenchRequest> save_request(Producer& producer, int items, const TensorMeta& meta,
+                                  const std::string& tag, int r) {
+  BenchRequest req;
+  req.load.request_id = "bench-" + std::to_string(r);
+  for (int i = 0; i < items; ++i) {
+    MmHash h = MmHash::sha256_of({"bench", tag, std::to_string(r), std::to_string(i)});
+    uint64_t seed = 1000003ull * r + i;
+    ECX_ASSIGN_OR_RETURN(
+        std::string saved,
+        producer.command("save " + h.str() + " " + std::to_string(seed) + " " +
+                         std::string(dtype_name(meta.dtype)) + " " + dims_text(meta)));
+    ECX_ASSIGN_OR_RETURN(auto params,
+                         EcTransferParams::from_json(json::parse(saved, nullptr, false)));
+    req.load.items.push_back({h, meta, params});
+    req.seeds.push_back(seed);
+  }
+  return req;
+}
+
+// Loads `req` and returns how long the load took; checks the bytes outside that time.
+Result<int64_t> timed_load(connector::EcConnector& consumer, const BenchRequest& req, int r) {
+  auto t0 = Clock::now();
+  auto out = consumer.load(req.load, Deadline::after_ms(30000));
+  auto elapsed = std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();
+  // The row shows a failed load with its code.
+  if (!out.status.ok()) return Status(out.status.code(), out.status.to_string());
+  std::vector<std::byte> expected(req.load.items.front().meta.byte_size());
+  for (size_t i = 0; i < req.seeds.size(); ++i) {
+    fill_pattern(expected.data(), expected.size(), req.seeds[i]);
+    auto ref = consumer.loaded(req.load.request_id, req.load.items[i].mm_hash);
+    if (!ref.ok() || std::memcmp(ref->payload(), expected.data(), expected.size()) != 0) {
+      return Status(StatusCode::kDataLoss, "wrong bytes for item " + std::to_string(i) +
+                                               " of request " + std::to_string(r));
+    }
+  }
+  return elapsed;
+}
+
+// Per-request load latencies in nanoseconds, after 3 untimed warm-up requests.
+Result<std::vector<int64_t>> time_requests(const ConnectorBenchOptions& o, Producer& producer,
+                                           connector::EcConnector& consumer,
+                                           const std::string& tag) {
+  const int warmup = 3;
+  const TensorMeta meta = item_meta(o.item_bytes);
   std::vector<int64_t> samples;
-  std::vector<std::byte> expected(meta.byte_size());
-  int warmup = 3;
   for (int r = 0; r < o.requests + warmup; ++r) {
-    connector::LoadRequest req;
-    req.request_id = "bench-" + std::to_string(r);
-    std::vector<uint64_t> seeds;
-    for (int i = 0; i < o.items; ++i) {
-      MmHash h = MmHash::sha256_of({"bench", tag, std::to_string(r), std::to_string(i)});
-      uint64_t seed = 1000003ull * r + i;
-      auto saved = producer->command("save " + h.str() + " " + std::to_string(seed) + " " +
-                                     std::string(dtype_name(meta.dtype)) + " " + dims);
-      if (!saved.ok()) {
-        row.error = saved.status().message();
-        return row;
-      }
-      auto params = EcTransferParams::from_json(json::parse(*saved, nullptr, false));
-      if (!params.ok()) {
-        row.error = params.status().message();
-        return row;
-      }
-      req.items.push_back({h, meta, *params});
-      seeds.push_back(seed);
-    }
-    auto t0 = Clock::now();
-    auto out = (*consumer)->load(req, Deadline::after_ms(30000));
-    auto elapsed = std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();
-    if (!out.status.ok()) {
-      row.error = out.status.to_string();
-      return row;
-    }
-    // Verify outside the timed region.
-    for (int i = 0; i < o.items; ++i) {
-      fill_pattern(expected.data(), expected.size(), seeds[i]);
-      auto ref = (*consumer)->loaded(req.request_id, req.items[i].mm_hash);
-      if (!ref.ok() || std::memcmp(ref->payload(), expected.data(), expected.size()) != 0) {
-        row.error =
-            "wrong bytes for item " + std::to_string(i) + " of request " + std::to_string(r);
-        return row;
-      }
-    }
-    (*consumer)->request_finished(req.request_id);
+    ECX_ASSIGN_OR_RETURN(BenchRequest req, save_request(producer, o.items, meta, tag, r));
+    ECX_ASSIGN_OR_RETURN(int64_t elapsed, timed_load(consumer, req, r));
+    consumer.request_finished(req.load.request_id);
     if (r >= warmup) samples.push_back(elapsed);
   }
+  return samples;
+}
+
+// The producer pool's bytes used per payload byte (p2p), 0 where it reports none.
+double producer_pool_overhead(Producer& producer) {
+  auto stats = producer.command("stats");
+  if (!stats.ok()) return 0;
+  json j = json::parse(*stats, nullptr, false);
+  if (j.is_discarded() || !j.contains("producer_pool")) return 0;
+  return j["producer_pool"]["bytes_used_per_payload_byte"].get<double>();
+}
+
+// One connector's row: a producer process and a consumer here, `requests` timed loads.
+Status measure(const ConnectorBenchOptions& o, const std::string& exe, const json& extra,
+               const std::string& tag, ConnectorRow& row) {
+  std::string kind = row.connector.substr(0, row.connector.find(':'));
+  json producer_extra = extra;
+  producer_extra["engine_id"] = "bench-e-" + tag;
+  ECX_ASSIGN_OR_RETURN(
+      Producer producer,
+      Producer::start(exe, {{"connector", kind}, {"role", "producer"}, {"extra", producer_extra}}));
+  connector::ConnectorConfig cc;
+  cc.connector = kind;
+  cc.role = connector::Role::kConsumer;
+  cc.extra = extra;
+  cc.extra["engine_id"] = "bench-pd-" + tag;
+  cc.extra["failure_policy"] = "fail";
+  ECX_ASSIGN_OR_RETURN(auto consumer, connector::create_connector(cc));
+  ECX_ASSIGN_OR_RETURN(auto samples, time_requests(o, producer, *consumer, tag));
   LatencySummary s = summarize(samples);
   row.p50_us = s.p50_us;
   row.p99_us = s.p99_us;
   row.mean_us = s.mean_us;
   row.gbps = gbps(o.item_bytes * o.items * static_cast<uint64_t>(o.requests), s.total_seconds);
-  row.control_rtts_per_item = control_rtts(name);
-  if (auto stats = producer->command("stats"); stats.ok()) {
-    json j = json::parse(*stats, nullptr, false);
-    if (!j.is_discarded() && j.contains("producer_pool")) {
-      row.bytes_used_per_payload_byte =
-          j["producer_pool"]["bytes_used_per_payload_byte"].get<double>();
-    }
-  }
+  row.control_rtts_per_item = control_rtts(row.connector);
+  row.bytes_used_per_payload_byte = producer_pool_overhead(producer);
+  return Status::Ok();
+}
+
+ConnectorRow run_one(const ConnectorBenchOptions& o, const std::string& exe,
+                     const std::string& name, int index, const std::string& security) {
+  ConnectorRow row;
+  row.connector = name;
+  row.security = security;
+  row.items = o.items;
+  row.item_bytes = o.item_bytes;
+  row.requests = o.requests;
+  std::string tag = std::to_string(::getpid()) + "-" + std::to_string(index);
+  auto root = std::filesystem::temp_directory_path() / ("ecx-bench-disk-" + tag);
+  Status measured = measure(o, exe, connector_extra(o, name, tag, root, security), tag, row);
+  if (!measured.ok()) row.error = measured.message();
   std::error_code ec;
   std::filesystem::remove_all(root, ec);
   return row;

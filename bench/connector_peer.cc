@@ -35,6 +35,120 @@ void reply_ok(const std::string& payload = "") {
   std::cout << "ok" << (payload.empty() ? "" : " " + payload) << std::endl;
 }
 
+// The peer's state across commands; each command answers one line.
+class ConnectorPeer {
+ public:
+  explicit ConnectorPeer(std::unique_ptr<EcConnector> conn) : conn_(std::move(conn)) {}
+
+  // Runs one command line; false once it is "quit".
+  bool run_command(const std::string& line);
+
+ private:
+  void save(std::stringstream& args, bool commit);
+  void commit(std::stringstream& args);
+  void read(std::stringstream& args);
+  Status read_block(const connector::EcTransferParams& params);
+
+  std::unique_ptr<EcConnector> conn_;
+  std::unique_ptr<transfer::Agent> reader_;  // for "read": a bare consumer agent
+  std::map<std::string, connector::SaveSlot> begun_;
+};
+
+bool ConnectorPeer::run_command(const std::string& line) {
+  std::stringstream ss(line);
+  std::string cmd;
+  ss >> cmd;
+  try {
+    if (cmd == "save" || cmd == "begin") {
+      save(ss, cmd == "save");
+    } else if (cmd == "commit") {
+      commit(ss);
+    } else if (cmd == "read") {
+      read(ss);
+    } else if (cmd == "stats") {
+      reply_ok(connector::to_json(conn_->stats()).dump());
+    } else if (cmd == "wait-unpinned") {
+      int64_t ms = 0;
+      ss >> ms;
+      Status s = conn_->wait_for_readers(Deadline::after_ms(ms));
+      s.ok() ? reply_ok() : reply(s);
+    } else if (cmd == "quit") {
+      return false;
+    } else if (!cmd.empty()) {
+      reply(InvalidArgument("unknown command '" + cmd + "'"));
+    }
+  } catch (const std::exception& e) {
+    reply(InvalidArgument(std::string("bad command: ") + e.what()));
+  }
+  return true;
+}
+
+// save <mm_hash> <seed> <dtype> <dims> (commit = true), or begin <mm_hash> <dtype> <dims>.
+void ConnectorPeer::save(std::stringstream& args, bool commit) {
+  std::string hash, dtype, dims;
+  uint64_t seed = 0;
+  args >> hash;
+  if (commit) args >> seed;
+  args >> dtype >> dims;
+  auto mm_hash = MmHash::parse(hash);
+  auto meta = mm_hash.ok() ? parse_meta(dtype, dims) : Result<TensorMeta>(mm_hash.status());
+  if (!meta.ok()) return reply(meta.status());
+  auto slot = conn_->begin_save(*mm_hash, *meta);
+  if (commit && slot.status().code() == StatusCode::kAlreadyExists) {
+    // Saved before: fresh params for it, as an encoder answers a repeated image.
+    auto again = conn_->saved_params(*mm_hash);
+    return again.ok() ? reply_ok(again->to_json().dump()) : reply(again.status());
+  }
+  if (!slot.ok()) return reply(slot.status());
+  if (!commit) {
+    begun_[hash] = *slot;
+    return reply_ok();
+  }
+  fill_pattern(slot->payload.data(), slot->payload.size(), seed);
+  auto params = conn_->commit_save(*slot);
+  params.ok() ? reply_ok(params->to_json().dump()) : reply(params.status());
+}
+
+// commit <mm_hash> <seed>: fills and commits an entry begun before.
+void ConnectorPeer::commit(std::stringstream& args) {
+  std::string hash;
+  uint64_t seed = 0;
+  args >> hash >> seed;
+  auto it = begun_.find(hash);
+  if (it == begun_.end()) return reply(NotFound("nothing begun for " + hash));
+  fill_pattern(it->second.payload.data(), it->second.payload.size(), seed);
+  auto params = conn_->commit_save(it->second);
+  begun_.erase(it);
+  params.ok() ? reply_ok(params->to_json().dump()) : reply(params.status());
+}
+
+// read <params-json>: READs the block as a bare consumer agent, without releasing it.
+void ConnectorPeer::read(std::stringstream& args) {
+  std::string rest;
+  std::getline(args, rest);
+  auto params = connector::EcTransferParams::from_json(json::parse(rest, nullptr, false));
+  if (!params.ok()) return reply(params.status());
+  Status s = read_block(*params);
+  s.ok() ? reply_ok() : reply(s);
+}
+
+Status ConnectorPeer::read_block(const connector::EcTransferParams& params) {
+  if (!reader_) {
+    transfer::AgentConfig ac;
+    ac.name = "bare-reader";
+    ac.compat_hash = params.compat_hash;
+    reader_ = std::move(transfer::Agent::create(ac).value());
+  }
+  ECX_ASSIGN_OR_RETURN(auto meta, transfer::AgentMetadata::parse(params.agent));
+  ECX_RETURN_IF_ERROR(reader_->connect(meta).status());
+  std::vector<std::byte> buf(params.length);
+  auto cap = transfer::Capability::parse_hex(params.capability);
+  transfer::TransferDescriptor d{buf.data(), params.region, params.offset, params.length,
+                                 cap.ok() ? *cap : transfer::Capability{}};
+  ECX_ASSIGN_OR_RETURN(auto h, reader_->read(params.engine_id, {&d, 1}));
+  return h.wait(Deadline::after_ms(10000));
+}
+
 }  // namespace
 
 int run_connector_peer(const std::string& config_json) {
@@ -50,101 +164,11 @@ int run_connector_peer(const std::string& config_json) {
     std::cerr << "connector peer: " << created.status().to_string() << "\n";
     return 1;
   }
-  std::unique_ptr<EcConnector> conn = std::move(*created);
-  std::unique_ptr<transfer::Agent> reader;  // for "read": a bare consumer agent
-  std::map<std::string, connector::SaveSlot> begun;
-  reply_ok(conn->name());  // ready
-
+  std::string name = (*created)->name();
+  ConnectorPeer peer(std::move(*created));
+  reply_ok(name);  // ready
   std::string line;
-  while (std::getline(std::cin, line)) {
-    std::stringstream ss(line);
-    std::string cmd;
-    ss >> cmd;
-    try {
-      if (cmd == "save" || cmd == "begin") {
-        std::string hash, dtype, dims;
-        uint64_t seed = 0;
-        ss >> hash;
-        if (cmd == "save") ss >> seed;
-        ss >> dtype >> dims;
-        auto mm_hash = MmHash::parse(hash);
-        auto meta = mm_hash.ok() ? parse_meta(dtype, dims) : Result<TensorMeta>(mm_hash.status());
-        if (!meta.ok()) {
-          reply(meta.status());
-          continue;
-        }
-        auto slot = conn->begin_save(*mm_hash, *meta);
-        if (cmd == "save" && slot.status().code() == StatusCode::kAlreadyExists) {
-          // Saved before: fresh params for it, as an encoder answers a repeated image.
-          auto again = conn->saved_params(*mm_hash);
-          again.ok() ? reply_ok(again->to_json().dump()) : reply(again.status());
-          continue;
-        }
-        if (!slot.ok()) {
-          reply(slot.status());
-          continue;
-        }
-        if (cmd == "begin") {
-          begun[hash] = *slot;
-          reply_ok();
-          continue;
-        }
-        fill_pattern(slot->payload.data(), slot->payload.size(), seed);
-        auto params = conn->commit_save(*slot);
-        params.ok() ? reply_ok(params->to_json().dump()) : reply(params.status());
-      } else if (cmd == "commit") {
-        std::string hash;
-        uint64_t seed = 0;
-        ss >> hash >> seed;
-        auto it = begun.find(hash);
-        if (it == begun.end()) {
-          reply(NotFound("nothing begun for " + hash));
-          continue;
-        }
-        fill_pattern(it->second.payload.data(), it->second.payload.size(), seed);
-        auto params = conn->commit_save(it->second);
-        begun.erase(it);
-        params.ok() ? reply_ok(params->to_json().dump()) : reply(params.status());
-      } else if (cmd == "read") {
-        std::string rest;
-        std::getline(ss, rest);
-        auto params = connector::EcTransferParams::from_json(json::parse(rest, nullptr, false));
-        if (!params.ok()) {
-          reply(params.status());
-          continue;
-        }
-        if (!reader) {
-          transfer::AgentConfig ac;
-          ac.name = "bare-reader";
-          ac.compat_hash = params->compat_hash;
-          reader = std::move(transfer::Agent::create(ac).value());
-        }
-        auto meta = transfer::AgentMetadata::parse(params->agent);
-        Status s = meta.ok() ? reader->connect(*meta).status() : meta.status();
-        std::vector<std::byte> buf(params->length);
-        if (s.ok()) {
-          auto cap = transfer::Capability::parse_hex(params->capability);
-          transfer::TransferDescriptor d{buf.data(), params->region, params->offset, params->length,
-                                         cap.ok() ? *cap : transfer::Capability{}};
-          auto h = reader->read(params->engine_id, {&d, 1});
-          s = h.ok() ? h->wait(Deadline::after_ms(10000)) : h.status();
-        }
-        s.ok() ? reply_ok() : reply(s);
-      } else if (cmd == "stats") {
-        reply_ok(connector::to_json(conn->stats()).dump());
-      } else if (cmd == "wait-unpinned") {
-        int64_t ms = 0;
-        ss >> ms;
-        Status s = conn->wait_for_readers(Deadline::after_ms(ms));
-        s.ok() ? reply_ok() : reply(s);
-      } else if (cmd == "quit" || cmd.empty()) {
-        if (cmd == "quit") break;
-      } else {
-        reply(InvalidArgument("unknown command '" + cmd + "'"));
-      }
-    } catch (const std::exception& e) {
-      reply(InvalidArgument(std::string("bad command: ") + e.what()));
-    }
+  while (std::getline(std::cin, line) && peer.run_command(line)) {
   }
   return 0;
 }

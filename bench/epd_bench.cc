@@ -33,12 +33,6 @@ struct EpdOptions {
   std::string json_path;
 };
 
-std::string self_exe() {
-  char buf[4096] = {};
-  ssize_t n = ::readlink("/proc/self/exe", buf, sizeof(buf) - 1);
-  return n > 0 ? std::string(buf, static_cast<size_t>(n)) : "ecx";
-}
-
 struct Proc {
   std::optional<Subprocess> p;
   std::string url;
@@ -62,7 +56,7 @@ struct StackProcs {
 // Starts proxy + E + PD (PD alone for local) for `connector`.
 Status start_stack(const std::string& connector, const std::string& pool_bytes,
                    const std::string& redis, const std::filesystem::path& dir, StackProcs& s) {
-  const std::string exe = self_exe();
+  const std::string exe = current_executable();
   bool local = connector == "local";
   serve::use_new_stack_secret();  // each stack's E and PD share a secret of their own
   json ec = {{"connector", connector.substr(0, connector.find(':'))},
@@ -91,7 +85,7 @@ Status start_stack(const std::string& connector, const std::string& pool_bytes,
 
 Result<json> run_connector(const EpdOptions& o, const std::string& connector,
                            const std::filesystem::path& dir) {
-  const std::string exe = self_exe();
+  const std::string exe = current_executable();
   StackProcs stack;
   ECX_RETURN_IF_ERROR(start_stack(connector, o.pool_bytes, o.redis, dir, stack));
   Proc& proxy = stack.proxy;

@@ -8,8 +8,10 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <random>
 #include <thread>
 
@@ -114,39 +116,32 @@ Sample run_one(const std::string& host, int port, const std::string& body, Clock
   return s;
 }
 
-}  // namespace
+// host:port of --base-url ("http://host:port[/v1][/]"); nullopt if it names no port.
+struct Target {
+  std::string host;
+  int port = 0;
+};
 
-int run_serve_bench(const ServeBenchOptions& o) {
-  std::string rest = o.base_url;
+std::optional<Target> parse_base_url(const std::string& base_url) {
+  std::string rest = base_url;
   if (rest.rfind("http://", 0) == 0) rest = rest.substr(7);
   while (!rest.empty() && rest.back() == '/') rest.pop_back();
   if (rest.size() > 3 && rest.substr(rest.size() - 3) == "/v1") rest.resize(rest.size() - 3);
   auto colon = rest.rfind(':');
-  if (colon == std::string::npos || o.num_prompts < 1 || o.output_len < 1 || o.input_len < 0) {
-    std::fprintf(
-        stderr,
-        "bench serve: need --base-url http://host:port, --num-prompts >= 1, --output-len >= 1\n");
-    return 2;
-  }
-  std::string host = rest.substr(0, colon);
-  int port = std::atoi(rest.substr(colon + 1).c_str());
-  double rate = o.request_rate == "inf" ? 0 : std::atof(o.request_rate.c_str());
-  if (o.request_rate != "inf" && rate <= 0) {
-    std::fprintf(stderr, "bench serve: --request-rate must be a positive number or inf\n");
-    return 2;
-  }
-  Workload w = workload_for(o.workload);
-  if (o.images_per_request >= 0) w.images = o.images_per_request;
+  if (colon == std::string::npos) return std::nullopt;
+  return Target{rest.substr(0, colon), std::atoi(rest.substr(colon + 1).c_str())};
+}
 
-  // Build every request first (image encoding is not part of the measurement).
-  std::mt19937_64 rng(o.seed);
+// Every request body, built before the clock starts (image encoding is not measured).
+Result<std::vector<std::string>> build_requests(const ServeBenchOptions& o, const Workload& w,
+                                                std::mt19937_64& rng) {
   std::vector<std::string> pool;  // image data URLs
   int distinct = w.distinct > 0 ? w.distinct : o.num_prompts * w.images;
   for (int i = 0; i < distinct; ++i) {
-    auto png = engine::encode_png(engine::synthetic_image(
-        w.width, w.height, o.seed * 1000003 + static_cast<uint64_t>(i) + 1));
-    if (!png.ok()) return 1;
-    pool.push_back(engine::make_data_url(*png, "image/png"));
+    ECX_ASSIGN_OR_RETURN(auto png,
+                         engine::encode_png(engine::synthetic_image(
+                             w.width, w.height, o.seed * 1000003 + static_cast<uint64_t>(i) + 1)));
+    pool.push_back(engine::make_data_url(png, "image/png"));
   }
   std::vector<std::string> bodies;
   for (int r = 0; r < o.num_prompts; ++r) {
@@ -165,12 +160,26 @@ int run_serve_bench(const ServeBenchOptions& o) {
                           {"stream_options", {{"include_usage", true}}}}
                          .dump());
   }
-  // Arrival times: all at once (inf) or Poisson at `rate`.
-  std::vector<double> arrival(bodies.size(), 0.0);
+  return bodies;
+}
+
+// Arrival times in seconds from the start: all at once (rate 0, "inf") or Poisson at `rate`.
+std::vector<double> arrival_times(size_t count, double rate, std::mt19937_64& rng) {
+  std::vector<double> arrival(count, 0.0);
   std::exponential_distribution<double> gap(rate > 0 ? rate : 1.0);
   for (size_t i = 1; i < arrival.size() && rate > 0; ++i) arrival[i] = arrival[i - 1] + gap(rng);
+  return arrival;
+}
 
-  int workers = o.max_concurrency > 0 ? std::min(o.max_concurrency, o.num_prompts) : o.num_prompts;
+struct Run {
+  std::vector<Sample> samples;
+  double duration_s = 0;
+  int peak_concurrent = 0;
+};
+
+// Sends every request at its arrival time, at most `workers` in flight.
+Run send_requests(const Target& target, const std::vector<std::string>& bodies,
+                  const std::vector<double>& arrival, int workers) {
   std::vector<Sample> samples(bodies.size());
   std::atomic<size_t> next{0};
   std::atomic<int> in_flight{0}, peak{0};
@@ -188,97 +197,157 @@ int run_serve_bench(const ServeBenchOptions& o) {
         int seen = peak.load();
         while (now > seen && !peak.compare_exchange_weak(seen, now)) {
         }
-        samples[i] = run_one(host, port, bodies[i], t0);
+        samples[i] = run_one(target.host, target.port, bodies[i], t0);
         --in_flight;
       }
     });
   }
   for (auto& t : threads) t.join();
   double duration = std::chrono::duration<double>(Clock::now() - t0).count();
+  return Run{std::move(samples), duration, peak.load()};
+}
 
+// A latency's three figures, in milliseconds.
+struct Latency {
+  double mean = 0, median = 0, p99 = 0;
+};
+Latency latency(const std::vector<double>& v) {
+  return {mean(v), percentile(v, 50), percentile(v, 99)};
+}
+
+// The figures `vllm bench serve` prints, over the successful requests.
+struct Figures {
   int ok = 0, failed = 0;
   long total_in = 0, total_out = 0;
+  double duration_s = 0;
+  int peak_tokens = 0;  // most tokens generated in one second
+  int peak_concurrent = 0;
+  Latency ttft, tpot, itl;
+  double mean_ec_load_ms = 0, p99_ec_load_ms = 0;
+  std::string first_error;
+};
+
+Figures figures_of(const Run& run) {
+  Figures f;
+  f.duration_s = run.duration_s;
+  f.peak_concurrent = run.peak_concurrent;
   std::vector<double> ttft, tpot, itl, ec_load;
   std::map<long, int> per_second;
-  std::string first_error;
-  for (const auto& s : samples) {
+  for (const auto& s : run.samples) {
     if (!s.ok) {
-      failed++;
-      if (first_error.empty()) first_error = s.error;
+      f.failed++;
+      if (f.first_error.empty()) f.first_error = s.error;
       continue;
     }
-    ok++;
-    total_in += s.prompt_tokens;
-    total_out += s.output_tokens;
+    f.ok++;
+    f.total_in += s.prompt_tokens;
+    f.total_out += s.output_tokens;
     ttft.push_back(s.ttft_ms);
     if (s.output_tokens > 1) tpot.push_back((s.latency_ms - s.ttft_ms) / (s.output_tokens - 1));
     itl.insert(itl.end(), s.itl_ms.begin(), s.itl_ms.end());
     ec_load.push_back(s.ec_load_ms);
     for (double t : s.token_times_s) per_second[static_cast<long>(t)]++;
   }
-  int peak_tokens = 0;
-  for (const auto& [sec, n] : per_second) peak_tokens = std::max(peak_tokens, n);
-  json out = {{"successful_requests", ok},
-              {"failed_requests", failed},
-              {"duration_s", duration},
-              {"total_input_tokens", total_in},
-              {"total_output_tokens", total_out},
-              {"request_throughput", ok / duration},
-              {"output_throughput", static_cast<double>(total_out) / duration},
-              {"peak_output_throughput", peak_tokens},
-              {"peak_concurrent_requests", peak.load()},
-              {"total_token_throughput", static_cast<double>(total_in + total_out) / duration},
-              {"mean_ttft_ms", mean(ttft)},
-              {"median_ttft_ms", percentile(ttft, 50)},
-              {"p99_ttft_ms", percentile(ttft, 99)},
-              {"mean_tpot_ms", mean(tpot)},
-              {"median_tpot_ms", percentile(tpot, 50)},
-              {"p99_tpot_ms", percentile(tpot, 99)},
-              {"mean_itl_ms", mean(itl)},
-              {"median_itl_ms", percentile(itl, 50)},
-              {"p99_itl_ms", percentile(itl, 99)},
-              {"mean_ec_load_ms", mean(ec_load)},
-              {"p99_ec_load_ms", percentile(ec_load, 99)},
+  for (const auto& [sec, n] : per_second) f.peak_tokens = std::max(f.peak_tokens, n);
+  f.ttft = latency(ttft);
+  f.tpot = latency(tpot);
+  f.itl = latency(itl);
+  f.mean_ec_load_ms = mean(ec_load);
+  f.p99_ec_load_ms = percentile(ec_load, 99);
+  return f;
+}
+
+json figures_json(const Figures& f, const ServeBenchOptions& o) {
+  const double d = f.duration_s;
+  json out = {{"successful_requests", f.ok},
+              {"failed_requests", f.failed},
+              {"duration_s", d},
+              {"total_input_tokens", f.total_in},
+              {"total_output_tokens", f.total_out},
+              {"request_throughput", f.ok / d},
+              {"output_throughput", static_cast<double>(f.total_out) / d},
+              {"peak_output_throughput", f.peak_tokens},
+              {"peak_concurrent_requests", f.peak_concurrent},
+              {"total_token_throughput", static_cast<double>(f.total_in + f.total_out) / d},
+              {"mean_ec_load_ms", f.mean_ec_load_ms},
+              {"p99_ec_load_ms", f.p99_ec_load_ms},
               {"workload", o.workload},
               {"num_prompts", o.num_prompts},
               {"request_rate", o.request_rate}};
-  if (!first_error.empty()) out["first_error"] = first_error;
-  auto line = [](const char* label, double v, int prec = 2) {
-    std::printf("%-40s %.*f\n", label, prec, v);
+  auto add_latency = [&out](const std::string& name, const Latency& l) {
+    out["mean_" + name + "_ms"] = l.mean;
+    out["median_" + name + "_ms"] = l.median;
+    out["p99_" + name + "_ms"] = l.p99;
   };
+  add_latency("ttft", f.ttft);
+  add_latency("tpot", f.tpot);
+  add_latency("itl", f.itl);
+  if (!f.first_error.empty()) out["first_error"] = f.first_error;
+  return out;
+}
+
+void print_line(const char* label, double v) { std::printf("%-40s %.2f\n", label, v); }
+
+// "-----Title-----" then "Mean NAME (ms):", "Median NAME (ms):", "P99 NAME (ms):".
+void print_latency(const char* rule, const std::string& name, const Latency& l) {
+  std::printf("%s\n", rule);
+  print_line(("Mean " + name + " (ms):").c_str(), l.mean);
+  print_line(("Median " + name + " (ms):").c_str(), l.median);
+  print_line(("P99 " + name + " (ms):").c_str(), l.p99);
+}
+
+void print_figures(const Figures& f) {
+  const double d = f.duration_s;
   std::printf("============ Serving Benchmark Result ============\n");
-  std::printf("%-40s %d\n", "Successful requests:", ok);
-  std::printf("%-40s %d\n", "Failed requests:", failed);
-  line("Benchmark duration (s):", duration);
-  std::printf("%-40s %ld\n", "Total input tokens:", total_in);
-  std::printf("%-40s %ld\n", "Total generated tokens:", total_out);
-  line("Request throughput (req/s):", ok / duration);
-  line("Output token throughput (tok/s):", static_cast<double>(total_out) / duration);
-  line("Peak output token throughput (tok/s):", peak_tokens);
-  std::printf("%-40s %d\n", "Peak concurrent requests:", peak.load());
-  line("Total Token throughput (tok/s):", static_cast<double>(total_in + total_out) / duration);
-  std::printf("---------------Time to First Token----------------\n");
-  line("Mean TTFT (ms):", mean(ttft));
-  line("Median TTFT (ms):", percentile(ttft, 50));
-  line("P99 TTFT (ms):", percentile(ttft, 99));
-  std::printf("-----Time per Output Token (excl. 1st token)------\n");
-  line("Mean TPOT (ms):", mean(tpot));
-  line("Median TPOT (ms):", percentile(tpot, 50));
-  line("P99 TPOT (ms):", percentile(tpot, 99));
-  std::printf("---------------Inter-token Latency----------------\n");
-  line("Mean ITL (ms):", mean(itl));
-  line("Median ITL (ms):", percentile(itl, 50));
-  line("P99 ITL (ms):", percentile(itl, 99));
+  std::printf("%-40s %d\n", "Successful requests:", f.ok);
+  std::printf("%-40s %d\n", "Failed requests:", f.failed);
+  print_line("Benchmark duration (s):", d);
+  std::printf("%-40s %ld\n", "Total input tokens:", f.total_in);
+  std::printf("%-40s %ld\n", "Total generated tokens:", f.total_out);
+  print_line("Request throughput (req/s):", f.ok / d);
+  print_line("Output token throughput (tok/s):", static_cast<double>(f.total_out) / d);
+  print_line("Peak output token throughput (tok/s):", f.peak_tokens);
+  std::printf("%-40s %d\n", "Peak concurrent requests:", f.peak_concurrent);
+  print_line("Total Token throughput (tok/s):", static_cast<double>(f.total_in + f.total_out) / d);
+  print_latency("---------------Time to First Token----------------", "TTFT", f.ttft);
+  print_latency("-----Time per Output Token (excl. 1st token)------", "TPOT", f.tpot);
+  print_latency("---------------Inter-token Latency----------------", "ITL", f.itl);
   std::printf("----------------EC load (from PD)-----------------\n");
-  line("Mean EC load (ms):", mean(ec_load));
-  line("P99 EC load (ms):", percentile(ec_load, 99));
+  print_line("Mean EC load (ms):", f.mean_ec_load_ms);
+  print_line("P99 EC load (ms):", f.p99_ec_load_ms);
   std::printf("==================================================\n");
-  if (!first_error.empty()) std::printf("first error: %s\n", first_error.c_str());
-  if (!o.json_path.empty()) {
-    std::ofstream f(o.json_path);
-    f << out.dump(2) << "\n";
+  if (!f.first_error.empty()) std::printf("first error: %s\n", f.first_error.c_str());
+}
+
+}  // namespace
+
+int run_serve_bench(const ServeBenchOptions& o) {
+  std::optional<Target> target = parse_base_url(o.base_url);
+  if (!target || o.num_prompts < 1 || o.output_len < 1 || o.input_len < 0) {
+    std::fprintf(
+        stderr,
+        "bench serve: need --base-url http://host:port, --num-prompts >= 1, --output-len >= 1\n");
+    return 2;
   }
-  return failed == 0 ? 0 : 1;
+  double rate = o.request_rate == "inf" ? 0 : std::atof(o.request_rate.c_str());
+  if (o.request_rate != "inf" && rate <= 0) {
+    std::fprintf(stderr, "bench serve: --request-rate must be a positive number or inf\n");
+    return 2;
+  }
+  Workload w = workload_for(o.workload);
+  if (o.images_per_request >= 0) w.images = o.images_per_request;
+  std::mt19937_64 rng(o.seed);
+  auto bodies = build_requests(o, w, rng);
+  if (!bodies.ok()) return 1;
+  std::vector<double> arrival = arrival_times(bodies->size(), rate, rng);
+  int workers = o.max_concurrency > 0 ? std::min(o.max_concurrency, o.num_prompts) : o.num_prompts;
+  Figures f = figures_of(send_requests(*target, *bodies, arrival, workers));
+  print_figures(f);
+  if (!o.json_path.empty()) {
+    std::ofstream out(o.json_path);
+    out << figures_json(f, o).dump(2) << "\n";
+  }
+  return f.failed == 0 ? 0 : 1;
 }
 
 void add_serve_command(CLI::App& bench, int* exit_code) {

@@ -1,4 +1,5 @@
 #include "connector_bench.h"
+#include "ecx/common/json_reader.h"
 
 #include <unistd.h>
 
@@ -115,8 +116,8 @@ Result<BenchRequest> save_request(Producer& producer, int items, const TensorMet
         std::string saved,
         producer.command("save " + h.str() + " " + std::to_string(seed) + " " +
                          std::string(dtype_name(meta.dtype)) + " " + dims_text(meta)));
-    ECX_ASSIGN_OR_RETURN(auto params,
-                         EcTransferParams::from_json(json::parse(saved, nullptr, false)));
+    ECX_ASSIGN_OR_RETURN(json saved_json, parse_json_object(saved, "saved params"));
+    ECX_ASSIGN_OR_RETURN(auto params, EcTransferParams::from_json(saved_json));
     req.load.items.push_back({h, meta, params});
     req.seeds.push_back(seed);
   }
@@ -162,9 +163,12 @@ Result<std::vector<int64_t>> time_requests(const ConnectorBenchOptions& o, Produ
 double producer_pool_overhead(Producer& producer) {
   auto stats = producer.command("stats");
   if (!stats.ok()) return 0;
-  json j = json::parse(*stats, nullptr, false);
-  if (j.is_discarded() || !j.contains("producer_pool")) return 0;
-  return j["producer_pool"]["bytes_used_per_payload_byte"].get<double>();
+  auto j = parse_json_object(*stats, "producer stats");
+  if (!j.ok()) return 0;
+  auto pool = JsonReader(*j, "producer stats").child("producer_pool");
+  if (!pool.ok()) return 0;
+  auto overhead = pool->number("bytes_used_per_payload_byte");
+  return overhead.ok() ? *overhead : 0;
 }
 
 // One connector's row: a producer process and a consumer here, `requests` timed loads.

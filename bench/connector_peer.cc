@@ -1,4 +1,5 @@
 #include "connector_peer.h"
+#include "ecx/common/json_reader.h"
 
 #include <iostream>
 #include <map>
@@ -126,7 +127,9 @@ void ConnectorPeer::commit(std::stringstream& args) {
 void ConnectorPeer::read(std::stringstream& args) {
   std::string rest;
   std::getline(args, rest);
-  auto params = connector::EcTransferParams::from_json(json::parse(rest, nullptr, false));
+  auto j = parse_json_object(rest, "params");
+  if (!j.ok()) return reply(j.status());
+  auto params = connector::EcTransferParams::from_json(*j);
   if (!params.ok()) return reply(params.status());
   Status s = read_block(*params);
   s.ok() ? reply_ok() : reply(s);

@@ -1,4 +1,5 @@
 #include "epd_bench.h"
+#include "ecx/common/json_reader.h"
 
 #include <signal.h>
 #include <unistd.h>
@@ -101,8 +102,10 @@ Result<json> run_connector(const EpdOptions& o, const std::string& connector,
   }
   ECX_ASSIGN_OR_RETURN(int code, bench.wait(Deadline::after_ms(60000)));
   std::ifstream in(out_path);
-  json j = json::parse(in, nullptr, false);
-  if (j.is_discarded()) return Internal(connector + ": bench serve wrote no results");
+  std::string text(std::istreambuf_iterator<char>(in), {});
+  auto parsed = parse_json_object(text, "bench serve results");
+  if (!parsed.ok()) return Internal(connector + ": bench serve wrote no results");
+  json j = std::move(*parsed);
   if (code != 0) j["note"] = "some requests failed";
   j["connector"] = connector;
   return j;
@@ -169,6 +172,14 @@ struct EvalOptions {
   int max_tokens = 32;
   std::string redis = "127.0.0.1:6379";
 };
+// The text of a chat completion's first choice.
+Result<std::string> answer_text(const std::string& body) {
+  ECX_ASSIGN_OR_RETURN(json j, parse_json_object(body, "chat completion"));
+  ECX_ASSIGN_OR_RETURN(const json* choices, JsonReader(j, "chat completion").array("choices"));
+  if (choices->empty()) return InvalidArgument("chat completion has no choices");
+  ECX_ASSIGN_OR_RETURN(JsonReader message, JsonReader((*choices)[0], "choice").child("message"));
+  return message.string("content", Presence::kRequired, size_t{1} << 24);
+}
 
 // Sends the same fixed requests through `connector`'s stack; returns the answers.
 Result<std::vector<std::string>> answers(const EvalOptions& o, const std::string& connector,
@@ -189,7 +200,8 @@ Result<std::vector<std::string>> answers(const EvalOptions& o, const std::string
     if (!res) return Unavailable(connector + ": " + httplib::to_string(res.error()));
     if (res->status != 200)
       return Internal(connector + ": HTTP " + std::to_string(res->status) + " " + res->body);
-    out.push_back(json::parse(res->body)["choices"][0]["message"]["content"].get<std::string>());
+    ECX_ASSIGN_OR_RETURN(std::string content, answer_text(res->body));
+    out.push_back(std::move(content));
   }
   return out;
 }

@@ -1,4 +1,5 @@
 #include "serve_bench.h"
+#include "ecx/common/json_reader.h"
 
 #include <httplib.h>
 
@@ -54,6 +55,42 @@ double mean(const std::vector<double>& v) {
   return v.empty() ? 0 : s / static_cast<double>(v.size());
 }
 
+// What one SSE event of a chat completion stream says.
+struct StreamEvent {
+  std::string error;
+  std::optional<int> prompt_tokens;
+  std::optional<double> ec_load_ms;
+  std::string content;  // of the first choice's delta
+};
+
+Result<StreamEvent> parse_event(std::string_view payload) {
+  ECX_ASSIGN_OR_RETURN(json j, parse_json_object(payload, "stream event"));
+  JsonReader r(j, "stream event");
+  StreamEvent e;
+  if (r.has("error")) {
+    auto error = r.child("error");
+    auto message = error.ok() ? error->string("message", Presence::kOptional, 4096, "")
+                              : Result<std::string>(error.status());
+    e.error = message.ok() && !message->empty() ? *message : "error in stream";
+  }
+  if (auto usage = r.child("usage"); usage.ok() && r.has("usage")) {
+    auto n = usage->i64("prompt_tokens", 0, INT32_MAX);
+    e.prompt_tokens = n.ok() ? static_cast<int>(*n) : 0;
+  }
+  if (auto timings = r.child("ecx_timings"); timings.ok() && r.has("ecx_timings")) {
+    auto ms = timings->number("ec_load_ms");
+    e.ec_load_ms = ms.ok() ? *ms : 0.0;
+  }
+  auto choices = r.array("choices", Presence::kOptional);
+  if (choices.ok() && *choices != nullptr && !(*choices)->empty()) {
+    auto delta = JsonReader((**choices)[0], "choice").child("delta");
+    auto content = delta.ok() ? delta->string("content", Presence::kOptional, size_t{1} << 24)
+                              : Result<std::string>(delta.status());
+    if (content.ok()) e.content = *content;
+  }
+  return e;
+}
+
 Sample run_one(const std::string& host, int port, const std::string& body, Clock::time_point t0) {
   Sample s;
   auto start = Clock::now();
@@ -80,15 +117,12 @@ Sample run_one(const std::string& host, int port, const std::string& body, Clock
         done = true;
         continue;
       }
-      json j = json::parse(payload, nullptr, false);
-      if (j.is_discarded()) continue;
-      if (j.contains("error")) s.error = j["error"].value("message", "error in stream");
-      if (j.contains("usage") && j["usage"].is_object())
-        s.prompt_tokens = j["usage"].value("prompt_tokens", 0);
-      if (j.contains("ecx_timings")) s.ec_load_ms = j["ecx_timings"].value("ec_load_ms", 0.0);
-      if (!j.contains("choices") || j["choices"].empty()) continue;
-      const json& delta = j["choices"][0]["delta"];
-      if (!delta.contains("content") || delta["content"].get<std::string>().empty()) continue;
+      auto parsed = parse_event(payload);
+      if (!parsed.ok()) continue;
+      if (!parsed->error.empty()) s.error = parsed->error;
+      if (parsed->prompt_tokens) s.prompt_tokens = *parsed->prompt_tokens;
+      if (parsed->ec_load_ms) s.ec_load_ms = *parsed->ec_load_ms;
+      if (parsed->content.empty()) continue;
       auto now = Clock::now();
       if (s.output_tokens == 0) {
         s.ttft_ms = std::chrono::duration<double, std::milli>(now - start).count();

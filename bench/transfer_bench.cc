@@ -16,6 +16,7 @@
 #include "connector_peer.h"
 #include "ecx/common/bytes.h"
 #include "ecx/common/checksum.h"
+#include "ecx/common/json_reader.h"
 #include "ecx/common/log.h"
 #include "ecx/common/subprocess.h"
 #include "ecx/transfer/agent.h"
@@ -24,6 +25,22 @@
 
 namespace ecx::bench {
 namespace {
+
+// The 2-step baseline's address reply {"region","offset","length"} as a READ of `size`
+// bytes into `local`.
+Result<transfer::TransferDescriptor> parse_address(const std::string& reply, void* local,
+                                                   uint64_t size) {
+  auto j = parse_json_object(reply, "addr reply");
+  if (!j.ok()) return Internal("bad addr reply: " + reply);
+  JsonReader r(*j, "addr reply");
+  auto region = r.u64("region", Presence::kRequired, UINT32_MAX);
+  auto offset = r.u64("offset", Presence::kRequired);
+  auto length = r.u64("length", Presence::kRequired);
+  if (!region.ok() || !offset.ok() || !length.ok() || *length != size) {
+    return Internal("bad addr reply: " + reply);
+  }
+  return transfer::TransferDescriptor{local, static_cast<uint32_t>(*region), *offset, *length};
+}
 
 using nlohmann::json;
 using transfer::Agent;
@@ -257,12 +274,16 @@ Status TransferBench::start_peer() {
                        Subprocess::spawn(transfer_peer_command(current_executable(), peer)));
   peer_process_.emplace(std::move(child));
   ECX_ASSIGN_OR_RETURN(std::string line, peer_process_->read_line(Deadline::after_ms(30000)));
-  json ready = json::parse(line, nullptr, false);
-  if (ready.is_discarded()) return Internal("bench peer printed no JSON: " + line);
-  ECX_ASSIGN_OR_RETURN(peer_, transfer::AgentMetadata::parse(ready["metadata"].get<std::string>()));
+  auto ready = parse_json_object(line, "bench peer's ready line");
+  if (!ready.ok()) return Internal("bench peer printed no JSON: " + line);
+  JsonReader r(*ready, "bench peer's ready line");
+  ECX_ASSIGN_OR_RETURN(std::string metadata, r.string("metadata", Presence::kRequired, 1 << 24));
+  ECX_ASSIGN_OR_RETURN(peer_, transfer::AgentMetadata::parse(metadata));
   peer_name_ = peer_.name;
-  source_region_ = ready["source_region"];
-  baseline_port_ = ready["baseline_port"];
+  ECX_ASSIGN_OR_RETURN(uint64_t region, r.u64("source_region", Presence::kRequired, UINT32_MAX));
+  source_region_ = static_cast<uint32_t>(region);
+  ECX_ASSIGN_OR_RETURN(uint64_t port, r.u64("baseline_port", Presence::kRequired, 65535));
+  baseline_port_ = static_cast<uint16_t>(port);
   reference_.resize(region_bytes_);
   fill_pattern(reference_.data(), reference_.size(), kPeerSeed);
   return Status::Ok();
@@ -368,13 +389,7 @@ Result<std::vector<int64_t>> TransferBench::time_pull_2step(
       json q = {{"op", "addr"}, {"item", i}, {"size", size}};
       ECX_ASSIGN_OR_RETURN(std::string a,
                            agent_->call(peer_name_, q.dump(), Deadline::after_ms(30000)));
-      json addr = json::parse(a, nullptr, false);
-      if (addr.is_discarded() || !addr["length"].is_number_unsigned() ||
-          addr["length"].get<uint64_t>() != size) {
-        return Internal("bad addr reply: " + a);
-      }
-      TransferDescriptor d{descs[i].local, addr["region"].get<uint32_t>(),
-                           addr["offset"].get<uint64_t>(), addr["length"].get<uint64_t>()};
+      ECX_ASSIGN_OR_RETURN(TransferDescriptor d, parse_address(a, descs[i].local, size));
       ECX_ASSIGN_OR_RETURN(auto h, agent_->read(peer_name_, {&d, 1}));
       ECX_RETURN_IF_ERROR(h.wait(Deadline::after_ms(30000)));
     }

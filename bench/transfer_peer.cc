@@ -1,4 +1,5 @@
 #include "transfer_peer.h"
+#include "ecx/common/json_reader.h"
 
 #include <sys/socket.h>
 #include <unistd.h>
@@ -46,8 +47,8 @@ void serve_baseline(int listen_fd, const LocalRegion& source) {
 }
 
 Result<json> parse_request(std::string_view text) {
-  json j = json::parse(text, nullptr, false);
-  if (j.is_discarded() || !j.is_object() || !j.contains("op") || !j["op"].is_string()) {
+  auto j = parse_json_object(text, "bench peer request");
+  if (!j.ok() || !JsonReader(*j, "bench peer request").string("op", Presence::kRequired).ok()) {
     return InvalidArgument("bench peer: request is not a JSON object with an 'op'");
   }
   return j;
@@ -71,18 +72,15 @@ struct Producer {
 
 // Whether a notification {"offset","length","checksum"} matches the sink's bytes now.
 bool notification_matches(const LocalRegion& sink, const std::string& message) {
-  json j = json::parse(message, nullptr, false);
-  if (j.is_discarded() || !j.contains("offset") || !j.contains("length") ||
-      !j.contains("checksum")) {
-    return false;
-  }
-  if (!j["offset"].is_number_unsigned() || !j["length"].is_number_unsigned() ||
-      !j["checksum"].is_number_unsigned()) {
-    return false;
-  }
-  uint64_t off = j["offset"].get<uint64_t>(), len = j["length"].get<uint64_t>();
-  bool fits = off <= sink.length && len <= sink.length - off;
-  return fits && checksum64(sink.data + off, len) == j["checksum"].get<uint64_t>();
+  auto j = parse_json_object(message, "notification");
+  if (!j.ok()) return false;
+  JsonReader r(*j, "notification");
+  auto off = r.u64("offset", Presence::kRequired);
+  auto len = r.u64("length", Presence::kRequired);
+  auto sum = r.u64("checksum", Presence::kRequired);
+  if (!off.ok() || !len.ok() || !sum.ok()) return false;
+  bool fits = *off <= sink.length && *len <= sink.length - *off;
+  return fits && checksum64(sink.data + *off, *len) == *sum;
 }
 
 Result<std::string> connect_back(Agent* agent, const json& req) {

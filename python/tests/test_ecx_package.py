@@ -1,0 +1,144 @@
+"""The `ecx` Python package over the C++ core: zero-copy buffers, the GIL released in
+blocking calls, errors as ecx.Error, and a two-process round trip through Connector."""
+import json
+import os
+import secrets
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ecx
+
+HERE = Path(__file__).resolve().parent
+
+
+def payload(seed: int, nbytes: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+def test_an_agent_region_is_shared_memory_not_a_copy():
+    producer, consumer = ecx.Agent("pkg-producer"), ecx.Agent("pkg-consumer")
+    src = producer.allocate(1 << 16)
+    view = producer.buffer(src.id)
+    view[:] = payload(1, view.size)  # written through numpy, straight into ecx memory
+    dst = consumer.allocate(1 << 16)
+    assert consumer.connect(producer.metadata()) in ("shm", "tcp")
+    consumer.read("pkg-producer", [(dst.id, 0, src.id, 0, 1 << 16, "")]).wait(10000)
+    received = consumer.buffer(dst.id)
+    assert np.array_equal(received, payload(1, 1 << 16))
+    # Both views alias the regions: a second view is the same memory.
+    assert received.__array_interface__["data"][0] == consumer.buffer(dst.id).__array_interface__["data"][0]
+
+
+def test_registered_numpy_memory_is_read_in_place():
+    a, b = ecx.Agent("pkg-reg-a"), ecx.Agent("pkg-reg-b")
+    host = payload(2, 4096)
+    region = a.register_memory(host)
+    dst = b.allocate(4096)
+    b.connect(a.metadata(), backend="tcp")  # registered memory is reachable over tcp
+    host[:16] = 7  # changed after registration: the peer reads the array itself
+    b.read("pkg-reg-a", [(dst.id, 0, region.id, 0, 4096, "")]).wait(10000)
+    assert np.array_equal(b.buffer(dst.id), host)
+
+
+def test_a_descriptor_outside_the_local_region_is_refused_before_anything_moves():
+    a = ecx.Agent("pkg-bounds")
+    r = a.allocate(4096)
+    with pytest.raises(ecx.Error) as err:
+        a.read("nobody", [(r.id, 4000, 1, 0, 200, "")])
+    assert err.value.code == "out_of_range"
+    assert "outside local region" in err.value.message
+
+
+def test_a_blocking_wait_releases_the_gil():
+    agent = ecx.Agent("pkg-gil")
+    outcome = {}
+
+    def wait():
+        try:
+            agent.wait_notification(3000)  # nothing arrives: blocks until its deadline
+        except ecx.Error as e:
+            outcome["code"] = e.code
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    count = 0
+    while count < 200_000 and waiter.is_alive():
+        count += 1  # Python work in this thread while the other one waits in C++
+    still_waiting = waiter.is_alive()
+    waiter.join()
+    assert still_waiting, "this thread could not run while the other waited: the GIL was held"
+    assert count == 200_000
+    assert outcome["code"] == "deadline_exceeded"
+
+
+def test_bad_config_and_params_raise_naming_the_key():
+    with pytest.raises(ecx.Error) as err:
+        ecx.Connector(json.dumps({"connector": "p2p", "extra": {"lese_ms": 10}}))
+    assert err.value.code == "invalid_argument" and "lese_ms" in err.value.message
+    with pytest.raises(ecx.Error) as err:
+        ecx.Connector(json.dumps({"connector": "p2p", "extra": {"pool_bytes": [1]}}))
+    assert "pool_bytes" in err.value.message
+    consumer = ecx.Connector(json.dumps({"connector": "p2p", "role": "consumer"}))
+    bad = {"connector": "p2p", "mm_hash": "h", "dtype": "BF16", "shape": [2], "offset": "x"}
+    with pytest.raises(ecx.Error) as err:
+        consumer.load("r", [("h", "BF16", [2], json.dumps(bad))], 1000)
+    assert "'offset'" in err.value.message
+
+
+@pytest.fixture()
+def producer_process():
+    token = secrets.token_hex(16)
+    engine = f"e-pkg-{os.getpid()}"
+    config = {"connector": "p2p", "role": "producer",
+              "extra": {"engine_id": engine, "pool_bytes": "64MiB", "auth_token": token}}
+    proc = subprocess.Popen([sys.executable, str(HERE / "ecx_producer.py"), json.dumps(config)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+
+    def command(line: str) -> str:
+        proc.stdin.write(line + "\n")
+        proc.stdin.flush()
+        return proc.stdout.readline().strip()
+
+    yield command, token
+    proc.stdin.write("quit\n")
+    proc.stdin.close()
+    proc.wait(timeout=30)
+
+
+def test_round_trip_between_processes_is_bit_exact_and_zero_copy(producer_process):
+    command, token = producer_process
+    consumer = ecx.Connector(json.dumps({
+        "connector": "p2p", "role": "consumer",
+        "extra": {"engine_id": f"pd-pkg-{os.getpid()}", "pool_bytes": "64MiB",
+                  "auth_token": token}}))
+    shapes = [("BF16", [400, 2048]), ("BF16", [7, 3]), ("U8", [1])]
+    items, expected = [], {}
+    for i, (dtype, shape) in enumerate(shapes):
+        mm_hash = f"pkg-item-{os.getpid()}-{i}"
+        params = command(f"save {mm_hash} {dtype} {','.join(map(str, shape))} {100 + i}")
+        assert "error" not in json.loads(params), params
+        items.append((mm_hash, dtype, shape, params))
+        nbytes = int(np.prod(shape)) * (2 if dtype == "BF16" else 1)
+        expected[mm_hash] = payload(100 + i, nbytes)
+    outcome = consumer.load("req-1", items, 30000)
+    assert outcome["ok"], outcome
+    assert not any(it["recomputed"] for it in outcome["items"])
+    for mm_hash, want in expected.items():
+        got = consumer.loaded("req-1", mm_hash)
+        assert np.array_equal(got, want)
+        # The array is the consumer cache's block itself, not a copy of it.
+        assert got.__array_interface__["data"][0] == consumer.loaded_address("req-1", mm_hash)
+    consumer.request_finished("req-1")
+    stats = json.loads(command("stats"))
+    for _ in range(100):  # the release travels asynchronously
+        if stats["producer_pool"]["pins"] == 0:
+            break
+        threading.Event().wait(0.05)
+        stats = json.loads(command("stats"))
+    assert stats["producer_pool"]["pins"] == 0

@@ -1,0 +1,300 @@
+// The cache and connector layers for Python: EncoderCachePool, and EcConnector created
+// from the same JSON config as the services. ec_transfer_params cross as JSON text, read
+// by the strict reader (a wrong key or type raises ecx.Error naming it).
+#include <nanobind/stl/function.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include "ecx/cache/encoder_cache_pool.h"
+#include "ecx/common/json_reader.h"
+#include "ecx/connector/ec_connector.h"
+#include "python/bindings.h"
+#include "python/py_agent.h"
+
+namespace ecx::python {
+namespace {
+
+using connector::EcConnector;
+using connector::LoadItem;
+using connector::LoadRequest;
+
+// (mm_hash, dtype, shape, params_json or None)
+using ItemTuple =
+    std::tuple<std::string, std::string, std::vector<int64_t>, std::optional<std::string>>;
+
+MmHash hash_of(const std::string& text) { return unwrap(MmHash::parse(text)); }
+
+TensorMeta meta_of(const std::string& dtype, const std::vector<int64_t>& shape) {
+  TensorMeta meta{unwrap(dtype_from_name(dtype)), shape};
+  check(meta.validate());
+  return meta;
+}
+
+connector::EcTransferParams params_of(const std::string& text) {
+  auto j = unwrap(parse_json_object(text, "ec_transfer_params"));
+  return unwrap(connector::EcTransferParams::from_json(j));
+}
+
+LoadRequest request_of(const std::string& request_id, const std::vector<ItemTuple>& items) {
+  LoadRequest r{.request_id = request_id};
+  for (const auto& [hash, dtype, shape, params] : items) {
+    LoadItem item{hash_of(hash), meta_of(dtype, shape), std::nullopt};
+    if (params) item.params = params_of(*params);
+    r.items.push_back(std::move(item));
+  }
+  return r;
+}
+
+nb::dict outcome_dict(const connector::LoadOutcome& o) {
+  nb::list items;
+  for (const auto& it : o.items) {
+    nb::dict d;
+    d["mm_hash"] = it.mm_hash.str();
+    d["ok"] = it.status.ok();
+    d["code"] = std::string(status_code_name(it.status.code()));
+    d["message"] = it.status.message();
+    d["recomputed"] = it.recomputed;
+    d["local_hit"] = it.local_hit;
+    items.append(d);
+  }
+  nb::dict out;
+  out["ok"] = o.status.ok();
+  out["code"] = std::string(status_code_name(o.status.code()));
+  out["message"] = o.status.message();
+  out["items"] = items;
+  out["load_ms"] = o.load_ms;
+  out["bytes"] = o.bytes;
+  return out;
+}
+
+nb::object json_to_python(const nlohmann::json& j) {
+  return nb::module_::import_("json").attr("loads")(j.dump());
+}
+
+// A recompute callback in Python: fn(mm_hash, out) fills `out` (a writable uint8 array
+// valid during the call). Runs on a loader thread, which takes the GIL for it.
+connector::RecomputeFn python_recompute(nb::callable fn) {
+  auto shared = std::make_shared<nb::callable>(std::move(fn));
+  return [shared](const MmHash& h, const TensorMeta&, std::span<std::byte> out) -> Status {
+    nb::gil_scoped_acquire acquire;
+    try {
+      (*shared)(h.str(), byte_view(out.data(), out.size(), nb::handle()));
+      return Status::Ok();
+    } catch (const std::exception& e) {
+      return Internal(std::string("Python recompute failed: ") + e.what());
+    }
+  };
+}
+
+class PyConnector {
+ public:
+  PyConnector(const std::string& config, std::optional<nb::callable> recompute) {
+    auto parsed = unwrap(connector::ConnectorConfig::parse(config));
+    connector::ConnectorContext ctx;
+    if (recompute) ctx.recompute = python_recompute(std::move(*recompute));
+    nb::gil_scoped_release release;
+    conn_ = unwrap(connector::create_connector(parsed, std::move(ctx)));
+  }
+  ~PyConnector() {
+    nb::gil_scoped_release release;  // loader threads may be waiting for the GIL
+    conn_.reset();
+  }
+
+  EcConnector& get() { return *conn_; }
+
+ private:
+  std::unique_ptr<EcConnector> conn_;
+};
+
+// Runs `fn` without the GIL and returns its value (errors raise once the GIL is back).
+template <typename Fn>
+auto released(Fn&& fn) {
+  nb::gil_scoped_release release;
+  return fn();
+}
+
+void bind_pool(nb::module_& m) {
+  struct PyPool {
+    nb::object agent;  // keeps the agent (and the arena) alive
+    std::unique_ptr<cache::EncoderCachePool> pool;
+  };
+  nb::class_<PyPool>(m, "EncoderCachePool", "Encoder outputs by mm_hash in a registered arena.")
+      .def(
+          "__init__",
+          [](PyPool* self, nb::object agent, const std::string& name, uint64_t capacity_bytes,
+             int64_t lease_ms, bool require_grant) {
+            auto& a = nb::cast<PyAgent&>(agent);
+            cache::PoolConfig config{.name = name,
+                                     .capacity_bytes = capacity_bytes,
+                                     .lease = std::chrono::milliseconds(lease_ms),
+                                     .require_grant = require_grant};
+            new (self) PyPool{agent, unwrap(cache::EncoderCachePool::create(&a.agent(), config))};
+          },
+          nb::arg("agent"), nb::arg("name") = "pool", nb::arg("capacity_bytes") = 1ull << 30,
+          nb::arg("lease_ms") = 30000, nb::arg("require_grant") = false)
+      .def_prop_ro("region", [](PyPool& p) { return p.pool->region_id(); })
+      .def(
+          "put",
+          [](PyPool& p, const std::string& h, const std::string& dtype,
+             const std::vector<int64_t>& shape, nb::ndarray<nb::ro, nb::c_contig> data) {
+            Buffer b{static_cast<std::byte*>(const_cast<void*>(data.data())), data.nbytes()};
+            auto meta = meta_of(dtype, shape);
+            auto ref = unwrap(released([&] {
+              return p.pool->put(hash_of(h), meta, {b.data, static_cast<size_t>(b.length)});
+            }));
+            return std::make_tuple(ref.offset, ref.block_length, ref.generation);
+          },
+          nb::arg("mm_hash"), nb::arg("dtype"), nb::arg("shape"), nb::arg("data"),
+          "Copies an item in; returns (offset, block_length, generation).")
+      .def(
+          "find",
+          [](nb::handle self, const std::string& h) {
+            auto ref = unwrap(nb::cast<PyPool&>(self).pool->find(hash_of(h)));
+            return byte_view(ref.payload(), ref.payload_length(), self);
+          },
+          nb::arg("mm_hash"), "The item's payload, without a copy (valid while it is cached).")
+      .def(
+          "pin",
+          [](PyPool& p, const std::string& h, const std::string& holder) {
+            return unwrap(p.pool->pin(hash_of(h), holder)).pin_id;
+          },
+          nb::arg("mm_hash"), nb::arg("holder"))
+      .def(
+          "unpin", [](PyPool& p, uint64_t pin) { check(p.pool->unpin(pin)); }, nb::arg("pin"))
+      .def("stats", [](PyPool& p) { return json_to_python(connector::to_json(p.pool->stats())); });
+}
+
+void bind_producer(nb::class_<PyConnector>& c) {
+  c.def(
+       "save",
+       [](PyConnector& c, const std::string& h, const std::string& dtype,
+          const std::vector<int64_t>& shape, nb::ndarray<nb::ro, nb::c_contig> data) {
+         auto meta = meta_of(dtype, shape);
+         std::span<const std::byte> bytes(static_cast<const std::byte*>(data.data()),
+                                          data.nbytes());
+         auto p = unwrap(released([&] { return c.get().save_caches(hash_of(h), meta, bytes); }));
+         return p.to_json().dump();
+       },
+       nb::arg("mm_hash"), nb::arg("dtype"), nb::arg("shape"), nb::arg("data"),
+       "Stores an encoder output; returns its ec_transfer_params (JSON).")
+      .def(
+          "saved_params",
+          [](PyConnector& c, const std::string& h) {
+            return unwrap(released([&] { return c.get().saved_params(hash_of(h)); }))
+                .to_json()
+                .dump();
+          },
+          nb::arg("mm_hash"))
+      .def(
+          "release_params",
+          [](PyConnector& c, const std::string& params) {
+            auto p = params_of(params);
+            check(released([&] { return c.get().release_params(p); }));
+          },
+          nb::arg("params"))
+      .def(
+          "wait_for_readers",
+          [](PyConnector& c, int64_t timeout_ms) {
+            check(
+                released([&] { return c.get().wait_for_readers(Deadline::after_ms(timeout_ms)); }));
+          },
+          nb::arg("timeout_ms"));
+}
+
+void bind_consumer(nb::class_<PyConnector>& c) {
+  c.def(
+       "has_caches",
+       [](PyConnector& c, const std::string& id, const std::vector<ItemTuple>& items) {
+         auto r = request_of(id, items);
+         return released([&] { return c.get().has_caches(r); });
+       },
+       nb::arg("request_id"), nb::arg("items"))
+      .def(
+          "update_state_after_alloc",
+          [](PyConnector& c, const std::string& id, const std::vector<ItemTuple>& items,
+             size_t index) {
+            check(c.get().update_state_after_alloc(request_of(id, items), index));
+          },
+          nb::arg("request_id"), nb::arg("items"), nb::arg("index"))
+      .def("build_connector_meta", [](PyConnector& c) { return c.get().build_connector_meta(); })
+      .def(
+          "start_load_caches",
+          [](PyConnector& c, const connector::ConnectorMetadata& meta) {
+            check(released([&] { return c.get().start_load_caches(meta); }));
+          },
+          nb::arg("metadata"))
+      .def(
+          "wait_for_load",
+          [](PyConnector& c, const std::string& id, int64_t timeout_ms) {
+            auto o =
+                released([&] { return c.get().wait_for_load(id, Deadline::after_ms(timeout_ms)); });
+            return outcome_dict(o);
+          },
+          nb::arg("request_id"), nb::arg("timeout_ms"))
+      .def(
+          "load",
+          [](PyConnector& c, const std::string& id, const std::vector<ItemTuple>& items,
+             int64_t timeout_ms) {
+            auto r = request_of(id, items);
+            auto o = released([&] { return c.get().load(r, Deadline::after_ms(timeout_ms)); });
+            return outcome_dict(o);
+          },
+          nb::arg("request_id"), nb::arg("items"), nb::arg("timeout_ms"))
+      .def("get_finished", [](PyConnector& c) { return c.get().get_finished(); })
+      .def(
+          "loaded",
+          [](nb::handle self, const std::string& id, const std::string& h) {
+            auto ref = unwrap(nb::cast<PyConnector&>(self).get().loaded(id, hash_of(h)));
+            return byte_view(ref.payload(), ref.payload_length(), self);
+          },
+          nb::arg("request_id"), nb::arg("mm_hash"),
+          "The loaded bytes, without a copy: valid until request_finished(request_id).")
+      .def(
+          "loaded_address",
+          [](PyConnector& c, const std::string& id, const std::string& h) {
+            auto ref = unwrap(c.get().loaded(id, hash_of(h)));
+            return reinterpret_cast<uintptr_t>(ref.payload());
+          },
+          nb::arg("request_id"), nb::arg("mm_hash"))
+      .def(
+          "request_finished",
+          [](PyConnector& c, const std::string& id) {
+            released([&] {
+              c.get().request_finished(id);
+              return 0;
+            });
+          },
+          nb::arg("request_id"))
+      .def(
+          "discard",
+          [](PyConnector& c, const std::string& id, const std::vector<ItemTuple>& items) {
+            c.get().discard(request_of(id, items));
+          },
+          nb::arg("request_id"), nb::arg("items"));
+}
+
+}  // namespace
+
+void bind_cache(nb::module_& m) { bind_pool(m); }
+
+void bind_connector(nb::module_& m) {
+  nb::class_<connector::ConnectorMetadata>(m, "ConnectorMetadata",
+                                           "The loads one scheduler step scheduled.")
+      .def_prop_ro("num_loads",
+                   [](const connector::ConnectorMetadata& meta) { return meta.loads.size(); });
+  nb::class_<PyConnector> c(m, "Connector",
+                            "An EC connector from a JSON config, as the services take it.");
+  c.def(nb::init<const std::string&, std::optional<nb::callable>>(), nb::arg("config"),
+        nb::arg("recompute") = nb::none())
+      .def_prop_ro("name", [](PyConnector& c) { return c.get().name(); })
+      .def_prop_ro("role",
+                   [](PyConnector& c) { return std::string(connector::role_name(c.get().role())); })
+      .def("stats",
+           [](PyConnector& c) { return json_to_python(connector::to_json(c.get().stats())); });
+  bind_producer(c);
+  bind_consumer(c);
+}
+
+}  // namespace ecx::python

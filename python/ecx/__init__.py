@@ -18,6 +18,7 @@ from ecx._ecx import (  # noqa: F401
     Error,
     Region,
     TransferHandle,
+    TransferParams,
 )
 
 __all__ = [
@@ -28,4 +29,5 @@ __all__ = [
     "Error",
     "Region",
     "TransferHandle",
+    "TransferParams",
 ]

@@ -5,6 +5,7 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
+#include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
 #include "ecx/cache/encoder_cache_pool.h"
@@ -20,9 +21,11 @@ using connector::EcConnector;
 using connector::LoadItem;
 using connector::LoadRequest;
 
-// (mm_hash, dtype, shape, params_json or None)
+// Params as JSON text, or parsed once (TransferParams) ahead of a timed load.
+using ParamsArg = std::variant<connector::EcTransferParams, std::string>;
+// (mm_hash, dtype, shape, params or None)
 using ItemTuple =
-    std::tuple<std::string, std::string, std::vector<int64_t>, std::optional<std::string>>;
+    std::tuple<std::string, std::string, std::vector<int64_t>, std::optional<ParamsArg>>;
 
 MmHash hash_of(const std::string& text) { return unwrap(MmHash::parse(text)); }
 
@@ -41,7 +44,10 @@ LoadRequest request_of(const std::string& request_id, const std::vector<ItemTupl
   LoadRequest r{.request_id = request_id};
   for (const auto& [hash, dtype, shape, params] : items) {
     LoadItem item{hash_of(hash), meta_of(dtype, shape), std::nullopt};
-    if (params) item.params = params_of(*params);
+    if (params) {
+      auto* parsed = std::get_if<connector::EcTransferParams>(&*params);
+      item.params = parsed ? *parsed : params_of(std::get<std::string>(*params));
+    }
     r.items.push_back(std::move(item));
   }
   return r;
@@ -279,7 +285,17 @@ void bind_consumer(nb::class_<PyConnector>& c) {
 
 void bind_cache(nb::module_& m) { bind_pool(m); }
 
+void bind_params(nb::module_& m) {
+  nb::class_<connector::EcTransferParams>(m, "TransferParams",
+                                          "ec_transfer_params, parsed and checked once.")
+      .def_static("from_json", &params_of, nb::arg("text"))
+      .def("to_json", [](const connector::EcTransferParams& p) { return p.to_json().dump(); })
+      .def_prop_ro("mm_hash", [](const connector::EcTransferParams& p) { return p.mm_hash.str(); })
+      .def_ro("engine_id", &connector::EcTransferParams::engine_id);
+}
+
 void bind_connector(nb::module_& m) {
+  bind_params(m);
   nb::class_<connector::ConnectorMetadata>(m, "ConnectorMetadata",
                                            "The loads one scheduler step scheduled.")
       .def_prop_ro("num_loads",

@@ -8,6 +8,7 @@
 #include <map>
 #include <mutex>
 
+#include "ecx/common/checksum.h"
 #include "ecx/transfer/agent.h"
 #include "python/bindings.h"
 #include "python/py_agent.h"
@@ -163,6 +164,15 @@ std::string PyAgent::connect(const std::string& metadata, const std::string& bac
 }
 
 void bind_transfer(nb::module_& m) {
+  m.def(
+      "fill_pattern",
+      [](nb::ndarray<nb::c_contig> array, uint64_t seed) {
+        Buffer b = buffer_of(array);
+        fill_pattern(b.data, b.length, seed);
+      },
+      nb::arg("array"), nb::arg("seed"),
+      "Fills a buffer with the deterministic test pattern of `seed` (what ecx's benchmark "
+      "producers write).");
   nb::class_<PyRegion>(m, "Region", "A registered region of this process's memory.")
       .def_ro("id", &PyRegion::id)
       .def_ro("length", &PyRegion::length)

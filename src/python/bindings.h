@@ -43,6 +43,7 @@ transfer::Capability capability_of(const std::string& hex);
 
 void bind_errors(nb::module_& m);
 void bind_transfer(nb::module_& m);
+void bind_agent(nb::module_& m);  // from bind_transfer
 void bind_cache(nb::module_& m);
 void bind_connector(nb::module_& m);
 

@@ -196,6 +196,10 @@ void bind_transfer(nb::module_& m) {
       .def("done", &transfer::TransferHandle::done)
       .def("cancel", &transfer::TransferHandle::cancel);
 
+  bind_agent(m);
+}
+
+void bind_agent(nb::module_& m) {
   nb::class_<PyAgent>(m, "Agent", "One per process: registers memory, connects, moves bytes.")
       .def(
           "__init__",

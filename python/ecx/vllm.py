@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import re
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 from vllm.distributed.ec_transfer.ec_connector.base import (
     ECConnectorBase,
@@ -57,6 +57,7 @@ _DTYPES = {
 _TORCH_DTYPES = {name: dtype for dtype, name in _DTYPES.items()}
 _MM_HASH = re.compile(r"^[A-Za-z0-9_:-][A-Za-z0-9_.:-]{0,127}$")
 _ROLES = {"ec_producer": "producer", "ec_consumer": "consumer", "ec_both": "both"}
+logger = logging.getLogger("ecx.vllm")
 
 
 def ecx_key(identifier: str) -> str:
@@ -156,26 +157,38 @@ class ECXConnector(ECConnectorBase):
 
     # ---------------- consumer, scheduler side ----------------
 
-    def _items_of(self, request) -> list[tuple[str, str, str, list[int], str]]:
-        """(vLLM mm_hash, ecx key, dtype, shape, params JSON) of the request's items that
-        came with ecx params."""
+    def _items_of(self, request) -> tuple[list, set[str]]:
+        """(vLLM mm_hash, ecx key, dtype, shape, TransferParams) of the request's items that
+        came with ecx params, and the ecx keys of those whose params are malformed (they
+        fail like a load that failed: a clear log line naming the field, never an
+        exception in vLLM's scheduler)."""
         given = getattr(request, "ec_transfer_params", None) or {}
-        out = []
+        out, bad = [], set()
         for feature in request.mm_features or []:
             entry = given.get(feature.identifier)
-            if not isinstance(entry, dict) or "dtype" not in entry or "shape" not in entry:
-                continue
+            if not isinstance(entry, dict) or entry.get("connector") is None:
+                continue  # not ecx's params: vLLM encodes the item itself
+            key = ecx_key(feature.identifier)
             ecx_params = {k: v for k, v in entry.items()
                           if k not in ("modality", "item_indices", "metadata")}
-            out.append((feature.identifier, ecx_key(feature.identifier), str(entry["dtype"]),
-                        list(entry["shape"]), json.dumps(ecx_params)))
-        return out
+            try:
+                params = ecx.TransferParams.from_json(json.dumps(ecx_params))
+                out.append((feature.identifier, key, str(entry["dtype"]), list(entry["shape"]),
+                            params))
+            except (ecx.Error, KeyError, TypeError) as e:
+                logger.warning("ECXConnector: request %s, item %s: %s", request.request_id,
+                               feature.identifier, e)
+                bad.add(key)
+        return out, bad
 
     def _start_load(self, request) -> None:
         conn = self._shared.conn
-        items = self._items_of(request)
-        load = _Load(items={key: (mm, dtype, shape) for mm, key, dtype, shape, _ in items})
+        items, bad = self._items_of(request)
+        load = _Load(items={key: (mm, dtype, shape) for mm, key, dtype, shape, _ in items},
+                     failed=set(bad))
         self._loads[request.request_id] = load
+        if bad and self._shared.policy == "fail":
+            self._unavailable.add(request.request_id)
         if not items:
             load.done = True
             return

@@ -142,3 +142,28 @@ def test_round_trip_between_processes_is_bit_exact_and_zero_copy(producer_proces
         threading.Event().wait(0.05)
         stats = json.loads(command("stats"))
     assert stats["producer_pool"]["pins"] == 0
+
+
+def test_an_encoder_cache_pool_hands_out_its_blocks_without_a_copy():
+    agent = ecx.Agent("pkg-pool")
+    pool = ecx.EncoderCachePool(agent, name="pkg-pool", capacity_bytes=8 << 20)
+    data = payload(3, 4096)
+    offset, block_length, generation = pool.put("item-a", "U8", [4096], data)
+    assert block_length > 4096 and generation > 0
+    view = pool.find("item-a")
+    assert np.array_equal(view, data)
+    # The view is the pool's arena itself: what a peer READs from the pool's region.
+    view[:16] = 9
+    peer = ecx.Agent("pkg-pool-peer")
+    peer.connect(agent.metadata())
+    dst = peer.allocate(block_length)
+    peer.read("pkg-pool", [(dst.id, 0, pool.region, offset, block_length, "")]).wait(10000)
+    payload_at = block_length - 4096  # the block header comes first
+    assert np.array_equal(peer.buffer(dst.id)[payload_at:payload_at + 16], np.full(16, 9))
+    pin = pool.pin("item-a", "reader")
+    assert pool.stats()["pins"] == 1
+    pool.unpin(pin)
+    assert pool.stats()["pins"] == 0
+    with pytest.raises(ecx.Error) as err:
+        pool.find("item-missing")
+    assert err.value.code == "missing"  # kNotFound, named as the NACK is

@@ -159,3 +159,17 @@ def test_a_killed_producer_reaches_take_unavailable_requests_within_the_deadline
     assert scheduler.take_unavailable_requests() == {"pd-dead"}
     assert not scheduler.has_cache_item("img-dead")
     scheduler.request_finished(req)
+
+
+def test_malformed_params_fail_the_item_cleanly(deployment):
+    producer, consumer = deployment
+    params = producer.encode("e-bad", [("img-bad", 7, [16, 64])])
+    broken = {"img-bad": {**params["img-bad"], "offset": "not a number"}}
+    for policy in ("fail", "recompute"):
+        scheduler, _ = consumer(policy)
+        req = request(f"pd-bad-{policy}", [("img-bad", 16)], broken)
+        assert scheduler.wait_for_loads(req, timeout_s=30)  # no exception into vLLM's loop
+        assert not scheduler.has_cache_item("img-bad")
+        unavailable = scheduler.take_unavailable_requests()
+        assert unavailable == ({req.request_id} if policy == "fail" else set())
+        scheduler.request_finished(req)

@@ -45,6 +45,64 @@ void read_encode_answer(const std::string& body, EncodeResult& r, const std::str
   r.params = **params;
 }
 
+// The entry of a vLLM-shaped ec_transfer_params {mm_hash: params} that is the one image
+// sent: the one whose item_indices hold 0, else the only one. Entries that are not
+// objects are not params.
+const nlohmann::json::object_t::value_type* entry_for_the_image(const json& by_hash) {
+  const json::object_t& entries = by_hash.get_ref<const json::object_t&>();
+  const json::object_t::value_type* only = nullptr;
+  int objects = 0;
+  for (const auto& entry : entries) {
+    if (!entry.second.is_object()) continue;
+    ++objects;
+    only = &entry;
+    auto indices = entry.second.find("item_indices");
+    if (indices == entry.second.end() || !indices->is_array()) continue;
+    for (const auto& i : *indices) {
+      if (i.is_number_integer() && i.get<int64_t>() == 0) return &entry;
+    }
+  }
+  return objects == 1 ? only : nullptr;
+}
+
+// A 200 answer of a vLLM-shaped encoder to a chat completion holding one image: its
+// top-level ec_transfer_params, absent or empty when its connector hands nothing over.
+void read_chat_answer(const std::string& body, EncodeResult& r, const std::string& url) {
+  std::string what = "encoder " + url + " answer";
+  auto doc = parse_json_object(body, what);
+  if (!doc.ok()) {
+    r.error = doc.status().message();
+    return;
+  }
+  auto params = JsonReader(*doc, what).object("ec_transfer_params");
+  if (!params.ok()) {
+    r.error = params.status().message();
+    return;
+  }
+  if (*params == nullptr || (*params)->empty()) {
+    r.encoded = true;
+    return;
+  }
+  const auto* entry = entry_for_the_image(**params);
+  if (entry == nullptr) {
+    r.error = what + ": no ec_transfer_params entry is the image (item_indices [0])";
+    return;
+  }
+  r.encoded = true;
+  r.mm_hash = entry->first;
+  r.params = entry->second;
+}
+
+// The body of a vLLM encode call: the image alone (no text), with its uuid, not streamed
+// and with no max_tokens (an encode-only instance stops once the image is encoded).
+std::string chat_body(const EncodeCall& call) {
+  json part = {{"type", "image_url"}, {"image_url", {{"url", call.data_url}}}};
+  if (!call.uuid.empty()) part["uuid"] = call.uuid;
+  json message = {{"role", "user"}, {"content", json::array({part})}};
+  return safe_dump(
+      {{"model", call.model}, {"messages", json::array({message})}, {"stream", false}});
+}
+
 // The message of an error answer {"error": {"message": ...}}, or its first 500 bytes.
 std::string error_message(const std::string& body) {
   auto doc = parse_json_object(body, "error answer");
@@ -59,7 +117,8 @@ std::string error_message(const std::string& body) {
 
 }  // namespace
 
-EncodeResult call_encoder(Upstream& e, const std::string& data_url, int64_t timeout_ms) {
+EncodeResult call_encoder(Upstream& e, const EncodeCall& call, int64_t timeout_ms) {
+  bool vllm = call.api == UpstreamApi::kVllm;
   EncodeResult r;
   auto t0 = Clock::now();
   httplib::Client cli(e.host, e.port);
@@ -67,7 +126,9 @@ EncodeResult call_encoder(Upstream& e, const std::string& data_url, int64_t time
   cli.set_read_timeout(std::chrono::milliseconds(timeout_ms));
   cli.set_write_timeout(std::chrono::milliseconds(timeout_ms));
   e.in_flight++;
-  auto res = cli.Post("/v1/encode", json{{"image", data_url}}.dump(), "application/json");
+  auto res =
+      vllm ? cli.Post("/v1/chat/completions", chat_body(call), "application/json")
+           : cli.Post("/v1/encode", json{{"image", call.data_url}}.dump(), "application/json");
   e.in_flight--;
   if (!res) {
     r.transport = res.error();
@@ -78,7 +139,7 @@ EncodeResult call_encoder(Upstream& e, const std::string& data_url, int64_t time
   }
   r.http_status = res->status;
   if (res->status == 200) {
-    read_encode_answer(res->body, r, e.url);
+    vllm ? read_chat_answer(res->body, r, e.url) : read_encode_answer(res->body, r, e.url);
   } else {
     r.error = "encoder " + e.url + " answered " + std::to_string(res->status) + ": " +
               error_message(res->body);
@@ -100,7 +161,7 @@ UpstreamList encoder_order(const UpstreamList& encoders, uint64_t key) {
   return order;
 }
 
-ImageEncode encode_with_failover(const UpstreamList& order, const std::string& data_url,
+ImageEncode encode_with_failover(const UpstreamList& order, const EncodeCall& call,
                                  int64_t timeout_ms) {
   ImageEncode out;
   auto t0 = Clock::now();
@@ -114,7 +175,7 @@ ImageEncode encode_with_failover(const UpstreamList& order, const std::string& d
       out.reason_label = "timeout";
       break;
     }
-    EncodeResult r = call_encoder(*e, data_url, left);
+    EncodeResult r = call_encoder(*e, call, left);
     if (r.encoded) {
       out.outcome = ImageEncode::kEncoded;
       out.result = std::move(r);
@@ -182,6 +243,11 @@ int ParamsReleaser::post(const Release& release) const {
   cli.set_read_timeout(timeout_);
   cli.set_write_timeout(timeout_);
   auto res = cli.Post("/v1/ec/release", release.body, "application/json");
+  if (res && res->status == 404) {
+    spdlog::debug("event=release_skipped encoder={}: no release endpoint (a vLLM encoder)",
+                  release.encoder->url);
+    return 0;
+  }
   if (!res || res->status != 200) {
     spdlog::warn("event=release_failed encoder={} error=\"{}\"", release.encoder->url,
                  res ? std::to_string(res->status) + ": " + error_message(res->body)

@@ -1,5 +1,7 @@
 // The proxy's side of its encoders: encoding an image on the best live encoder, with
 // failover, and giving back the params of a request abandoned before a PD read them.
+// Encoders speak ecx's API (POST /v1/encode) or vLLM's (a chat completion holding the
+// image, answered with ec_transfer_params), as the proxy's --upstream-api says.
 #pragma once
 
 #include <httplib.h>
@@ -16,24 +18,37 @@
 #include <thread>
 #include <vector>
 
+#include "ecx/serve/services.h"
 #include "serve/upstream.h"
 
 namespace ecx::serve {
 
 using UpstreamList = std::vector<std::shared_ptr<Upstream>>;
 
-// One POST /v1/encode.
+// What the proxy asks an encoder for one image.
+struct EncodeCall {
+  UpstreamApi api = UpstreamApi::kEcx;
+  std::string data_url;
+  // vllm: the request's model, and the image's key (the part's own "uuid", else one
+  // derived from its bytes), which the PD's copy of the image carries too.
+  std::string model;
+  std::string uuid;
+};
+
+// One encode call: POST /v1/encode (ecx) or POST /v1/chat/completions (vllm).
 struct EncodeResult {
   int http_status = 0;  // 200 on success; 0 = no HTTP answer (see transport)
   httplib::Error transport = httplib::Error::Success;
   bool timed_out = false;
-  // A 200 with a well-formed answer: the image's mm_hash and E's ec_transfer_params.
+  // A 200 with a well-formed answer: the image's mm_hash and E's ec_transfer_params for
+  // it. A vLLM encoder whose connector hands nothing over (shared storage) answers no
+  // params: encoded, with mm_hash empty.
   bool encoded = false;
   std::string mm_hash;
   nlohmann::json params;
   std::string error;  // why not encoded
 };
-EncodeResult call_encoder(Upstream& encoder, const std::string& data_url, int64_t timeout_ms);
+EncodeResult call_encoder(Upstream& encoder, const EncodeCall& call, int64_t timeout_ms);
 
 // What encoding one image came to.
 struct ImageEncode {
@@ -53,7 +68,7 @@ UpstreamList encoder_order(const UpstreamList& encoders, uint64_t key);
 // Tries the encoders of `order` until one encodes the image, all within one encode
 // deadline. A client error (bad image) ends the search: another encoder would say the
 // same.
-ImageEncode encode_with_failover(const UpstreamList& order, const std::string& data_url,
+ImageEncode encode_with_failover(const UpstreamList& order, const EncodeCall& call,
                                  int64_t timeout_ms);
 
 // The ec_transfer_params a request got from its encoders, per encoder: {mm_hash: params}.
@@ -63,7 +78,7 @@ using IssuedParams = std::map<std::shared_ptr<Upstream>, nlohmann::json>;
 // (POST /v1/ec/release), so their pins end now rather than when their lease runs out.
 // Runs on a thread of its own (no answer waits for it); each call is bounded by
 // `timeout`. Best effort: an encoder that cannot be reached keeps its pins until the
-// lease ends them.
+// lease ends them. An encoder without that endpoint (404: vLLM's) has nothing to release.
 class ParamsReleaser {
  public:
   // `on_released(n)`: an encoder confirmed n released params.

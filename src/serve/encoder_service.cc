@@ -2,10 +2,17 @@
 // connector's block (no extra copy), and answers with the params PD needs. A request
 // that will not reach a PD gives those params back (POST /v1/ec/release), so their pins
 // end at once instead of at the lease.
+//
+// Two request shapes reach the same path: ecx's own POST /v1/encode (one image), and the
+// chat completion vLLM's EPD proxy sends an encode-only instance (POST
+// /v1/chat/completions holding the request's images; its text is ignored), answered with
+// a top-level ec_transfer_params {mm_hash: params + modality, item_indices, metadata}.
 #include <unistd.h>
 
+#include <ctime>
 #include <iostream>
 #include <limits>
+#include <map>
 
 #include "ecx/common/json_reader.h"
 #include "ecx/common/log.h"
@@ -13,6 +20,7 @@
 #include "serve/http_server.h"
 #include "serve/metrics.h"
 #include "serve/model_setup.h"
+#include "serve/openai_request.h"
 
 namespace ecx::serve {
 namespace {
@@ -52,11 +60,51 @@ Result<std::vector<connector::EcTransferParams>> read_release_body(const std::st
   return out;
 }
 
+// A chat completion body as vLLM's EPD proxy sends it to an encoder: it may leave out the
+// model (null), which then means the one served here.
+std::optional<RequestError> read_chat_body(const std::string& body,
+                                           const CommonServiceConfig& config, ChatRequest* out) {
+  auto doc = parse_chat_body(body, config);
+  if (!doc.ok()) return RequestError{400, "invalid_request_error", doc.status().message()};
+  auto model = doc->find("model");
+  if (model == doc->end() || model->is_null()) (*doc)["model"] = config.model;
+  if (auto err = parse_chat_document(std::move(*doc), config, out)) return err;
+  if (out->stream) {
+    return RequestError{400, "invalid_request_error",
+                        "the encoder answers chat completions with stream=false only"};
+  }
+  return std::nullopt;
+}
+
 // What saving one image's embeddings came to.
 struct Saved {
   connector::EcTransferParams params;
   bool cached = false;  // already held: not encoded again
 };
+
+// One distinct image of a chat request, and where it occurs among the request's images.
+struct ChatImage {
+  engine::PreparedImage prepared;
+  std::vector<int> item_indices;  // positions among the request's image parts, from 0
+};
+
+// The answer to a chat completion: an OpenAI chat.completion with no generated text,
+// `ec_transfer_params` at the top level (what vLLM's encode-only instance answers).
+json chat_answer(const std::string& model, int64_t image_tokens, json ec_transfer_params) {
+  json message = {{"role", "assistant"}, {"content", ""}};
+  return {
+      {"id", make_id("chatcmpl")},
+      {"object", "chat.completion"},
+      {"created", static_cast<int64_t>(std::time(nullptr))},
+      {"model", model},
+      {"choices", json::array({{{"index", 0},
+                                {"message", message},
+                                {"logprobs", nullptr},
+                                {"finish_reason", "stop"}}})},
+      {"usage",
+       {{"prompt_tokens", image_tokens}, {"completion_tokens", 0}, {"total_tokens", image_tokens}}},
+      {"ec_transfer_params", std::move(ec_transfer_params)}};
+}
 
 class EncoderService {
  public:
@@ -64,6 +112,7 @@ class EncoderService {
   static Result<std::unique_ptr<EncoderService>> create(const EncoderServiceConfig& config);
 
   void handle_encode(const httplib::Request& req, httplib::Response& res);
+  void handle_chat(const httplib::Request& req, httplib::Response& res);
   void handle_release(const httplib::Request& req, httplib::Response& res);
   std::string render_metrics();
   // Lets consumers finish reading what this encoder handed out (bounded).
@@ -74,6 +123,14 @@ class EncoderService {
   // The image's params: those of the block this encoder holds, or a new block encoded
   // straight into the connector's pool.
   Result<Saved> save(const engine::PreparedImage& image, const TensorMeta& meta);
+  // The two steps both request shapes take, each counting its failures: decode and
+  // prepare an image from its bytes; then encode it into the connector (or find it held).
+  std::optional<RequestError> prepare(std::string_view bytes, engine::PreparedImage* out);
+  std::optional<RequestError> encode(const engine::PreparedImage& image, Saved* out);
+  // Every image part of `chat`, prepared, each distinct image once.
+  std::optional<RequestError> prepare_all(const ChatRequest& chat, std::vector<ChatImage>* out);
+  // Ends the pins of params issued to a request that then failed.
+  void release_all(const std::vector<connector::EcTransferParams>& issued);
 
   const EncoderServiceConfig& config_;
   ModelBundle model_;  // the encoder reads its weights
@@ -112,6 +169,42 @@ Result<Saved> EncoderService::save(const engine::PreparedImage& image, const Ten
   return Saved{std::move(params), false};
 }
 
+std::optional<RequestError> EncoderService::prepare(std::string_view bytes,
+                                                    engine::PreparedImage* out) {
+  auto image = engine::decode_image(
+      bytes, {config_.common.max_image_bytes, config_.common.max_image_pixels});
+  if (!image.ok()) {
+    metrics_.add("ecx_encode_failures_total", "reason=\"bad_image\"", 1);
+    int code = image.status().code() == StatusCode::kResourceExhausted ? 413 : 422;
+    return RequestError{code, code == 413 ? "request_too_large" : "invalid_image",
+                        image.status().message()};
+  }
+  auto prepared = encoder_->prepare(*image);
+  if (!prepared.ok()) return RequestError{422, "invalid_image", prepared.status().message()};
+  *out = std::move(*prepared);
+  return std::nullopt;
+}
+
+std::optional<RequestError> EncoderService::encode(const engine::PreparedImage& image, Saved* out) {
+  TensorMeta meta = encoder_->output_meta(image);
+  auto saved = save(image, meta);
+  if (!saved.ok()) {
+    const Status& s = saved.status();
+    metrics_.add("ecx_encode_failures_total",
+                 "reason=\"" + std::string(status_code_name(s.code())) + "\"", 1);
+    // A full pool is this server's condition, not the client's: 503, not 413.
+    if (s.code() == StatusCode::kResourceExhausted) {
+      return RequestError{503, "encoder_busy", s.message()};
+    }
+    return RequestError{http_status_for(s), std::string(status_code_name(s.code())), s.message()};
+  }
+  metrics_.add("ecx_encode_requests_total", saved->cached ? "cache=\"hit\"" : "cache=\"miss\"", 1);
+  metrics_.add("ecx_ec_bytes_saved_total", "",
+               saved->cached ? 0 : static_cast<double>(meta.byte_size()));
+  *out = std::move(*saved);
+  return std::nullopt;
+}
+
 void EncoderService::handle_encode(const httplib::Request& req, httplib::Response& res) {
   auto t0 = Clock::now();
   auto data_url = read_encode_body(req.body);
@@ -121,39 +214,74 @@ void EncoderService::handle_encode(const httplib::Request& req, httplib::Respons
   }
   auto bytes = engine::decode_data_url(*data_url);
   if (!bytes.ok()) return send_error(res, 400, "invalid_request_error", bytes.status().message());
-  auto image = engine::decode_image(
-      *bytes, {config_.common.max_image_bytes, config_.common.max_image_pixels});
-  if (!image.ok()) {
-    metrics_.add("ecx_encode_failures_total", "reason=\"bad_image\"", 1);
-    int code = image.status().code() == StatusCode::kResourceExhausted ? 413 : 422;
-    return send_error(res, code, code == 413 ? "request_too_large" : "invalid_image",
-                      image.status().message());
-  }
-  auto prepared = encoder_->prepare(*image);
-  if (!prepared.ok()) return send_error(res, 422, "invalid_image", prepared.status().message());
-  TensorMeta meta = encoder_->output_meta(*prepared);
-  auto saved = save(*prepared, meta);
-  if (!saved.ok()) {
-    const Status& s = saved.status();
-    metrics_.add("ecx_encode_failures_total",
-                 "reason=\"" + std::string(status_code_name(s.code())) + "\"", 1);
-    // A full pool is this server's condition, not the client's: 503, not 413.
-    if (s.code() == StatusCode::kResourceExhausted) {
-      return send_error(res, 503, "encoder_busy", s.message());
+  engine::PreparedImage prepared;
+  if (auto err = prepare(*bytes, &prepared)) return send_error(res, *err);
+  Saved saved;
+  if (auto err = encode(prepared, &saved)) return send_error(res, *err);
+  double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+  metrics_.observe("ecx_encode_seconds", "", ms / 1000);
+  res.set_content(json{{"mm_hash", prepared.mm_hash.str()},
+                       {"num_tokens", prepared.tokens()},
+                       {"ec_transfer_params", saved.params.to_json()},
+                       {"encode_ms", ms},
+                       {"cached", saved.cached}}
+                      .dump(),
+                  "application/json");
+}
+
+std::optional<RequestError> EncoderService::prepare_all(const ChatRequest& chat,
+                                                        std::vector<ChatImage>* out) {
+  std::map<MmHash, size_t> index_of;  // mm_hash -> its place in `out`
+  int item = 0;
+  for (const auto& msg : chat.messages) {
+    for (const auto& part : msg.parts) {
+      if (part.kind != ContentPart::kImage) continue;
+      engine::PreparedImage prepared;
+      if (auto err = prepare(part.image_bytes, &prepared)) return err;
+      auto [at, added] = index_of.emplace(prepared.mm_hash, out->size());
+      if (added) out->push_back({std::move(prepared), {}});
+      (*out)[at->second].item_indices.push_back(item++);
     }
-    return send_status(res, s);
+  }
+  return std::nullopt;
+}
+
+void EncoderService::release_all(const std::vector<connector::EcTransferParams>& issued) {
+  for (const auto& p : issued) connector_->release_params(p).ignore_error();
+}
+
+// Every image is prepared before any is encoded, so a bad image takes no pins; an encode
+// that fails part way releases the params issued before it.
+void EncoderService::handle_chat(const httplib::Request& req, httplib::Response& res) {
+  auto t0 = Clock::now();
+  ChatRequest chat;
+  if (auto err = read_chat_body(req.body, config_.common, &chat)) {
+    metrics_.add("ecx_encode_failures_total", "reason=\"bad_request\"", 1);
+    return send_error(res, *err);
+  }
+  std::vector<ChatImage> images;
+  if (auto err = prepare_all(chat, &images)) return send_error(res, *err);
+  json by_hash = json::object();
+  std::vector<connector::EcTransferParams> issued;
+  int64_t tokens = 0;
+  for (const ChatImage& image : images) {
+    Saved saved;
+    if (auto err = encode(image.prepared, &saved)) {
+      release_all(issued);
+      return send_error(res, *err);
+    }
+    json entry = saved.params.to_json();
+    entry["modality"] = "image";
+    entry["item_indices"] = image.item_indices;
+    entry["metadata"] = json::object();  // PD derives the placeholders from the image
+    by_hash[image.prepared.mm_hash.str()] = std::move(entry);
+    tokens += static_cast<int64_t>(image.prepared.tokens() * image.item_indices.size());
+    issued.push_back(std::move(saved.params));
   }
   double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
-  metrics_.add("ecx_encode_requests_total", saved->cached ? "cache=\"hit\"" : "cache=\"miss\"", 1);
   metrics_.observe("ecx_encode_seconds", "", ms / 1000);
-  metrics_.add("ecx_ec_bytes_saved_total", "",
-               saved->cached ? 0 : static_cast<double>(meta.byte_size()));
-  res.set_content(json{{"mm_hash", prepared->mm_hash.str()},
-                       {"num_tokens", prepared->tokens()},
-                       {"ec_transfer_params", saved->params.to_json()},
-                       {"encode_ms", ms},
-                       {"cached", saved->cached}}
-                      .dump(),
+  metrics_.add("ecx_encode_chat_requests_total", "", 1);
+  res.set_content(safe_dump(chat_answer(chat.model, tokens, std::move(by_hash))),
                   "application/json");
 }
 
@@ -193,6 +321,9 @@ int run_encoder_service(const EncoderServiceConfig& config) {
   httplib::Server server;
   server.Post("/v1/encode", [&e](const httplib::Request& req, httplib::Response& res) {
     e.handle_encode(req, res);
+  });
+  server.Post("/v1/chat/completions", [&e](const httplib::Request& req, httplib::Response& res) {
+    e.handle_chat(req, res);
   });
   server.Post("/v1/ec/release", [&e](const httplib::Request& req, httplib::Response& res) {
     e.handle_release(req, res);

@@ -180,9 +180,18 @@ std::optional<RequestError> read_options(const JsonReader& r, const CommonServic
 std::optional<RequestError> parse_chat_request(const std::string& body,
                                                const CommonServiceConfig& config,
                                                ChatRequest* out) {
-  auto doc = parse_json_object(body, "request body", JsonLimits{config.max_body_bytes, 64});
+  auto doc = parse_chat_body(body, config);
   if (!doc.ok()) return bad(doc.status());
-  out->raw = std::move(*doc);
+  return parse_chat_document(std::move(*doc), config, out);
+}
+
+Result<json> parse_chat_body(const std::string& body, const CommonServiceConfig& config) {
+  return parse_json_object(body, "request body", JsonLimits{config.max_body_bytes, 64});
+}
+
+std::optional<RequestError> parse_chat_document(json body, const CommonServiceConfig& config,
+                                                ChatRequest* out) {
+  out->raw = std::move(body);
   JsonReader request(out->raw, "request");
   if (auto err = read_options(request, config, out)) return err;
   auto messages = request.array("messages", Presence::kRequired);

@@ -44,4 +44,12 @@ struct ChatRequest {
 std::optional<RequestError> parse_chat_request(const std::string& body,
                                                const CommonServiceConfig& config, ChatRequest* out);
 
+// The body as a JSON object, within the service's size and nesting limits: the first
+// half of parse_chat_request, for a caller that adjusts the document before the second.
+Result<nlohmann::json> parse_chat_body(const std::string& body, const CommonServiceConfig& config);
+// The second half: validates an object from parse_chat_body.
+std::optional<RequestError> parse_chat_document(nlohmann::json body,
+                                                const CommonServiceConfig& config,
+                                                ChatRequest* out);
+
 }  // namespace ecx::serve

@@ -12,6 +12,10 @@
 // releases it. A request abandoned before a PD took it (no PD reachable, the PD
 // answered an error, a bad image among its others) gives its params back to their
 // encoders (encoder_client.h).
+//
+// --upstream-api vllm: each image goes to its encoder as the chat completion vLLM's EPD
+// proxy sends, keyed by a uuid the PD's copy of the image carries too; the entries of the
+// answer's ec_transfer_params travel to the PD unchanged. Everything else is the same.
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
@@ -25,6 +29,7 @@
 #include "ecx/common/checksum.h"
 #include "ecx/common/json_reader.h"
 #include "ecx/common/log.h"
+#include "ecx/common/mm_hash.h"
 #include "ecx/engine/image.h"
 #include "serve/encoder_client.h"
 #include "serve/http_server.h"
@@ -190,6 +195,10 @@ class Proxy {
   EncodedImages encode_images(const ChatRequest& chat, json& forward);
   // Sends each distinct image of `chat` to its encoders, once.
   std::vector<std::future<ImageEncode>> start_encodes(const ChatRequest& chat, json& forward);
+  // What to ask an encoder for the image part `forward_part` (whose URL is `data_url`);
+  // in vllm mode it gives the part its uuid.
+  EncodeCall encode_call(const ChatRequest& chat, const ContentPart& part, std::string data_url,
+                         json& forward_part) const;
   // PDs to try, in order: the reachable ones by fewest requests in flight, then the
   // others (their flag may be stale; a refused connect costs little).
   UpstreamList pd_order() const;
@@ -211,7 +220,7 @@ class Proxy {
 
 std::vector<std::future<ImageEncode>> Proxy::start_encodes(const ChatRequest& chat, json& forward) {
   std::vector<std::future<ImageEncode>> pending;
-  std::set<uint64_t> sent;  // each distinct image is encoded once per request
+  std::set<std::pair<uint64_t, std::string>> sent;  // each distinct image once per request
   for (size_t m = 0; m < chat.messages.size(); ++m) {
     const auto& parts = chat.messages[m].parts;
     for (size_t p = 0; p < parts.size(); ++p) {
@@ -221,17 +230,34 @@ std::vector<std::future<ImageEncode>> Proxy::start_encodes(const ChatRequest& ch
       std::string data_url = part.image_url.rfind("data:", 0) == 0
                                  ? part.image_url
                                  : engine::make_data_url(part.image_bytes, "image/png");
-      forward["messages"][m]["content"][p]["image_url"] = {{"url", data_url}};
+      json& forward_part = forward["messages"][m]["content"][p];
+      forward_part["image_url"] = {{"url", data_url}};
+      EncodeCall call = encode_call(chat, part, std::move(data_url), forward_part);
       uint64_t key = checksum64(part.image_bytes.data(), part.image_bytes.size());
-      if (!use_encoders_ || !sent.insert(key).second) continue;
-      pending.push_back(std::async(
-          std::launch::async,
-          [order = encoder_order(encoders_, key), data_url, timeout = config_.encode_timeout_ms] {
-            return encode_with_failover(order, data_url, timeout);
-          }));
+      // (In vllm mode an image is its bytes and its uuid: E must see each uuid the PD does.)
+      if (!use_encoders_ || !sent.emplace(key, call.uuid).second) continue;
+      pending.push_back(std::async(std::launch::async,
+                                   [order = encoder_order(encoders_, key), call = std::move(call),
+                                    timeout = config_.encode_timeout_ms] {
+                                     return encode_with_failover(order, call, timeout);
+                                   }));
     }
   }
   return pending;
+}
+
+EncodeCall Proxy::encode_call(const ChatRequest& chat, const ContentPart& part,
+                              std::string data_url, json& forward_part) const {
+  EncodeCall call{config_.upstream_api, std::move(data_url), "", ""};
+  if (call.api != UpstreamApi::kVllm) return call;
+  // vLLM keys an item by its uuid when it has one: E and PD must see the same.
+  auto own = forward_part.find("uuid");
+  call.uuid = own != forward_part.end() && own->is_string()
+                  ? own->get<std::string>()
+                  : MmHash::sha256_of({"image", part.image_bytes}).str();
+  forward_part["uuid"] = call.uuid;
+  call.model = chat.model;
+  return call;
 }
 
 EncodedImages Proxy::encode_images(const ChatRequest& chat, json& forward) {
@@ -243,6 +269,7 @@ EncodedImages Proxy::encode_images(const ChatRequest& chat, json& forward) {
       metrics_.add("ecx_proxy_encoder_errors_total", "", r.failed_attempts);
     switch (r.outcome) {
       case ImageEncode::kEncoded:
+        if (r.result.mm_hash.empty()) break;  // the encoder handed nothing over
         out.params[r.result.mm_hash] = r.result.params;
         out.issued[r.encoder][r.result.mm_hash] = r.result.params;
         break;

@@ -95,6 +95,7 @@ struct ServeCommands {
   ecx::serve::PdServiceConfig pd;
   ecx::serve::ProxyServiceConfig proxy;
   std::string encoder_urls, pd_urls;  // the proxy's, comma-separated
+  std::string upstream_api = "ecx";   // the proxy's: ecx | vllm
   std::string unused_text;
   int64_t unused_number = 0;
 };
@@ -148,10 +149,18 @@ void add_proxy_command(CLI::App* serve, ServeCommands& cmds, std::string& log_le
       ->required();
   s->add_option("--encode-timeout-ms", cmds.proxy.encode_timeout_ms, "Deadline of one encode")
       ->capture_default_str();
+  s->add_option("--upstream-api", cmds.upstream_api,
+                "What the encoders speak: ecx (POST /v1/encode) or vllm (a chat completion "
+                "holding the image, as vLLM's EPD proxy sends; see docs/SERVING.md)")
+      ->check(CLI::IsMember({"ecx", "vllm"}))
+      ->capture_default_str()
+      ->envname("ECX_UPSTREAM_API");
   s->callback([&cmds, &log_level, exit_code] {
     cmds.proxy.common.log_level = log_level;
     cmds.proxy.encoders = split_urls(cmds.encoder_urls);
     cmds.proxy.pd = split_urls(cmds.pd_urls);
+    cmds.proxy.upstream_api = cmds.upstream_api == "vllm" ? ecx::serve::UpstreamApi::kVllm
+                                                          : ecx::serve::UpstreamApi::kEcx;
     *exit_code = ecx::serve::run_proxy_service(cmds.proxy);
   });
 }

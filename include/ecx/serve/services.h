@@ -53,8 +53,16 @@ struct PdServiceConfig {
   int64_t request_timeout_ms = 120000;  // deadline of the EC load
 };
 
+// What the proxy's upstreams speak: ecx's own encoder API, or vLLM's (what its EPD proxy
+// sends; docs/SERVING.md).
+enum class UpstreamApi {
+  kEcx,   // POST /v1/encode per image; POST /v1/ec/release gives params back
+  kVllm,  // POST /v1/chat/completions holding the image, answered with ec_transfer_params
+};
+
 struct ProxyServiceConfig {
   CommonServiceConfig common;
+  UpstreamApi upstream_api = UpstreamApi::kEcx;
   // "local": the PDs encode images themselves and the encoders are not used.
   std::string connector = "p2p";
   std::vector<std::string> encoders;    // E URLs

@@ -229,7 +229,8 @@ TEST_F(VllmWireTest, ThePdTakesTheRequestVllmsProxyForwards) {
     }
     for (size_t i = 1; i < 4; ++i)
       chat["messages"][0]["content"][i]["uuid"] = "u" + std::to_string(i);
-    params["ec_items"] = items;
+    params["ec_items"] = items;  // where vLLM's proxy puts it
+    chat["ec_items"] = items;    // and at the top level, which ecx ignores just as well
     chat["ec_transfer_params"] = params;
     return answer_of(post(*pd, "/v1/chat/completions", chat));
   };

@@ -21,7 +21,8 @@ process with vLLM's single-GPU executor; both connector objects share one ecx co
             has_cache_item       true for items loaded this way
             update_state_after_alloc / build_connector_meta   which loaded items the step uses
             start_load_caches    fills encoder_cache from the loaded blocks (a copy to the
-                                 model's device), then gives the blocks back
+                                 model's device)
+            get_finished         the requests whose items it filled in (finished_recving)
             take_unavailable_requests  requests whose load failed, with failure_policy "fail";
                                  with "recompute" (the default) vLLM encodes those items itself
             request_finished     releases what the request still holds
@@ -129,6 +130,7 @@ class ECXConnector(ECConnectorBase):
         self._loads: dict[str, _Load] = {}  # request id -> its load (scheduler side)
         self._step: list[tuple[str, str, str, str, list[int]]] = []
         self._unavailable: set[str] = set()
+        self._received: set[str] = set()  # worker side, for get_finished
 
     # ---------------- producer ----------------
 
@@ -299,6 +301,13 @@ class ECXConnector(ECConnectorBase):
             # the encoder would have written (CUDA: the host staging copy's way back).
             target = device or _encoder_device(encoder_cache)
             encoder_cache[mm_hash] = tensor.to(target, copy=True)
+            self._received.add(request_id)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(None, the requests whose loaded items this worker put into encoder_cache since
+        the last call): what vLLM's ECConnectorOutput calls finished_recving."""
+        received, self._received = self._received, set()
+        return None, (received or None)
 
 
 def _encoder_device(encoder_cache: dict[str, torch.Tensor]) -> torch.device:

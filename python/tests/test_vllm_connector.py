@@ -103,7 +103,8 @@ def load_through_hooks(scheduler, worker, req) -> dict:
     worker.bind_connector_metadata(step.ec_connector_metadata)
     encoder_cache = {}
     worker.start_load_caches(encoder_cache)
-    worker.get_finished(set())
+    _, received = worker.get_finished(set())
+    assert received == {req.request_id}
     worker.clear_connector_metadata()
     return encoder_cache
 

@@ -15,6 +15,7 @@
 #include "ecx/engine/image.h"
 #include "ecx/serve/services.h"
 #include "serve/http_server.h"
+#include "support/service_metrics.h"
 
 namespace ecx::serve {
 namespace {
@@ -48,29 +49,8 @@ httplib::Result post(const std::string& url, const std::string& path, const std:
   return cli.Post(path, body, "application/json");
 }
 
-// A gauge or counter from a service's /metrics; -1 when absent or unreachable.
-double metric(const std::string& url, const std::string& name) {
-  auto res = httplib::Client(url).Get("/metrics");
-  if (!res || res->status != 200) return -1;
-  std::istringstream lines(res->body);
-  std::string line;
-  while (std::getline(lines, line)) {
-    if (line.rfind(name + " ", 0) == 0) return std::stod(line.substr(name.size() + 1));
-  }
-  return -1;
-}
-
-// Asks again every 50 ms until the metric reads `want` or `deadline` passes. (The
-// encoder gives no event to wait on: its /metrics is the observable state.)
-bool metric_reaches(const std::string& url, const std::string& name, double want, Deadline deadline,
-                    double* last) {
-  while (true) {
-    *last = metric(url, name);
-    if (*last == want) return true;
-    if (deadline.expired()) return false;
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-}
+using ecx::testing::metric;
+using ecx::testing::metric_reaches;
 
 class PinsTest : public ::testing::Test {
  protected:

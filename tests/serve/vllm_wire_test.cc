@@ -17,6 +17,7 @@
 #include "ecx/connector/ec_transfer_params.h"
 #include "ecx/engine/image.h"
 #include "ecx/serve/services.h"
+#include "support/service_metrics.h"
 
 namespace ecx::serve {
 namespace {
@@ -76,27 +77,12 @@ json answer_of(const httplib::Result& r) {
   return json::parse(r->body, nullptr, false);
 }
 
-// A gauge or counter from a service's /metrics; -1 when absent or unreachable.
-double metric(const std::string& url, const std::string& name) {
-  auto res = httplib::Client(url).Get("/metrics");
-  if (!res || res->status != 200) return -1;
-  std::istringstream lines(res->body);
-  std::string line;
-  while (std::getline(lines, line)) {
-    if (line.rfind(name + " ", 0) == 0) return std::stod(line.substr(name.size() + 1));
-  }
-  return -1;
-}
+using ecx::testing::metric;
+using ecx::testing::metric_reaches;
 
-// Asks again every 50 ms until the metric reads `want` or 2 s pass (far below the 30 s
-// lease). The encoder gives no event to wait on: its /metrics is the observable state.
+// Until the metric reads `want`, 2 s at most (far below the 30 s lease).
 bool metric_reaches(const std::string& url, const std::string& name, double want) {
-  Deadline deadline = Deadline::after_ms(2000);
-  while (metric(url, name) != want) {
-    if (deadline.expired()) return false;
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  return true;
+  return metric_reaches(url, name, want, Deadline::after_ms(2000));
 }
 
 // Services of one test, stopped proxy first.

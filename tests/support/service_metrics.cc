@@ -1,0 +1,32 @@
+#include "support/service_metrics.h"
+
+#include <httplib.h>
+
+#include <sstream>
+#include <thread>
+
+namespace ecx::testing {
+
+double metric(const std::string& url, const std::string& name) {
+  auto res = httplib::Client(url).Get("/metrics");
+  if (!res || res->status != 200) return -1;
+  std::istringstream lines(res->body);
+  std::string line;
+  while (std::getline(lines, line)) {
+    if (line.rfind(name + " ", 0) == 0) return std::stod(line.substr(name.size() + 1));
+  }
+  return -1;
+}
+
+bool metric_reaches(const std::string& url, const std::string& name, double want, Deadline deadline,
+                    double* last) {
+  while (true) {
+    double value = metric(url, name);
+    if (last != nullptr) *last = value;
+    if (value == want) return true;
+    if (deadline.expired()) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+}
+
+}  // namespace ecx::testing

@@ -90,6 +90,7 @@ class _Shared:
 
     def __init__(self, config: dict):
         self.conn = ecx.Connector(json.dumps(config))
+        self.users = 0
         self.policy = config["extra"].get("failure_policy", "recompute")
         self.lock = threading.Lock()
         self.saved: dict[str, str] = {}  # mm_hash -> params JSON, pinned for one consumer
@@ -102,7 +103,20 @@ class _Shared:
             shared = cls._by_engine.get(engine)
             if shared is None:
                 shared = cls._by_engine[engine] = cls(config)
+            shared.users += 1
             return shared
+
+    @classmethod
+    def release(cls, shared: "_Shared") -> None:
+        """One user is done; the last one stops the ecx connector (its threads, its agent)."""
+        with cls._lock:
+            shared.users -= 1
+            if shared.users > 0:
+                return
+            for engine, other in list(cls._by_engine.items()):
+                if other is shared:
+                    del cls._by_engine[engine]
+        shared.conn = None
 
 
 @dataclass
@@ -131,6 +145,11 @@ class ECXConnector(ECConnectorBase):
         self._step: list[tuple[str, str, str, str, list[int]]] = []
         self._unavailable: set[str] = set()
         self._received: set[str] = set()  # worker side, for get_finished
+
+    def shutdown(self) -> None:
+        if self._shared is not None:
+            _Shared.release(self._shared)
+            self._shared = None
 
     # ---------------- producer ----------------
 

@@ -29,6 +29,23 @@ def test_vllms_factory_makes_the_connector_from_the_module_path():
     assert scheduler.is_consumer and not scheduler.is_producer
 
 
+def test_the_scheduler_and_worker_share_one_ecx_connector_until_both_shut_down():
+    extra = {"engine_id": f"pd-shared-{os.getpid()}"}
+    scheduler, worker = connectors("ec_consumer", extra)
+    shared = scheduler._shared.conn
+    assert worker._shared.conn is shared
+    scheduler.shutdown()
+    again, again_worker = connectors("ec_consumer", extra)  # the worker still uses it
+    assert again._shared.conn is shared
+    again.shutdown()
+    again_worker.shutdown()
+    worker.shutdown()  # the last user: the ecx connector stops
+    fresh, fresh_worker = connectors("ec_consumer", extra)
+    assert fresh._shared.conn is not shared
+    fresh.shutdown()
+    fresh_worker.shutdown()
+
+
 def test_the_abstract_api_is_what_the_connector_was_written_for():
     # A change in vLLM's EC connector API fails here first.
     assert ECConnectorBase.__abstractmethods__ == {

@@ -1,30 +1,12 @@
-// Fuzz target: decode_image (include/ecx/engine/image.h) on PNG input, with the limits a
-// service uses by default. Input without the PNG signature is skipped, so the time goes
-// to libpng and ecx's wrapper (the jpeg_decode target covers the other branch).
-// Invariants: an error is kInvalidArgument or kResourceExhausted; a decoded image has
-// dimensions within the limits and exactly width * height * 3 bytes.
+// Fuzz target: decode_image on PNG input (the checks: decode_image_check.h). Input without
+// the PNG signature is skipped, so the time goes to libpng and ecx's wrapper (the
+// jpeg_decode target covers the other branch).
 #include <cstring>
-#include <string_view>
 
-#include "ecx/engine/image.h"
-#include "fuzz/fuzz_target.h"
+#include "fuzz/decode_image_check.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  using namespace ecx::engine;
   if (size < 8 || std::memcmp(data, "\x89PNG\r\n\x1a\n", 8) != 0) return 0;
-  static const ImageLimits limits;
-  auto image = decode_image(std::string_view(reinterpret_cast<const char*>(data), size), limits);
-  if (!image.ok()) {
-    auto code = image.status().code();
-    ECX_FUZZ_CHECK(
-        code == ecx::StatusCode::kInvalidArgument || code == ecx::StatusCode::kResourceExhausted,
-        "unexpected error code");
-    return 0;
-  }
-  ECX_FUZZ_CHECK(image->width > 0 && image->height > 0, "empty decoded image");
-  ECX_FUZZ_CHECK(uint64_t(image->width) * uint64_t(image->height) <= limits.max_pixels,
-                 "decoded image over max_pixels");
-  ECX_FUZZ_CHECK(image->rgb.size() == size_t(image->width) * size_t(image->height) * 3,
-                 "pixel buffer size != width * height * 3");
+  check_decode_image(data, size);
   return 0;
 }

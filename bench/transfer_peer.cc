@@ -1,4 +1,5 @@
 #include "transfer_peer.h"
+
 #include "ecx/common/json_reader.h"
 
 #include <sys/socket.h>
@@ -15,6 +16,7 @@
 #include "ecx/common/log.h"
 #include "ecx/transfer/agent.h"
 #include "transfer/socket.h"
+#include "transfer/test_hooks.h"
 
 namespace ecx::bench {
 namespace {
@@ -55,11 +57,17 @@ Result<json> parse_request(std::string_view text) {
 }
 
 transfer::AgentConfig agent_config(const TransferPeerOptions& options) {
-  return {.name = options.name,
-          .compat_hash = options.compat_hash,
-          .tcp_slice_bytes = options.tcp_slice_bytes,
-          .tcp_streams = options.tcp_streams,
-          .fault_stall_read_after_bytes = options.fault_stall_read_after_bytes};
+  transfer::AgentConfig config{.name = options.name,
+                               .compat_hash = options.compat_hash,
+                               .tcp_slice_bytes = options.tcp_slice_bytes,
+                               .tcp_streams = options.tcp_streams};
+  if (!options.ucx.empty()) {
+    config.ucx = {.enable = true,
+                  .library = options.ucx_library,
+                  .tls = options.ucx == "default" ? std::string() : options.ucx,
+                  .error_mode = options.ucx_error_mode};
+  }
+  return config;
 }
 
 // What the producer serves: its agent, a source region filled with the pattern, a sink
@@ -157,6 +165,7 @@ int run_transfer_peer(const TransferPeerOptions& options) {
     return 1;
   }
   std::unique_ptr<Agent> agent = std::move(*created);
+  transfer::set_test_faults(*agent, {.stall_read_after_bytes = options.fault_stall_read_after_bytes});
   auto source = agent->allocate(options.region_bytes);
   auto sink = agent->allocate(options.region_bytes, {.remote_read = true, .remote_write = true});
   if (!source.ok() || !sink.ok()) {

@@ -29,7 +29,10 @@ struct TransferPeerOptions {
   uint64_t seed = 42;
   uint64_t tcp_slice_bytes = 4ull << 20;
   int tcp_streams = 2;
-  uint64_t fault_stall_read_after_bytes = 0;  // test-only: see AgentConfig
+  std::string ucx;                            // "" = ucx off; else UcxConfig.tls ("tcp", ...)
+  std::string ucx_error_mode = "auto";        // UcxConfig.error_mode
+  std::string ucx_library = "system";         // UcxConfig.library
+  uint64_t fault_stall_read_after_bytes = 0;  // test-only: see transfer/test_hooks.h
 };
 
 // The command line that starts a producer with `options`, `exe` being the ecx binary.
@@ -46,6 +49,11 @@ inline std::vector<std::string> transfer_peer_command(const std::string& exe,
   flag("--seed", std::to_string(options.seed));
   flag("--slice-bytes", std::to_string(options.tcp_slice_bytes));
   flag("--streams", std::to_string(options.tcp_streams));
+  if (!options.ucx.empty()) {
+    flag("--ucx", options.ucx);
+    flag("--ucx-error-mode", options.ucx_error_mode);
+    flag("--ucx-library", options.ucx_library);
+  }
   flag("--fault-stall-read-after-bytes", std::to_string(options.fault_stall_read_after_bytes));
   return argv;
 }

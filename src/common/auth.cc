@@ -1,5 +1,9 @@
 #include "ecx/common/auth.h"
 
+#include <cstring>
+
+#include "ecx/common/bytes.h"
+
 #include <openssl/core_names.h>
 #include <openssl/crypto.h>
 #include <openssl/evp.h>
@@ -66,33 +70,16 @@ Mac hmac_sha256(std::string_view key, std::initializer_list<std::string_view> pa
   return out;
 }
 
-std::string mac_hex(const Mac& mac) {
-  static const char* kDigits = "0123456789abcdef";
-  std::string s;
-  s.reserve(mac.size() * 2);
-  for (uint8_t b : mac) {
-    s.push_back(kDigits[b >> 4]);
-    s.push_back(kDigits[b & 15]);
-  }
-  return s;
-}
+std::string mac_hex(const Mac& mac) { return hex_encode(mac.data(), mac.size()); }
 
 Result<Mac> parse_mac_hex(std::string_view hex) {
   if (hex.size() != 64) {
     return InvalidArgument("a MAC is 64 hex digits, got " + std::to_string(hex.size()) +
                            " characters");
   }
-  auto digit = [](char c) -> int {
-    if (c >= '0' && c <= '9') return c - '0';
-    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
-    return -1;
-  };
+  ECX_ASSIGN_OR_RETURN(std::string bytes, hex_decode(hex, "a MAC"));
   Mac mac{};
-  for (size_t i = 0; i < mac.size(); ++i) {
-    int hi = digit(hex[2 * i]), lo = digit(hex[2 * i + 1]);
-    if (hi < 0 || lo < 0) return InvalidArgument("a MAC is lower-case hex");
-    mac[i] = static_cast<uint8_t>(hi << 4 | lo);
-  }
+  std::memcpy(mac.data(), bytes.data(), mac.size());
   return mac;
 }
 

@@ -95,4 +95,34 @@ std::string format_bytes(uint64_t bytes) {
   return std::to_string(bytes) + "B";
 }
 
+std::string hex_encode(const void* data, size_t size) {
+  static constexpr char kDigits[] = "0123456789abcdef";
+  const auto* bytes = static_cast<const uint8_t*>(data);
+  std::string s;
+  s.reserve(size * 2);
+  for (size_t i = 0; i < size; ++i) {
+    s.push_back(kDigits[bytes[i] >> 4]);
+    s.push_back(kDigits[bytes[i] & 15]);
+  }
+  return s;
+}
+
+Result<std::string> hex_decode(std::string_view hex, std::string_view what) {
+  auto digit = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    return -1;
+  };
+  if (hex.size() % 2 != 0) {
+    return InvalidArgument(std::string(what) + ": odd number of hex digits");
+  }
+  std::string out(hex.size() / 2, '\0');
+  for (size_t i = 0; i < out.size(); ++i) {
+    int hi = digit(hex[2 * i]), lo = digit(hex[2 * i + 1]);
+    if (hi < 0 || lo < 0) return InvalidArgument(std::string(what) + ": not lower-case hex");
+    out[i] = static_cast<char>(hi << 4 | lo);
+  }
+  return out;
+}
+
 }  // namespace ecx

@@ -10,10 +10,13 @@
 
 #include "ecx/common/log.h"
 #include "transfer/connection.h"
+#include "transfer/data_path.h"
 #include "transfer/memory.h"
 #include "transfer/server.h"
 #include "transfer/shm_backend.h"
 #include "transfer/tcp_backend.h"
+#include "transfer/test_hooks.h"
+#include "transfer/ucx_backend.h"
 #include "transfer/wire.h"
 
 namespace ecx::transfer {
@@ -22,25 +25,19 @@ namespace {
 constexpr size_t kMaxQueuedNotifications = 1 << 16;
 constexpr size_t kMaxQueuedNotificationBytes = 256u << 20;
 
-// One connected peer and the backend that reaches it.
+// One connected peer and the data path that reaches it.
 struct Peer {
   std::string name;
   Backend backend = Backend::kTcp;
   // Shared so a transfer's finalizer can notify without owning the Peer: a worker
   // thread must never drop the last reference to the pool that owns it.
   std::shared_ptr<ControlChannel> control;
-  std::unique_ptr<ShmPeer> shm;
-  std::shared_ptr<TcpDataPool> tcp;  // shared: cancel hooks hold weak references
-  // Same-host peers: WRITEs go over a unix data stream (their memory is never mapped
-  // writable here). Null for tcp peers, whose `tcp` pool carries both directions.
-  std::shared_ptr<TcpDataPool> unix_writes;
-  uint64_t connection_id = 0;  // tells this connection from later ones to the same name
+  std::shared_ptr<DataPath> data;  // shared: cancel hooks hold weak references
+  uint64_t connection_id = 0;      // tells this connection from later ones to the same name
 
   ~Peer() {
-    // Data workers first (they may be mid-transfer), then the control channel.
-    tcp.reset();
-    unix_writes.reset();
-    shm.reset();
+    // Data first (its workers may be mid-transfer), then the control channel.
+    data.reset();
     control.reset();
   }
 };
@@ -96,14 +93,16 @@ class AgentImpl final : public Agent {
                           uint64_t length, const Capability& capability) override;
   AgentStats stats() const override { return stats_.snapshot(); }
   void shutdown() override;
+  void set_test_faults(const TestFaults& faults) { server_->set_test_faults(faults); }
 
  private:
   Result<std::shared_ptr<Peer>> connected_peer(const std::string& name) const;
   Result<std::shared_ptr<Peer>> open_peer(const AgentMetadata& meta, Backend backend,
                                           Deadline deadline);
-  Status open_shm(const AgentMetadata& meta, Peer& peer, Deadline deadline);
-  Status open_tcp(const AgentMetadata& meta, Peer& peer, Deadline deadline);
-  ControlChannel::DeathHandler death_handler(const Peer& peer);
+  Result<std::shared_ptr<Peer>> open_with(BackendEngine& engine, const AgentMetadata& meta,
+                                          bool same_host, Deadline deadline);
+  Result<UniqueFd> dial_control(const AgentMetadata& meta, bool over_unix, Deadline deadline);
+  BackendEngine* engine(Backend kind) const;
   Result<TransferHandle> transfer(const std::string& peer,
                                   std::span<const TransferDescriptor> descriptors, bool write,
                                   std::optional<std::string> notification,
@@ -121,6 +120,8 @@ class AgentImpl final : public Agent {
   RegionTable regions_;
   StatsCounters stats_;
   std::unique_ptr<Server> server_;
+  // One engine per enabled backend, in the order `auto` tries them.
+  std::vector<std::unique_ptr<BackendEngine>> engines_;
   std::string host_id_;
   std::atomic<uint64_t> next_connection_id_{1};
 
@@ -163,6 +164,7 @@ void AgentImpl::shutdown() {
   }
   peers.clear();
   dead.clear();
+  for (auto& engine : engines_) engine->stop();
 }
 
 void AgentImpl::reap_dead_peers() {
@@ -226,6 +228,12 @@ Status AgentImpl::start() {
     }
     if (handler) handler(peer);
   };
+  if (config_.enable_shm) engines_.push_back(make_shm_engine(config_));
+  if (config_.ucx.enable) {
+    ECX_ASSIGN_OR_RETURN(auto ucx, make_ucx_engine(config_));
+    engines_.push_back(std::move(ucx));
+  }
+  engines_.push_back(make_tcp_engine(config_));
   ECX_ASSIGN_OR_RETURN(server_, Server::start(config_, &regions_, &stats_, std::move(hooks)));
   server_->run();
   reaper_ = std::thread([this] { reap_dead_peers(); });
@@ -235,22 +243,26 @@ Status AgentImpl::start() {
 Result<LocalRegion> AgentImpl::allocate(uint64_t length, RegionAccess access) {
   ECX_ASSIGN_OR_RETURN(auto entry, create_memfd_region(config_.name, length));
   entry->access = access;
+  for (auto& engine : engines_) ECX_RETURN_IF_ERROR(engine->register_region(*entry));
   return regions_.add(std::move(entry));
 }
 
 Result<LocalRegion> AgentImpl::register_memory(void* data, uint64_t length, MemoryKind kind,
                                                RegionAccess access) {
   if (data == nullptr || length == 0) return InvalidArgument("register_memory: empty buffer");
-  if (kind != MemoryKind::kHost) {
-    return Status(StatusCode::kFailedPrecondition,
-                  "register_memory: memory kind '" + std::string(memory_kind_name(kind)) +
-                      "' needs a GPU backend, which this build does not have");
-  }
+  ECX_RETURN_IF_ERROR(check_memory_kind(data, length, kind));
   auto entry = std::make_shared<RegionEntry>();
   entry->data = static_cast<std::byte*>(data);
   entry->length = length;
   entry->kind = kind;
   entry->access = access;
+  for (auto& engine : engines_) ECX_RETURN_IF_ERROR(engine->register_region(*entry));
+  if (kind != MemoryKind::kHost && !entry->ucx) {
+    return Status(StatusCode::kFailedPrecondition,
+                  "register_memory: " + std::string(memory_kind_name(kind)) +
+                      " memory is reached only through the ucx backend, which agent " +
+                      config_.name + " does not enable (AgentConfig::ucx.enable)");
+  }
   return regions_.add(std::move(entry));
 }
 
@@ -262,86 +274,96 @@ AgentMetadata AgentImpl::metadata() const {
   m.host_id = host_id_;
   m.shm_endpoint = server_ ? server_->shm_endpoint() : std::string();
   m.tcp_endpoint = server_ ? server_->tcp_endpoint() : std::string();
+  for (const auto& engine : engines_) engine->describe(m);
   m.regions = regions_.list();
   return m;
 }
 
+BackendEngine* AgentImpl::engine(Backend kind) const {
+  for (const auto& e : engines_) {
+    if (e->kind() == kind) return e.get();
+  }
+  return nullptr;
+}
+
+// `auto` tries each engine that reaches the peer, in order (shm, ucx, tcp), and takes
+// the first that connects; a refusal (incompatible, version, authentication) is final.
 Result<std::shared_ptr<Peer>> AgentImpl::open_peer(const AgentMetadata& meta, Backend backend,
                                                    Deadline deadline) {
-  if (backend == Backend::kAuto) {
-    bool same_host = !meta.shm_endpoint.empty() && meta.host_id == host_id_ && config_.enable_shm;
-    if (same_host) {
-      auto shm = open_peer(meta, Backend::kShm, deadline);
-      if (shm.ok() || meta.tcp_endpoint.empty() ||
-          shm.status().code() == StatusCode::kIncompatible ||
-          shm.status().code() == StatusCode::kVersionMismatch) {
-        return shm;
-      }
-      spdlog::info("agent {}: shm to {} failed ({}), using tcp", config_.name, meta.name,
-                   shm.status().to_string());
+  const bool same_host = meta.host_id == host_id_;
+  if (backend != Backend::kAuto) {
+    BackendEngine* chosen = engine(backend);
+    if (chosen == nullptr) {
+      return Unavailable("backend " + std::string(backend_name(backend)) +
+                         " is not enabled in agent " + config_.name);
     }
-    backend = Backend::kTcp;
+    if (!chosen->reaches(meta, same_host || backend == Backend::kShm)) {
+      return Unavailable("backend " + std::string(backend_name(backend)) +
+                         " cannot reach agent '" + meta.name + "' (no endpoint for it)");
+    }
+    return open_with(*chosen, meta, same_host, deadline);
   }
+  Status last = Unavailable("no backend of agent " + config_.name + " reaches agent '" +
+                            meta.name + "'");
+  for (const auto& e : engines_) {
+    if (!e->reaches(meta, same_host)) continue;
+    auto peer = open_with(*e, meta, same_host, deadline);
+    StatusCode code = peer.ok() ? StatusCode::kOk : peer.status().code();
+    if (peer.ok() || code == StatusCode::kIncompatible || code == StatusCode::kVersionMismatch ||
+        code == StatusCode::kPermissionDenied || code == StatusCode::kDeadlineExceeded) {
+      return peer;
+    }
+    spdlog::info("agent {}: {} to {} failed ({}), trying the next backend", config_.name,
+                 backend_name(e->kind()), meta.name, peer.status().to_string());
+    last = peer.status();
+  }
+  return last;
+}
+
+Result<UniqueFd> AgentImpl::dial_control(const AgentMetadata& meta, bool over_unix,
+                                         Deadline deadline) {
+  if (over_unix) {
+    if (meta.shm_endpoint.empty()) {
+      return Unavailable("agent '" + meta.name + "' has no shm endpoint");
+    }
+    return connect_unix(meta.shm_endpoint, deadline);
+  }
+  if (meta.tcp_endpoint.empty()) {
+    return Unavailable("agent '" + meta.name + "' has no tcp endpoint");
+  }
+  ECX_ASSIGN_OR_RETURN(HostPort address, parse_host_port(meta.tcp_endpoint));
+  return connect_tcp(address, deadline);
+}
+
+// The control channel (unix or tcp, as the engine needs), then the engine's data path.
+Result<std::shared_ptr<Peer>> AgentImpl::open_with(BackendEngine& engine,
+                                                   const AgentMetadata& meta, bool same_host,
+                                                   Deadline deadline) {
   auto peer = std::make_shared<Peer>();
   peer->name = meta.name;
-  peer->backend = backend;
+  peer->backend = engine.kind();
   peer->connection_id = next_connection_id_.fetch_add(1);
-  Status opened =
-      backend == Backend::kShm ? open_shm(meta, *peer, deadline) : open_tcp(meta, *peer, deadline);
-  ECX_RETURN_IF_ERROR(opened);
+  const bool over_unix = engine.control_over_unix(meta, same_host);
+  AgentMetadata self = metadata();
+  ECX_ASSIGN_OR_RETURN(UniqueFd fd, dial_control(meta, over_unix, deadline));
+  auto on_death = [this, name = peer->name, id = peer->connection_id](const Status& reason) {
+    on_peer_death(name, id, reason);
+  };
+  ECX_ASSIGN_OR_RETURN(peer->control,
+                       ControlChannel::open(std::move(fd), over_unix, self, config_.auth_secret,
+                                            deadline, std::move(on_death)));
   if (peer->control->peer().name != meta.name) {
     return Unavailable("endpoint of agent '" + meta.name + "' is now served by agent '" +
                        peer->control->peer().name + "' (stale metadata)");
   }
+  PeerLink link{.config = &config_,
+                .same_host = same_host,
+                .self = std::move(self),
+                .peer = peer->control->peer(),
+                .control = peer->control,
+                .stats = &stats_};
+  ECX_ASSIGN_OR_RETURN(peer->data, engine.open(std::move(link), deadline));
   return peer;
-}
-
-ControlChannel::DeathHandler AgentImpl::death_handler(const Peer& peer) {
-  return [this, name = peer.name, connection_id = peer.connection_id](const Status& reason) {
-    on_peer_death(name, connection_id, reason);
-  };
-}
-
-// The control channel over the peer's unix socket, its memory mapped for reads, and a
-// unix data stream for writes.
-Status AgentImpl::open_shm(const AgentMetadata& meta, Peer& peer, Deadline deadline) {
-  if (meta.shm_endpoint.empty()) {
-    return Unavailable("agent '" + meta.name + "' has no shm endpoint");
-  }
-  AgentMetadata self = metadata();
-  ECX_ASSIGN_OR_RETURN(UniqueFd fd, connect_unix(meta.shm_endpoint, deadline));
-  ECX_ASSIGN_OR_RETURN(
-      peer.control, ControlChannel::open(std::move(fd), true, self, config_.auth_secret, deadline,
-                                         death_handler(peer)));
-  peer.shm = std::make_unique<ShmPeer>(peer.control.get(), &stats_);
-  std::string endpoint = meta.shm_endpoint;
-  peer.unix_writes = std::make_shared<TcpDataPool>(
-      config_, self, peer.control->peer(),
-      [endpoint](Deadline d) { return connect_unix(endpoint, d); }, "unix @" + endpoint, 1);
-  return Status::Ok();
-}
-
-// The control channel over tcp, and a pool of tcp data streams for both directions.
-Status AgentImpl::open_tcp(const AgentMetadata& meta, Peer& peer, Deadline deadline) {
-  if (meta.tcp_endpoint.empty()) {
-    return Unavailable("agent '" + meta.name + "' has no tcp endpoint");
-  }
-  AgentMetadata self = metadata();
-  ECX_ASSIGN_OR_RETURN(HostPort address, parse_host_port(meta.tcp_endpoint));
-  ECX_ASSIGN_OR_RETURN(UniqueFd fd, connect_tcp(address, deadline));
-  ECX_ASSIGN_OR_RETURN(
-      peer.control, ControlChannel::open(std::move(fd), false, self, config_.auth_secret, deadline,
-                                         death_handler(peer)));
-  int buffer = config_.tcp_socket_buffer;
-  peer.tcp = std::make_shared<TcpDataPool>(
-      config_, self, peer.control->peer(),
-      [address, buffer](Deadline d) -> Result<UniqueFd> {
-        ECX_ASSIGN_OR_RETURN(UniqueFd fd, connect_tcp(address, d));
-        tune_tcp_socket(fd.get(), buffer);
-        return fd;
-      },
-      address.to_string(), config_.tcp_streams);
-  return Status::Ok();
 }
 
 Result<AgentMetadata> AgentImpl::connect(const AgentMetadata& meta, ConnectOptions options) {
@@ -421,8 +443,7 @@ void AgentImpl::on_peer_death(const std::string& name, uint64_t connection_id,
   stats_.peer_failures++;
   spdlog::debug("agent {}: peer {} gone: {}", config_.name, name, reason.to_string());
   auto& peer = it->second.peer;
-  if (peer->tcp) peer->tcp->fail_all(reason);
-  if (peer->unix_writes) peer->unix_writes->fail_all(reason);
+  if (peer->data) peer->data->fail_all(reason);
   // Its threads, fds and mappings go now, not at the next connect: a restarted producer
   // must not cost another arena's worth of mapped memory each time.
   it->second.error = reason;
@@ -459,33 +480,21 @@ Result<TransferHandle> AgentImpl::transfer(const std::string& peer_name,
   const char* op = write ? "write" : "read";
   ECX_ASSIGN_OR_RETURN(uint64_t total, check_descriptors(descriptors, op));
   ECX_ASSIGN_OR_RETURN(auto peer, connected_peer(peer_name));
-  if (peer->tcp || (write && peer->unix_writes)) {
-    Status inside =
-        check_announced_regions(descriptors, peer->control->peer().regions, write, peer_name);
-    if (!inside.ok()) {
-      stats_.rejected_descriptors++;
-      return inside;
-    }
+  Status inside =
+      check_announced_regions(descriptors, peer->control->peer().regions, write, peer_name);
+  if (!inside.ok()) {
+    stats_.rejected_descriptors++;
+    return inside;
   }
   Deadline deadline = deadline_opt.value_or(Deadline::after_ms(config_.transfer_timeout_ms));
   std::string description = std::string(op) + " of " + std::to_string(descriptors.size()) +
                             " items (" + std::to_string(total) + " bytes) " +
                             (write ? "to" : "from") + " agent " + peer_name + " over " +
                             std::string(backend_name(peer->backend));
-  TcpDataPool* stream = peer->tcp ? peer->tcp.get() : (write ? peer->unix_writes.get() : nullptr);
-  if (stream != nullptr) {
-    // Over a data stream the notification follows the last acknowledged slice, so it
-    // arrives after the data.
-    auto finalizer = transfer_finalizer(peer->control, write, total, std::move(notification));
-    return TransferHandle(
-        stream->submit(descriptors, write, deadline, description, std::move(finalizer)));
-  }
-  auto state = std::make_shared<TransferState>(description, 1);
-  state->set_finalizer(transfer_finalizer(peer->control, write, total, std::nullopt));
-  Status s = peer->shm->read(descriptors, deadline);
-  if (s.ok() && notification) s = peer->control->notify(*notification);
-  state->part_done(s.with_context(description));
-  return TransferHandle(std::move(state));
+  // The notification follows the batch's last byte: the finalizer sends it.
+  auto finalizer = transfer_finalizer(peer->control, write, total, std::move(notification));
+  return TransferHandle(
+      peer->data->submit(descriptors, write, deadline, description, std::move(finalizer)));
 }
 
 // Every descriptor names a buffer and a length; returns their total bytes.
@@ -572,13 +581,8 @@ Result<Notification> AgentImpl::wait_notification(Deadline deadline) {
 Result<RemoteView> AgentImpl::view(const std::string& peer_name, uint32_t region, uint64_t offset,
                                    uint64_t length, const Capability& capability) {
   ECX_ASSIGN_OR_RETURN(auto peer, connected_peer(peer_name));
-  if (!peer->shm) {
-    return Status(StatusCode::kFailedPrecondition, "zero-copy view of agent '" + peer_name +
-                                                       "' needs the shm backend, not " +
-                                                       std::string(backend_name(peer->backend)));
-  }
-  return peer->shm->view(region, offset, length, capability,
-                         Deadline::after_ms(config_.connect_timeout_ms));
+  return peer->data->view(region, offset, length, capability,
+                          Deadline::after_ms(config_.connect_timeout_ms));
 }
 
 }  // namespace
@@ -600,6 +604,10 @@ Result<std::unique_ptr<Agent>> Agent::create(AgentConfig config) {
   auto agent = std::make_unique<AgentImpl>(std::move(config));
   ECX_RETURN_IF_ERROR(agent->start());
   return std::unique_ptr<Agent>(std::move(agent));
+}
+
+void set_test_faults(Agent& agent, const TestFaults& faults) {
+  static_cast<AgentImpl&>(agent).set_test_faults(faults);
 }
 
 }  // namespace ecx::transfer

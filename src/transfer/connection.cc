@@ -227,7 +227,7 @@ void ControlChannel::reader_loop() {
 
 Result<ControlChannel::Pending> ControlChannel::request(uint16_t type, uint32_t region,
                                                         const std::string& payload,
-                                                        Deadline deadline) {
+                                                        Deadline deadline, uint16_t flags) {
   uint64_t id = next_id_.fetch_add(1);
   {
     std::lock_guard lock(mu_);
@@ -236,6 +236,7 @@ Result<ControlChannel::Pending> ControlChannel::request(uint16_t type, uint32_t 
   }
   FrameHeader h;
   h.type = type;
+  h.flags = flags;
   h.id = id;
   h.region = region;
   Status sent;
@@ -286,18 +287,20 @@ bool ControlChannel::is_reply(uint16_t type) {
 }
 
 Result<RegionGrant> ControlChannel::query_region(uint32_t region, const Capability& capability,
-                                                 Deadline deadline) {
+                                                 Deadline deadline, bool want_ucx_key) {
   std::string payload;
   if (!capability.empty()) {
     payload.assign(reinterpret_cast<const char*>(capability.bytes.data()), capability.bytes.size());
   }
   ECX_ASSIGN_OR_RETURN(Pending p, request(static_cast<uint16_t>(FrameType::kRegionQuery), region,
-                                          payload, deadline));
+                                          payload, deadline,
+                                          want_ucx_key ? kRegionQueryUcxKey : uint16_t{0}));
   RegionGrant grant;
   grant.length = p.length;
   grant.remote_write = (p.flags & kRegionRemoteWrite) != 0;
   grant.remote_read = (p.flags & kRegionRemoteRead) != 0;
   grant.memfd = std::move(p.fd);
+  grant.ucx_key = std::move(p.payload);
   return grant;
 }
 

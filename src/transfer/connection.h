@@ -55,7 +55,8 @@ struct RegionGrant {
   uint64_t length = 0;
   bool remote_write = false;
   bool remote_read = false;
-  UniqueFd memfd;  // set when the region was passed over a unix socket
+  UniqueFd memfd;       // set when the region was passed over a unix socket
+  std::string ucx_key;  // set when asked for (want_ucx_key) and the region has one
 };
 
 class ControlChannel {
@@ -80,10 +81,10 @@ class ControlChannel {
 
   Result<std::string> call(const std::string& request, Deadline deadline);
   Status notify(const std::string& message);
-  // Asks for a region's length and access (and, over unix, its memfd), presenting
-  // `capability` for regions that require a grant.
+  // Asks for a region's length and access (and, over unix, its memfd; or with
+  // `want_ucx_key`, its ucx key), presenting `capability` for regions that require a grant.
   Result<RegionGrant> query_region(uint32_t region, const Capability& capability,
-                                   Deadline deadline);
+                                   Deadline deadline, bool want_ucx_key = false);
   // Shuts the socket down; pending requests fail with kUnavailable.
   void close();
 
@@ -100,7 +101,7 @@ class ControlChannel {
   ControlChannel(UniqueFd fd, bool unix_socket, AgentMetadata peer, DeathHandler on_death);
   void reader_loop();
   Result<Pending> request(uint16_t type, uint32_t region, const std::string& payload,
-                          Deadline deadline);
+                          Deadline deadline, uint16_t flags = 0);
   // Whether a frame from the peer is a reply this channel can take.
   static bool is_reply(uint16_t type);
 

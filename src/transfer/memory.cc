@@ -7,6 +7,8 @@
 
 #include <cerrno>
 
+#include "transfer/cuda_memory.h"
+
 namespace ecx::transfer {
 namespace {
 #ifdef F_SEAL_FUTURE_WRITE
@@ -35,12 +37,22 @@ Status check_received_memfd(int fd, uint64_t length, const std::string& what) {
   return Status::Ok();
 }
 
+Status check_memory_kind(const void* data, uint64_t length, MemoryKind kind) {
+  // Host memory is taken as it is (asking CUDA would start its driver in every process).
+  if (kind == MemoryKind::kCuda) return cuda::check_device_range(data, length);
+  return Status::Ok();
+}
+
 RegionEntry::~RegionEntry() {
+  ucx.reset();  // unregistered before the memory goes
   if (owns_mapping && data != nullptr && length > 0) ::munmap(data, length);
 }
 
 RegionInfo RegionEntry::info() const {
-  return RegionInfo{id, length, kind, access.remote_write, memfd.valid()};
+  RegionInfo info{id, length, kind, access.remote_write, memfd.valid()};
+  // A region behind grants hands its key out only for a capability (REGION_QUERY).
+  if (!access.require_grant) info.ucx_key = ucx_key;
+  return info;
 }
 
 Result<std::shared_ptr<RegionEntry>> create_memfd_region(const std::string& label,

@@ -24,6 +24,10 @@ struct RegionEntry {
   RegionAccess access;
   UniqueFd memfd;             // valid for arenas from allocate()
   bool owns_mapping = false;  // munmap on destruction
+  // The ucx backend's registration of this memory (released before the memory is), and
+  // its key for peers: hex of the address and the packed remote key.
+  std::shared_ptr<void> ucx;
+  std::string ucx_key;
 
   RegionEntry() = default;
   RegionEntry(const RegionEntry&) = delete;
@@ -41,6 +45,10 @@ Result<std::shared_ptr<RegionEntry>> create_memfd_region(const std::string& labe
 // The seals a receiver requires before it maps a peer's memfd: nobody can shrink it (no
 // SIGBUS) and nobody else can write through a new mapping.
 Status check_received_memfd(int fd, uint64_t length, const std::string& what);
+
+// Checks that [data, data + length) is memory of `kind`: host memory, or (in a build
+// with CUDA) device memory of this process's CUDA context.
+Status check_memory_kind(const void* data, uint64_t length, MemoryKind kind);
 
 // Describes a one-sided access for error messages:
 // "read 1638400 bytes at offset 96 of region 3 on agent e-0".

@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "ecx/common/auth.h"
+#include "ecx/common/bytes.h"
 #include "ecx/common/enum_names.h"
 #include "ecx/common/json_reader.h"
 
@@ -18,12 +19,19 @@ constexpr size_t kMaxNameLength = 256;
 constexpr size_t kMaxRegions = 65536;
 constexpr uint64_t kMaxRegionLength = uint64_t{1} << 48;
 
+// A UCX worker address or packed memory key, in hex (UCX's are a few hundred bytes).
+constexpr size_t kMaxUcxKeyChars = 16384;
+
 using nlohmann::json;
+
+Status check_hex(const std::string& text, const char* what) {
+  return hex_decode(text, what).status();
+}
 
 constexpr EnumName<MemoryKind> kMemoryKinds[] = {{MemoryKind::kHost, "host"},
                                                  {MemoryKind::kCuda, "cuda"}};
 constexpr EnumName<Backend> kBackends[] = {
-    {Backend::kAuto, "auto"}, {Backend::kShm, "shm"}, {Backend::kTcp, "tcp"}};
+    {Backend::kAuto, "auto"}, {Backend::kShm, "shm"}, {Backend::kTcp, "tcp"}, {Backend::kUcx, "ucx"}};
 
 Result<MemoryKind> parse_kind(const std::string& kind) {
   return parse_name<MemoryKind>(kMemoryKinds, kind, "agent metadata region kind");
@@ -39,6 +47,8 @@ Result<RegionInfo> parse_region(const JsonReader& r) {
   ECX_ASSIGN_OR_RETURN(info.kind, parse_kind(kind));
   ECX_ASSIGN_OR_RETURN(info.remote_write, r.boolean("remote_write"));
   ECX_ASSIGN_OR_RETURN(info.shareable, r.boolean("shareable"));
+  ECX_ASSIGN_OR_RETURN(info.ucx_key, r.string("ucx_key", Presence::kOptional, kMaxUcxKeyChars));
+  ECX_RETURN_IF_ERROR(check_hex(info.ucx_key, "agent metadata region ucx_key"));
   return info;
 }
 
@@ -52,12 +62,13 @@ std::string AgentMetadata::to_json() const {
                             {"kind", std::string(memory_kind_name(r.kind))},
                             {"remote_write", r.remote_write},
                             {"shareable", r.shareable}});
+    if (!r.ucx_key.empty()) regions_json.back()["ucx_key"] = r.ucx_key;
   }
   json j = {{"name", name},
             {"protocol_version", protocol_version},
             {"compat_hash", compat_hash},
             {"host_id", host_id},
-            {"endpoints", {{"shm", shm_endpoint}, {"tcp", tcp_endpoint}}},
+            {"endpoints", {{"shm", shm_endpoint}, {"tcp", tcp_endpoint}, {"ucx", ucx_address}}},
             {"regions", regions_json}};
   return j.dump();
 }
@@ -77,6 +88,9 @@ Result<AgentMetadata> AgentMetadata::parse(std::string_view text) {
   ECX_ASSIGN_OR_RETURN(m.shm_endpoint, endpoints.string("shm", Presence::kOptional, 107));
   ECX_ASSIGN_OR_RETURN(m.tcp_endpoint,
                        endpoints.string("tcp", Presence::kOptional, kMaxNameLength));
+  ECX_ASSIGN_OR_RETURN(m.ucx_address,
+                       endpoints.string("ucx", Presence::kOptional, kMaxUcxKeyChars));
+  ECX_RETURN_IF_ERROR(check_hex(m.ucx_address, "agent metadata: endpoints.ucx"));
   ECX_ASSIGN_OR_RETURN(const json* regions, r.array("regions", Presence::kRequired, kMaxRegions));
   for (size_t i = 0; i < regions->size(); ++i) {
     ECX_ASSIGN_OR_RETURN(

@@ -245,7 +245,7 @@ bool Server::serve_read(int fd, const std::string& peer, const FrameHeader& h,
   reply.length = h.length;
   if (!send_frame(fd, reply, std::string(), reply_deadline).ok()) return false;
   const std::byte* src = (*region)->data + h.offset;
-  uint64_t stall = config_.fault_stall_read_after_bytes;
+  uint64_t stall = stall_read_after_bytes_.load(std::memory_order_relaxed);
   if (stall > 0 && h.length > stall) {
     send_all(fd, src, stall, reply_deadline, "send READ data").ignore_error();
     std::unique_lock lock(mu_);
@@ -295,12 +295,16 @@ bool Server::serve_region_query(const Connection& connection, const std::string&
   reply.length = region->length;
   if (region->access.remote_write) reply.flags |= kRegionRemoteWrite;
   if (region->access.remote_read) reply.flags |= kRegionRemoteRead;
-  if (connection.unix_socket && region->memfd.valid()) {
+  const bool wants_ucx_key = (h.flags & kRegionQueryUcxKey) != 0;
+  if (connection.unix_socket && region->memfd.valid() && !wants_ucx_key) {
     reply.flags |= kRegionHasFd;
     reply.magic = kFrameMagic;
     return send_with_fd(fd, &reply, sizeof(reply), region->memfd.get()).ok();
   }
-  return send_frame(fd, reply, std::string(), Deadline::after_ms(kReplyTimeoutMs)).ok();
+  // The ucx backend's key (empty when the region is not registered with UCX).
+  return send_frame(fd, reply, wants_ucx_key ? region->ucx_key : std::string(),
+                    Deadline::after_ms(kReplyTimeoutMs))
+      .ok();
 }
 
 bool Server::serve_call(int fd, const std::string& peer, const FrameHeader& h,

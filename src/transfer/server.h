@@ -2,6 +2,7 @@
 // passing) and a TCP port, and serves each accepted connection on its own thread.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <functional>
 #include <list>
@@ -13,6 +14,7 @@
 #include "ecx/transfer/agent.h"
 #include "transfer/memory.h"
 #include "transfer/socket.h"
+#include "transfer/test_hooks.h"
 #include "transfer/stats_counters.h"
 #include "transfer/wire.h"
 
@@ -40,6 +42,9 @@ class Server {
   const std::string& tcp_endpoint() const { return tcp_endpoint_; }
   // Closes listeners and every connection, and joins all threads.
   void stop();
+  void set_test_faults(const TestFaults& faults) {
+    stall_read_after_bytes_.store(faults.stall_read_after_bytes, std::memory_order_relaxed);
+  }
 
  private:
   struct Connection {
@@ -83,6 +88,7 @@ class Server {
   std::condition_variable stop_cv_;    // wakes fault-injection stalls on stop
   bool stopping_ = false;              // guarded by mu_
   std::list<Connection> connections_;  // guarded by mu_
+  std::atomic<uint64_t> stall_read_after_bytes_{0};  // TestFaults
 };
 
 }  // namespace ecx::transfer

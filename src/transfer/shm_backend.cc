@@ -10,11 +10,11 @@
 
 namespace ecx::transfer {
 
-ShmPeer::Mapping::~Mapping() {
+ShmDataPath::Mapping::~Mapping() {
   if (data != nullptr) ::munmap(data, length);
 }
 
-Result<std::shared_ptr<ShmPeer::Mapping>> ShmPeer::mapping(uint32_t region,
+Result<std::shared_ptr<ShmDataPath::Mapping>> ShmDataPath::mapping(uint32_t region,
                                                            const Capability& capability,
                                                            Deadline deadline) {
   {
@@ -48,7 +48,7 @@ Result<std::shared_ptr<ShmPeer::Mapping>> ShmPeer::mapping(uint32_t region,
   return it->second;  // a concurrent mapper may have won; both views are equivalent
 }
 
-Result<std::vector<std::shared_ptr<ShmPeer::Mapping>>> ShmPeer::resolve(
+Result<std::vector<std::shared_ptr<ShmDataPath::Mapping>>> ShmDataPath::resolve(
     std::span<const TransferDescriptor> descriptors, Deadline deadline) {
   const bool write = false;
   const std::string& peer = control_->peer().name;
@@ -73,7 +73,7 @@ Result<std::vector<std::shared_ptr<ShmPeer::Mapping>>> ShmPeer::resolve(
   return maps;
 }
 
-Status ShmPeer::read(std::span<const TransferDescriptor> descriptors, Deadline deadline) {
+Status ShmDataPath::read(std::span<const TransferDescriptor> descriptors, Deadline deadline) {
   ECX_ASSIGN_OR_RETURN(auto maps, resolve(descriptors, deadline));
   for (size_t i = 0; i < descriptors.size(); ++i) {
     const auto& d = descriptors[i];
@@ -84,7 +84,21 @@ Status ShmPeer::read(std::span<const TransferDescriptor> descriptors, Deadline d
   return Status::Ok();
 }
 
-Result<RemoteView> ShmPeer::view(uint32_t region, uint64_t offset, uint64_t length,
+std::shared_ptr<TransferState> ShmDataPath::submit(std::span<const TransferDescriptor> descriptors,
+                                                   bool write, Deadline deadline,
+                                                   std::string description,
+                                                   TransferFinalizer finalizer) {
+  if (write) {
+    return writes_->submit(descriptors, write, deadline, std::move(description),
+                           std::move(finalizer));
+  }
+  auto state = std::make_shared<TransferState>(description, 1);
+  state->set_finalizer(std::move(finalizer));
+  state->part_done(read(descriptors, deadline).with_context(description));
+  return state;
+}
+
+Result<RemoteView> ShmDataPath::view(uint32_t region, uint64_t offset, uint64_t length,
                                  const Capability& capability, Deadline deadline) {
   TransferDescriptor d{nullptr, region, offset, length, capability};
   ECX_ASSIGN_OR_RETURN(auto maps, resolve({&d, 1}, deadline));
@@ -93,6 +107,35 @@ Result<RemoteView> ShmPeer::view(uint32_t region, uint64_t offset, uint64_t leng
   v.length = length;
   v.keepalive = maps[0];
   return v;
+}
+
+namespace {
+
+class ShmEngine final : public BackendEngine {
+ public:
+  explicit ShmEngine(const AgentConfig& config) : config_(config) {}
+  Backend kind() const override { return Backend::kShm; }
+  bool reaches(const AgentMetadata& peer, bool same_host) const override {
+    return same_host && !peer.shm_endpoint.empty();
+  }
+  bool control_over_unix(const AgentMetadata&, bool) const override { return true; }
+  Result<std::shared_ptr<DataPath>> open(PeerLink link, Deadline) override {
+    std::string endpoint = link.peer.shm_endpoint;
+    auto writes = std::make_shared<TcpDataPool>(
+        config_, link.self, link.peer,
+        [endpoint](Deadline d) { return connect_unix(endpoint, d); }, "unix @" + endpoint, 1);
+    return std::shared_ptr<DataPath>(
+        std::make_shared<ShmDataPath>(std::move(link.control), link.stats, std::move(writes)));
+  }
+
+ private:
+  const AgentConfig& config_;
+};
+
+}  // namespace
+
+std::unique_ptr<BackendEngine> make_shm_engine(const AgentConfig& config) {
+  return std::make_unique<ShmEngine>(config);
 }
 
 }  // namespace ecx::transfer

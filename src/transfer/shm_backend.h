@@ -1,8 +1,7 @@
 // shm backend: a same-host peer's memfd arenas, mapped read-only into this process on
 // first use (the fd arrives once over the unix control socket, and is mapped only if it
 // is sealed against shrinking and writing). READ is a memcpy; WRITEs to a same-host peer
-// go over a unix data stream (the agent's), so no peer ever maps another's memory
-// writable.
+// go over a unix data stream, so no peer ever maps another's memory writable.
 #pragma once
 
 #include <cstdint>
@@ -14,20 +13,34 @@
 
 #include "ecx/transfer/agent.h"
 #include "transfer/connection.h"
+#include "transfer/data_path.h"
 #include "transfer/stats_counters.h"
+#include "transfer/tcp_backend.h"
 
 namespace ecx::transfer {
 
-class ShmPeer {
- public:
-  ShmPeer(ControlChannel* control, StatsCounters* stats) : control_(control), stats_(stats) {}
+// The shm backend of one agent: reaches peers on this host that listen on a unix socket.
+std::unique_ptr<BackendEngine> make_shm_engine(const AgentConfig& config);
 
-  // Copies every descriptor; validates all of them before the first byte moves.
-  Status read(std::span<const TransferDescriptor> descriptors, Deadline deadline);
+class ShmDataPath final : public DataPath {
+ public:
+  // `writes`: the unix data stream that carries WRITEs to the peer.
+  ShmDataPath(std::shared_ptr<ControlChannel> control, StatsCounters* stats,
+              std::shared_ptr<TcpDataPool> writes)
+      : control_(std::move(control)), stats_(stats), writes_(std::move(writes)) {}
+
+  // READs are copied on the calling thread (validated in full before the first byte
+  // moves); WRITEs go to the unix data stream.
+  std::shared_ptr<TransferState> submit(std::span<const TransferDescriptor> descriptors,
+                                        bool write, Deadline deadline, std::string description,
+                                        TransferFinalizer finalizer) override;
   Result<RemoteView> view(uint32_t region, uint64_t offset, uint64_t length,
-                          const Capability& capability, Deadline deadline);
+                          const Capability& capability, Deadline deadline) override;
+  void fail_all(const Status& reason) override { writes_->fail_all(reason); }
+  Backend kind() const override { return Backend::kShm; }
 
  private:
+  Status read(std::span<const TransferDescriptor> descriptors, Deadline deadline);
   struct Mapping {
     std::byte* data = nullptr;
     uint64_t length = 0;
@@ -40,8 +53,9 @@ class ShmPeer {
   Result<std::vector<std::shared_ptr<Mapping>>> resolve(
       std::span<const TransferDescriptor> descriptors, Deadline deadline);
 
-  ControlChannel* const control_;
+  const std::shared_ptr<ControlChannel> control_;
   StatsCounters* const stats_;
+  const std::shared_ptr<TcpDataPool> writes_;
   std::mutex mu_;
   std::map<uint32_t, std::shared_ptr<Mapping>> mappings_;  // guarded by mu_
 };

@@ -42,7 +42,7 @@ TcpDataPool::~TcpDataPool() {
 std::shared_ptr<TransferState> TcpDataPool::submit(std::span<const TransferDescriptor> descriptors,
                                                    bool write, Deadline deadline,
                                                    std::string description,
-                                                   std::function<Status(const Status&)> finalizer) {
+                                                   TransferFinalizer finalizer) {
   const uint64_t slice = config_.tcp_slice_bytes == 0 ? (4u << 20) : config_.tcp_slice_bytes;
   std::vector<Job> jobs(workers_.size());
   size_t next = 0;
@@ -225,6 +225,41 @@ Status TcpDataPool::run_job(Worker* worker, Job& job) {
     }
   }
   return first_error;
+}
+
+namespace {
+
+class TcpEngine final : public BackendEngine {
+ public:
+  explicit TcpEngine(const AgentConfig& config) : config_(config) {}
+  Backend kind() const override { return Backend::kTcp; }
+  bool reaches(const AgentMetadata& peer, bool) const override {
+    return !peer.tcp_endpoint.empty();
+  }
+  bool control_over_unix(const AgentMetadata&, bool) const override { return false; }
+  Result<std::shared_ptr<DataPath>> open(PeerLink link, Deadline) override;
+
+ private:
+  const AgentConfig& config_;
+};
+
+// A pool of tcp data streams that carries both directions.
+Result<std::shared_ptr<DataPath>> TcpEngine::open(PeerLink link, Deadline) {
+  ECX_ASSIGN_OR_RETURN(HostPort address, parse_host_port(link.peer.tcp_endpoint));
+  int buffer = config_.tcp_socket_buffer;
+  auto dial = [address, buffer](Deadline d) -> Result<UniqueFd> {
+    ECX_ASSIGN_OR_RETURN(UniqueFd fd, connect_tcp(address, d));
+    tune_tcp_socket(fd.get(), buffer);
+    return fd;
+  };
+  return std::shared_ptr<DataPath>(std::make_shared<TcpDataPool>(
+      config_, link.self, link.peer, dial, address.to_string(), config_.tcp_streams));
+}
+
+}  // namespace
+
+std::unique_ptr<BackendEngine> make_tcp_engine(const AgentConfig& config) {
+  return std::make_unique<TcpEngine>(config);
 }
 
 }  // namespace ecx::transfer

@@ -16,13 +16,17 @@
 #include <vector>
 
 #include "ecx/transfer/agent.h"
+#include "transfer/data_path.h"
 #include "transfer/socket.h"
 #include "transfer/stats_counters.h"
 #include "transfer/transfer_state.h"
 
 namespace ecx::transfer {
 
-class TcpDataPool : public std::enable_shared_from_this<TcpDataPool> {
+// The tcp backend of one agent: reaches any peer with a tcp endpoint.
+std::unique_ptr<BackendEngine> make_tcp_engine(const AgentConfig& config);
+
+class TcpDataPool final : public DataPath, public std::enable_shared_from_this<TcpDataPool> {
  public:
   // Opens one data connection (connected, not yet shaken hands) by the deadline.
   using Dialer = std::function<Result<UniqueFd>(Deadline)>;
@@ -30,14 +34,15 @@ class TcpDataPool : public std::enable_shared_from_this<TcpDataPool> {
   // transfer counts are kept by the agent's finalizer, not here.)
   TcpDataPool(const AgentConfig& config, AgentMetadata self, AgentMetadata peer, Dialer dial,
               std::string label, int streams);
-  ~TcpDataPool();
+  ~TcpDataPool() override;
 
   // Starts a batched transfer; the returned state completes when every slice has.
   std::shared_ptr<TransferState> submit(std::span<const TransferDescriptor> descriptors, bool write,
                                         Deadline deadline, std::string description,
-                                        std::function<Status(const Status&)> finalizer);
+                                        TransferFinalizer finalizer) override;
   // Fails in-flight and future work with `reason` (the peer died).
-  void fail_all(const Status& reason);
+  void fail_all(const Status& reason) override;
+  Backend kind() const override { return Backend::kTcp; }
 
  private:
   struct Slice {

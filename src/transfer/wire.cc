@@ -50,9 +50,10 @@ uint32_t max_payload_for(uint16_t type) {
     case FrameType::kRegionQuery:
     case FrameType::kChallenge:
       return kMaxRequestPayload;
+    case FrameType::kRegionInfo:
+      return kMaxRegionInfoPayload;
     case FrameType::kReadData:
     case FrameType::kWriteAck:
-    case FrameType::kRegionInfo:
       return 0;
     case FrameType::kCall:
     case FrameType::kCallReply:

@@ -7,7 +7,7 @@
 //     (mutual HMAC proof of the deployment secret; see transfer/connection.h)
 //   READ(region,off,len[,capability]) ->   READ_DATA(len) + len bytes | ERROR(message)
 //   WRITE(region,off,len) + len bytes -> WRITE_ACK | ERROR(message)
-//   REGION_QUERY(region)   ->   REGION_INFO(len, flags) [+ memfd over unix] | ERROR
+//   REGION_QUERY(region)   ->   REGION_INFO(len, flags) [+ memfd over unix | ucx key] | ERROR
 //   CALL(payload)          ->   CALL_REPLY(payload) | ERROR(message)
 //   NOTIFY(payload)            (no reply)
 #pragma once
@@ -45,6 +45,11 @@ enum class FrameType : uint16_t {
   kError = 12,
   kChallenge = 13,
 };
+
+// Flag on REGION_QUERY: answer with the region's ucx key (payload), not its memfd.
+constexpr uint16_t kRegionQueryUcxKey = 1;
+// Upper bound on a REGION_INFO payload (a ucx key in hex).
+constexpr uint32_t kMaxRegionInfoPayload = 16384;
 
 // Flags on REGION_INFO.
 constexpr uint16_t kRegionRemoteWrite = 1;

@@ -22,4 +22,9 @@ Result<std::vector<uint64_t>> parse_byte_list(std::string_view text);
 // The shortest exact binary form ("1600KiB", "8MiB", "100B").
 std::string format_bytes(uint64_t bytes);
 
+// Lower-case hex of `size` bytes, and back (InvalidArgument on an odd length or a
+// character that is not a lower-case hex digit; `what` names the text in the error).
+std::string hex_encode(const void* data, size_t size);
+Result<std::string> hex_decode(std::string_view hex, std::string_view what);
+
 }  // namespace ecx

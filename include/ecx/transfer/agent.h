@@ -25,6 +25,24 @@
 
 namespace ecx::transfer {
 
+// The ucx backend: UCX's ucp API, loaded when the agent starts (docs/TRANSFER.md).
+struct UcxConfig {
+  // Off by default. On: `auto` picks shm on the same host, then ucx, then tcp. UCX's
+  // one-sided reads are not checked per request by this agent (the NIC or UCX enforces
+  // the memory key): enable it on a network you trust (docs/SECURITY.md).
+  bool enable = false;
+  // Which libucp: "system" (Debian's, 1.13: tcp, shared memory and RDMA verbs), "wheel"
+  // (libucx-cu13 in the project's .venv, 1.22: tcp, shared memory and CUDA, no verbs),
+  // or a path to a libucp.so. One per process; ECX_UCX_LIBRARY overrides it.
+  std::string library = "system";
+  // UCX_TLS for this agent ("" = UCX's choice), e.g. "tcp", "posix,cma", "rc,cuda_copy".
+  std::string tls;
+  // UCX endpoint error handling: "peer" (UCX reports a dead peer; tcp and RDMA only),
+  // "none" (the agent's control connection does), or "auto": peer unless every
+  // transport in `tls` is shared memory.
+  std::string error_mode = "auto";
+};
+
 struct AgentConfig {
   std::string name;                 // unique among the agents that talk to each other
   std::string compat_hash = "ecx";  // peers with a different hash are refused
@@ -43,10 +61,7 @@ struct AgentConfig {
   std::string auth_secret;
   int max_connections = 256;        // served connections at once; more are refused
   int64_t idle_timeout_ms = 60000;  // a served connection with no frame for this long closes
-
-  // Test-only fault injection: the server stops sending READ data after this many bytes
-  // of one reply (and holds the connection open), to simulate a peer dying mid-transfer.
-  uint64_t fault_stall_read_after_bytes = 0;
+  UcxConfig ucx;                    // the ucx backend (off unless ucx.enable)
 };
 
 struct ConnectOptions {

@@ -16,6 +16,9 @@ struct RegionInfo {
   MemoryKind kind = MemoryKind::kHost;
   bool remote_write = false;
   bool shareable = false;  // memfd-backed: can be mapped by a same-host peer
+  // ucx backend: the region's address and packed memory key (hex), for regions any
+  // peer may reach; regions that require a grant give theirs only for a capability.
+  std::string ucx_key;
 
   friend bool operator==(const RegionInfo&, const RegionInfo&) = default;
 };
@@ -27,6 +30,7 @@ struct AgentMetadata {
   std::string host_id;       // same value <=> same host (boot id + hostname)
   std::string shm_endpoint;  // abstract unix socket name, empty when shm is off
   std::string tcp_endpoint;  // "host:port", empty when tcp is off
+  std::string ucx_address;   // UCX worker address (hex), empty when ucx is off
   std::vector<RegionInfo> regions;
 
   std::string to_json() const;

@@ -13,10 +13,11 @@ namespace ecx::transfer {
 enum class MemoryKind : uint8_t { kHost = 0, kCuda = 1 };
 std::string_view memory_kind_name(MemoryKind kind);
 
-// How bytes move to a peer. kAuto picks shm on the same host, else tcp.
-enum class Backend : uint8_t { kAuto = 0, kShm = 1, kTcp = 2 };
+// How bytes move to a peer. kAuto picks shm on the same host, then ucx (when the agent
+// enables it), then tcp.
+enum class Backend : uint8_t { kAuto = 0, kShm = 1, kTcp = 2, kUcx = 3 };
 std::string_view backend_name(Backend backend);
-Result<Backend> parse_backend(std::string_view name);  // "auto", "shm", "tcp"
+Result<Backend> parse_backend(std::string_view name);  // "auto", "shm", "tcp", "ucx"
 
 // What a remote agent may do with a region.
 struct RegionAccess {

@@ -1,0 +1,158 @@
+// The ucx backend's internals (see transfer/ucx_backend.h): the per-agent UCX worker
+// with its progress thread, and the per-peer data path.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "transfer/data_path.h"
+#include "transfer/ucp_library.h"
+
+namespace ecx::transfer {
+
+// A UCX status as a Status with `what` as context; kUnavailable unless the status says
+// otherwise (a timeout, a cancel, a bad argument).
+Status ucx_status(const UcpApi& api, ucs_status_t status, const std::string& what);
+
+// One batch in flight: completes its TransferState when its last request completes.
+class UcxBatch {
+ public:
+  explicit UcxBatch(std::shared_ptr<TransferState> state) : state_(std::move(state)) {}
+
+  const std::shared_ptr<TransferState>& state() const { return state_; }
+  void add_request() { outstanding_.fetch_add(1, std::memory_order_relaxed); }
+  // One request (or the submitter, which holds one count) finished with `status`.
+  void request_done(const Status& status);
+  // Records why the batch fails (the first reason wins) without completing it: its
+  // requests still complete (purged) before it does.
+  void fail(const Status& status);
+
+ private:
+  const std::shared_ptr<TransferState> state_;
+  std::atomic<int> outstanding_{1};  // the submitter's count
+  std::mutex mu_;
+  Status status_;  // guarded by mu_
+};
+
+// The ucp context and worker of one agent, and the thread that progresses it. Shared
+// by the engine, its data paths and the memory registrations, which may outlive both.
+class UcxWorker : public std::enable_shared_from_this<UcxWorker> {
+ public:
+  static Result<std::shared_ptr<UcxWorker>> create(const UcpApi& api, const UcxConfig& config,
+                                                   const std::string& agent);
+  ~UcxWorker();
+
+  const UcpApi& api() const { return api_; }
+  ucp_context_h context() const { return context_; }
+  ucp_worker_h worker() const { return worker_; }
+  const std::string& address_hex() const { return address_hex_; }
+  bool supports_cuda() const { return supports_cuda_; }
+  const std::string& agent() const { return agent_; }
+
+  void start_progress();
+  void stop_progress();
+  // Wakes the progress thread (after posting requests from another thread).
+  void wake() const { api_.worker_signal(worker_); }
+  // The progress thread calls `on_expire` once `deadline` passes, unless `owner` is
+  // gone by then.
+  void watch(Deadline deadline, std::weak_ptr<void> owner, std::function<void()> on_expire);
+  // Runs `task` on the progress thread, outside UCX's callbacks. Calls that may purge
+  // requests (closing an endpoint) go here: their callbacks then never run on a thread
+  // that holds a lock of ours.
+  void defer(std::function<void()> task);
+  // Endpoints being closed; stop_progress waits (bounded) for them.
+  void close_started() { closing_.fetch_add(1); }
+  void close_finished() { closing_.fetch_sub(1); }
+
+ private:
+  UcxWorker(const UcpApi& api, std::string agent) : api_(api), agent_(std::move(agent)) {}
+  Status init(const UcxConfig& config);
+  void progress_loop();
+  // Runs deferred tasks and the callbacks of watches whose deadline passed; returns ms
+  // to the next deadline (-1: none).
+  int run_due();
+
+  struct Watch {
+    std::weak_ptr<void> owner;
+    std::function<void()> on_expire;
+  };
+
+  const UcpApi& api_;
+  const std::string agent_;
+  ucp_context_h context_ = nullptr;
+  ucp_worker_h worker_ = nullptr;
+  int efd_ = -1;
+  std::string address_hex_;
+  bool supports_cuda_ = false;
+  std::atomic<bool> stopping_{false};
+  std::thread progress_;
+  std::atomic<int> closing_{0};
+  std::mutex watch_mu_;
+  std::multimap<std::chrono::steady_clock::time_point, Watch> watches_;  // guarded by watch_mu_
+  std::vector<std::function<void()>> deferred_;                        // guarded by watch_mu_
+};
+
+// A peer region's key as the peer packed it: where the region is, how long, and the
+// packed rkey (unpacked per endpoint).
+struct UcxRemoteKey {
+  uint64_t address = 0;
+  uint64_t length = 0;
+  bool writable = false;
+  std::string packed;
+};
+// Parses a key as RegionEntry::ucx_key spells it (hex of address | packed rkey).
+Result<UcxRemoteKey> parse_ucx_key(std::string_view hex, uint64_t length, bool writable);
+
+class UcxDataPath final : public DataPath, public std::enable_shared_from_this<UcxDataPath> {
+ public:
+  UcxDataPath(std::shared_ptr<UcxWorker> worker, PeerLink link, std::string peer_address,
+              ucp_err_handling_mode_t mode);
+  ~UcxDataPath() override;
+
+  std::shared_ptr<TransferState> submit(std::span<const TransferDescriptor> descriptors,
+                                        bool write, Deadline deadline, std::string description,
+                                        TransferFinalizer finalizer) override;
+  void fail_all(const Status& reason) override;
+  Backend kind() const override { return Backend::kUcx; }
+
+  // UCX reported the endpoint broken (peer error mode): it is closed and reopened for
+  // the next batch.
+  void endpoint_failed(ucp_ep_h ep, ucs_status_t status);
+
+  // An endpoint to the peer and the rkeys unpacked on it (ucx_data_path.cc).
+  struct Endpoint;
+
+ private:
+  Status post(const std::shared_ptr<UcxBatch>& batch,
+              std::span<const TransferDescriptor> descriptors, bool write, Deadline deadline);
+  // The keys of every region the batch names, asking the peer for those it lacks.
+  Result<std::vector<std::shared_ptr<const UcxRemoteKey>>> resolve(
+      std::span<const TransferDescriptor> descriptors, bool write, Deadline deadline);
+  Result<std::shared_ptr<const UcxRemoteKey>> key_for(const TransferDescriptor& d,
+                                                      Deadline deadline);
+  Result<std::shared_ptr<Endpoint>> endpoint();
+  Result<ucp_rkey_h> rkey_for(Endpoint& ep, uint32_t region, const UcxRemoteKey& key);
+  // Makes `ep` no longer current, and force-closes it (purging its requests) on the
+  // progress thread.
+  void reset_endpoint(const std::shared_ptr<Endpoint>& ep);
+
+  const std::shared_ptr<UcxWorker> worker_;
+  const std::shared_ptr<ControlChannel> control_;
+  StatsCounters* const stats_;
+  const std::string peer_;
+  const std::string peer_address_;  // the peer's worker address (bytes)
+  const ucp_err_handling_mode_t mode_;
+
+  std::mutex mu_;
+  std::shared_ptr<Endpoint> ep_;                                       // guarded by mu_
+  std::map<uint32_t, std::shared_ptr<const UcxRemoteKey>> keys_;      // guarded by mu_
+  Status failed_;                                                      // guarded by mu_
+};
+
+}  // namespace ecx::transfer

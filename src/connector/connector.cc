@@ -43,6 +43,7 @@ Status Connector::init(const ConnectorKind& kind) {
   ac.auth_secret = o.auth_secret;
   ac.max_connections = o.max_connections;
   ac.idle_timeout_ms = o.idle_timeout_ms;
+  ac.ucx = o.ucx;
   ECX_ASSIGN_OR_RETURN(core_.agent_, transfer::Agent::create(ac));
   if (core_.is_consumer()) {
     cache::PoolConfig pc;

@@ -29,6 +29,10 @@ const std::set<std::string> kKnownKeys = {"engine_id",
                                           "loader_threads",
                                           "mode",
                                           "backend",
+                                          "ucx",
+                                          "ucx_tls",
+                                          "ucx_library",
+                                          "ucx_error_mode",
                                           "tcp_host",
                                           "tcp_port",
                                           "root",
@@ -93,6 +97,13 @@ Status read_specific(const JsonReader& r, ConnectorOptions& o) {
   ECX_ASSIGN_OR_RETURN(o.mode, parse_p2p_mode(mode));
   ECX_ASSIGN_OR_RETURN(std::string backend, r.string("backend", Presence::kOptional, 64, "auto"));
   ECX_ASSIGN_OR_RETURN(o.backend, transfer::parse_backend(backend));
+  ECX_ASSIGN_OR_RETURN(o.ucx.enable, r.boolean("ucx", Presence::kOptional,
+                                               o.backend == transfer::Backend::kUcx));
+  ECX_ASSIGN_OR_RETURN(o.ucx.tls, r.string("ucx_tls", Presence::kOptional, 256, o.ucx.tls));
+  ECX_ASSIGN_OR_RETURN(o.ucx.library,
+                       r.string("ucx_library", Presence::kOptional, 4096, o.ucx.library));
+  ECX_ASSIGN_OR_RETURN(o.ucx.error_mode,
+                       r.string("ucx_error_mode", Presence::kOptional, 16, o.ucx.error_mode));
   ECX_ASSIGN_OR_RETURN(o.tcp_host, r.string("tcp_host", Presence::kOptional, 4096, o.tcp_host));
   ECX_ASSIGN_OR_RETURN(int64_t port, r.i64("tcp_port", 0, 65535));
   o.tcp_port = static_cast<uint16_t>(port);

@@ -8,6 +8,7 @@
 
 #include "ecx/common/status.h"
 #include "ecx/connector/ec_connector.h"
+#include "ecx/transfer/agent.h"
 #include "ecx/transfer/types.h"
 
 namespace ecx::connector {
@@ -39,6 +40,9 @@ struct ConnectorOptions {
   // p2p
   P2pMode mode = P2pMode::kPull;
   transfer::Backend backend = transfer::Backend::kAuto;
+  // "ucx": true (or backend "ucx") enables the agent's ucx backend; "ucx_tls",
+  // "ucx_library" and "ucx_error_mode" set the rest of it (transfer::UcxConfig).
+  transfer::UcxConfig ucx;
   std::string tcp_host = "127.0.0.1";
   uint16_t tcp_port = 0;
   // disk

@@ -2,11 +2,13 @@
 
 #include <dlfcn.h>
 #include <glob.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <climits>
 #include <cstdlib>
 #include <filesystem>
+#include <iterator>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -114,8 +116,32 @@ bool resolve(void* handle, const char* name, F* out, std::string* missing) {
   return *out != nullptr;
 }
 
+// libucs's constructor installs crash handlers for these signals (UCX_HANDLE_ERRORS,
+// "bt" in Debian's build, "none" in the wheel's). They replace ASan's and Python's
+// faulthandler, and 1.13's faults inside itself under ASan, so the process keeps its
+// own unless the user asked for UCX's by setting UCX_HANDLE_ERRORS.
+constexpr int kErrorSignals[] = {SIGSEGV, SIGBUS, SIGILL, SIGFPE};
+
+class ErrorSignalsGuard {
+ public:
+  ErrorSignalsGuard() : keep_ucx_(getenv("UCX_HANDLE_ERRORS") != nullptr) {
+    for (size_t i = 0; i < std::size(kErrorSignals); ++i)
+      sigaction(kErrorSignals[i], nullptr, &saved_[i]);
+  }
+  ~ErrorSignalsGuard() {
+    if (keep_ucx_) return;
+    for (size_t i = 0; i < std::size(kErrorSignals); ++i)
+      sigaction(kErrorSignals[i], &saved_[i], nullptr);
+  }
+
+ private:
+  bool keep_ucx_;
+  struct sigaction saved_[std::size(kErrorSignals)]{};
+};
+
 Result<std::unique_ptr<UcpApi>> load(const std::string& file, const std::string& label) {
   dlerror();
+  ErrorSignalsGuard signals;
   // RTLD_LOCAL: UCX resolves its own modules (libuct_*.so) through their NEEDED
   // entries, so nothing needs ucp's symbols in the global namespace.
   void* handle = dlopen(file.c_str(), RTLD_NOW | RTLD_LOCAL);

@@ -2,7 +2,9 @@
 
 #include <sys/epoll.h>
 
+#include <algorithm>
 #include <cstdlib>
+#include <optional>
 #include <cstring>
 #include <sstream>
 
@@ -31,18 +33,44 @@ Status ucx_status(const UcpApi& api, ucs_status_t status, const std::string& wha
   }
 }
 
-bool ucx_tls_is_shared_memory(const std::string& tls) {
+namespace {
+
+bool is_shared_memory_transport(const std::string& tl) {
   static const char* kShared[] = {"posix", "sysv", "cma", "knem", "xpmem", "sm", "shm", "self"};
-  if (tls.empty()) return false;
+  for (const char* s : kShared) {
+    if (tl == s) return true;
+  }
+  return false;
+}
+
+// The transports of a UCX_TLS list; nullopt for an exclusion list ("^tcp").
+std::optional<std::vector<std::string>> transports(const std::string& tls) {
+  std::vector<std::string> out;
   std::stringstream in(tls);
   std::string t;
   while (std::getline(in, t, ',')) {
-    if (!t.empty() && t[0] == '^') return false;  // an exclusion list allows the rest
-    bool shared = false;
-    for (const char* s : kShared) shared = shared || t == s;
-    if (!shared) return false;
+    if (!t.empty() && t[0] == '^') return std::nullopt;
+    if (!t.empty()) out.push_back(t);
   }
-  return true;
+  return out;
+}
+
+}  // namespace
+
+bool ucx_tls_is_shared_memory(const std::string& tls) {
+  auto list = transports(tls);
+  if (!list || list->empty()) return false;
+  return std::all_of(list->begin(), list->end(), is_shared_memory_transport);
+}
+
+// `auto`: none where UCX will move the bytes through shared memory (every transport is
+// one, or the peer is on this host and shared memory is allowed), else peer.
+bool ucx_auto_mode_is_none(const std::string& tls, bool same_host) {
+  if (ucx_tls_is_shared_memory(tls)) return true;
+  if (!same_host) return false;
+  auto list = transports(tls);
+  if (!list || list->empty()) return true;  // UCX's default set includes shared memory
+  return std::any_of(list->begin(), list->end(), is_shared_memory_transport);
 }
 
 void UcxBatch::fail(const Status& status) {
@@ -61,12 +89,19 @@ void UcxBatch::request_done(const Status& status) {
   state_->part_done(final_status.with_context(state_->description()));
 }
 
+namespace {
+constexpr size_t kUcxKeyPadding = 4096;
+}  // namespace
+
 Result<UcxRemoteKey> parse_ucx_key(std::string_view hex, uint64_t length, bool writable) {
   ECX_ASSIGN_OR_RETURN(std::string bytes, hex_decode(hex, "ucx key"));
   if (bytes.size() <= sizeof(uint64_t)) return InvalidArgument("ucx key: too short");
   UcxRemoteKey key{.length = length, .writable = writable};
   std::memcpy(&key.address, bytes.data(), sizeof(key.address));
   key.packed = bytes.substr(sizeof(uint64_t));
+  // UCX parses a packed rkey without a length: zero padding keeps a short or forged key
+  // from making it read past this buffer.
+  key.packed.append(kUcxKeyPadding, '\0');
   return key;
 }
 
@@ -250,15 +285,12 @@ class UcxEngine final : public BackendEngine {
 };
 
 Result<ucp_err_handling_mode_t> UcxEngine::error_mode(bool same_host) const {
-  const std::string& mode = config_.ucx.error_mode;
+  const std::string& mode = config_.ucx.error_mode;  // checked by make_ucx_engine
   if (mode == "peer") return UCP_ERR_HANDLING_MODE_PEER;
   if (mode == "none") return UCP_ERR_HANDLING_MODE_NONE;
-  if (mode != "auto" && !mode.empty()) {
-    return InvalidArgument("ucx error_mode '" + mode + "' (expected peer, none or auto)");
-  }
   // Shared-memory transports have no peer-failure handling: the control connection
   // watches the peer instead.
-  if (same_host || ucx_tls_is_shared_memory(config_.ucx.tls)) return UCP_ERR_HANDLING_MODE_NONE;
+  if (ucx_auto_mode_is_none(config_.ucx.tls, same_host)) return UCP_ERR_HANDLING_MODE_NONE;
   return UCP_ERR_HANDLING_MODE_PEER;
 }
 
@@ -309,6 +341,17 @@ Status UcxEngine::register_region(RegionEntry& region) {
 }  // namespace
 
 Result<std::unique_ptr<BackendEngine>> make_ucx_engine(const AgentConfig& config) {
+  const UcxConfig& ucx = config.ucx;
+  if (ucx.error_mode != "auto" && ucx.error_mode != "peer" && ucx.error_mode != "none") {
+    return InvalidArgument("ucx error_mode '" + ucx.error_mode + "' (expected auto, peer or none)");
+  }
+  // Without peer error handling UCX cannot purge a request that waits on a network peer,
+  // so a stalled peer could not be cancelled: `none` is for shared memory only.
+  if (ucx.error_mode == "none" && !ucx.tls.empty() && !ucx_tls_is_shared_memory(ucx.tls)) {
+    return InvalidArgument("ucx error_mode 'none' needs shared-memory transports (posix, cma, "
+                           "...), not UCX_TLS '" + ucx.tls +
+                           "': a stalled network peer could not be cancelled; use 'peer'");
+  }
   std::string library = config.ucx.library;
   if (const char* env = std::getenv("ECX_UCX_LIBRARY"); env != nullptr && *env != '\0') {
     library = env;

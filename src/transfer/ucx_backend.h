@@ -17,6 +17,7 @@
 #pragma once
 
 #include <memory>
+#include <string>
 
 #include "transfer/data_path.h"
 
@@ -29,5 +30,7 @@ Result<std::unique_ptr<BackendEngine>> make_ucx_engine(const AgentConfig& config
 // Whether every transport in a UCX_TLS list is shared memory (posix, sysv, cma, knem,
 // xpmem, sm, shm, self), which have no peer-failure handling (error mode `none`).
 bool ucx_tls_is_shared_memory(const std::string& tls);
+// Error mode `auto`: whether to use `none` with a peer (on this host when `same_host`).
+bool ucx_auto_mode_is_none(const std::string& tls, bool same_host);
 
 }  // namespace ecx::transfer

@@ -8,6 +8,12 @@ bench::TransferPeerOptions peer_options() {
   return {.name = "peer", .region_bytes = 64ull << 20, .seed = 99};
 }
 
+bench::TransferPeerOptions peer_options(const BackendCase& backend) {
+  auto options = peer_options();
+  if (backend.ucx()) options.ucx = backend.ucx_tls.empty() ? "default" : backend.ucx_tls;
+  return options;
+}
+
 Result<PeerProcess> PeerProcess::start(const bench::TransferPeerOptions& o) {
   ECX_ASSIGN_OR_RETURN(Subprocess child,
                        Subprocess::spawn(bench::transfer_peer_command(ECX_BINARY, o)));

@@ -10,12 +10,15 @@
 
 #include "ecx/common/subprocess.h"
 #include "ecx/transfer/agent.h"
+#include "support/backend_cases.h"
 #include "transfer_peer.h"
 
 namespace ecx::testing {
 
 // A test's peer: the bench producer, named "peer", with a 64 MiB source region.
 bench::TransferPeerOptions peer_options();
+// The same, with `backend`'s ucx settings (the peer enables ucx for ucx cases).
+bench::TransferPeerOptions peer_options(const BackendCase& backend);
 
 class PeerProcess {
  public:

@@ -1,5 +1,5 @@
 // Two agents in one process: every code path of the agent with server-side state in
-// view. The same tests run over shm and tcp.
+// view. The same tests run over shm, tcp and ucx (over tcp and over shared memory).
 #include <gtest/gtest.h>
 
 #include <condition_variable>
@@ -10,12 +10,14 @@
 
 #include "ecx/common/checksum.h"
 #include "ecx/transfer/agent.h"
+#include "support/backend_cases.h"
 #include "support/peer_process.h"
 #include "transfer/wire.h"
 
 namespace ecx::transfer {
 namespace {
 
+using ecx::testing::BackendCase;
 using ecx::testing::local_config;
 
 constexpr uint64_t kRegionBytes = 16ull << 20;
@@ -24,18 +26,18 @@ bool contains(const Status& s, const std::string& text) {
   return s.message().find(text) != std::string::npos;
 }
 
-class AgentLocalTest : public ::testing::TestWithParam<Backend> {
+class AgentLocalTest : public ::testing::TestWithParam<BackendCase> {
  protected:
   void SetUp() override {
-    producer_ = std::move(Agent::create(local_config("producer")).value());
-    consumer_ = std::move(Agent::create(local_config("consumer")).value());
+    producer_ = std::move(Agent::create(GetParam().apply(local_config("producer"))).value());
+    consumer_ = std::move(Agent::create(GetParam().apply(local_config("consumer"))).value());
     src_ = producer_->allocate(kRegionBytes).value();
     sink_ = producer_->allocate(kRegionBytes, {.remote_read = true, .remote_write = true}).value();
     fill_pattern(src_.data, src_.length, 1234);
     dst_.resize(kRegionBytes);
-    auto connected = consumer_->connect(producer_->metadata(), {.backend = GetParam()});
+    auto connected = consumer_->connect(producer_->metadata(), {.backend = GetParam().backend});
     ASSERT_TRUE(connected.ok()) << connected.status().to_string();
-    ASSERT_EQ(*consumer_->peer_backend("producer"), GetParam());
+    ASSERT_EQ(*consumer_->peer_backend("producer"), GetParam().backend);
   }
 
   Status read(std::vector<TransferDescriptor> descs, Deadline d = Deadline::after_ms(20000)) {
@@ -196,7 +198,7 @@ TEST_P(AgentLocalTest, CallHonoursItsDeadline) {
 
 TEST_P(AgentLocalTest, ZeroCopyViewOnlyOverShm) {
   auto v = consumer_->view("producer", src_.id, 100, 1 << 20);
-  if (GetParam() == Backend::kShm) {
+  if (GetParam().backend == Backend::kShm) {
     ASSERT_TRUE(v.ok()) << v.status().to_string();
     EXPECT_EQ(std::memcmp(v->data, src_.data + 100, 1 << 20), 0);
     // Same memory, not a copy: a producer write is visible through the view.
@@ -225,8 +227,9 @@ TEST_P(AgentLocalTest, ProducerShutdownFailsTheConsumerCleanly) {
   EXPECT_TRUE(contains(s, "producer")) << s.to_string();
 }
 
-INSTANTIATE_TEST_SUITE_P(Backends, AgentLocalTest, ::testing::Values(Backend::kShm, Backend::kTcp),
-                         [](const auto& info) { return std::string(backend_name(info.param)); });
+INSTANTIATE_TEST_SUITE_P(Backends, AgentLocalTest,
+                         ::testing::ValuesIn(ecx::testing::transfer_backends()),
+                         [](const auto& info) { return info.param.name; });
 
 TEST(AgentConnect, ConcurrentConnectsCoalesceIntoOneHandshake) {
   auto producer = std::move(Agent::create(local_config("producer")).value());

@@ -3,8 +3,10 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 
+#include <algorithm>
 #include <cstring>
 #include <nlohmann/json.hpp>
+#include <thread>
 
 #include "ecx/common/checksum.h"
 #include "ecx/transfer/agent.h"
@@ -13,18 +15,19 @@
 namespace ecx::transfer {
 namespace {
 
+using ecx::testing::BackendCase;
 using ecx::testing::local_config;
 using ecx::testing::PeerProcess;
 using nlohmann::json;
 
-class AgentProcessTest : public ::testing::TestWithParam<Backend> {
+class AgentProcessTest : public ::testing::TestWithParam<BackendCase> {
  protected:
   void start() {
-    auto peer = PeerProcess::start();
+    auto peer = PeerProcess::start(ecx::testing::peer_options(GetParam()));
     ASSERT_TRUE(peer.ok()) << peer.status().to_string();
     peer_.emplace(std::move(*peer));
-    agent_ = std::move(Agent::create(local_config("consumer")).value());
-    auto c = agent_->connect(peer_->metadata(), {.backend = GetParam()});
+    agent_ = std::move(Agent::create(GetParam().apply(local_config("consumer"))).value());
+    auto c = agent_->connect(peer_->metadata(), {.backend = GetParam().backend});
     ASSERT_TRUE(c.ok()) << c.status().to_string();
   }
 
@@ -132,8 +135,90 @@ TEST_P(AgentProcessTest, KilledPeerFailsTheNextTransferPromptly) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, AgentProcessTest,
-                         ::testing::Values(Backend::kShm, Backend::kTcp),
-                         [](const auto& info) { return std::string(backend_name(info.param)); });
+                         ::testing::ValuesIn(ecx::testing::transfer_backends()),
+                         [](const auto& info) { return info.param.name; });
+
+// ucx over tcp (error mode peer), where the peer can stall (SIGSTOP) a one-sided READ:
+// the deadline ends it, and a killed peer fails it, both after UCX purged the requests
+// (the buffer is left alone). Over shared memory a READ needs nothing from the peer (cma
+// reads its memory), and error mode none is refused for network transports.
+class UcxStalledPeerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    BackendCase ucx{Backend::kUcx, "tcp", "ucx_tcp"};
+    auto peer = PeerProcess::start(ecx::testing::peer_options(ucx));
+    ASSERT_TRUE(peer.ok()) << peer.status().to_string();
+    peer_.emplace(std::move(*peer));
+    auto config = ucx.apply(local_config("consumer"));
+    agent_ = std::move(Agent::create(config).value());
+    ASSERT_TRUE(agent_->connect(peer_->metadata(), {.backend = Backend::kUcx}).ok());
+    buf_.assign(8 << 20, std::byte{0xee});
+    // Warm the endpoint, then stop the peer and start a READ it cannot answer.
+    TransferDescriptor warm{buf_.data(), peer_->source_region(), 0, 4096};
+    ASSERT_TRUE(agent_->read("peer", {&warm, 1})->wait(Deadline::after_ms(20000)).ok());
+    std::fill(buf_.begin(), buf_.end(), std::byte{0xee});
+    ASSERT_TRUE(peer_->process().kill(SIGSTOP).ok());
+    TransferDescriptor d{buf_.data(), peer_->source_region(), 0, buf_.size()};
+    auto h = agent_->read("peer", {&d, 1}, Deadline::after_ms(60000));
+    ASSERT_TRUE(h.ok()) << h.status().to_string();
+    read_.emplace(std::move(*h));
+  }
+  void TearDown() override {
+    if (peer_) peer_->process().kill(SIGCONT).ignore_error();
+  }
+
+  // Bytes of buf_ that are no longer the 0xee filler.
+  size_t changed_bytes() const {
+    return static_cast<size_t>(
+        std::count_if(buf_.begin(), buf_.end(), [](std::byte b) { return b != std::byte{0xee}; }));
+  }
+
+  std::optional<PeerProcess> peer_;
+  std::unique_ptr<Agent> agent_;
+  std::vector<std::byte> buf_;
+  std::optional<TransferHandle> read_;
+};
+
+TEST_F(UcxStalledPeerTest, DeadlineEndsTheReadAndNoByteLandsAfterIt) {
+  Status s = read_->wait(Deadline::after_ms(500));
+  EXPECT_EQ(s.code(), StatusCode::kDeadlineExceeded) << s.to_string();
+  EXPECT_TRUE(read_->done());
+  size_t changed = changed_bytes();
+  // The peer resumes and would answer now: nothing more may land in the buffer.
+  ASSERT_TRUE(peer_->process().kill(SIGCONT).ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  EXPECT_EQ(changed_bytes(), changed);
+  // A fresh endpoint serves the next READ.
+  TransferDescriptor d{buf_.data(), peer_->source_region(), 0, buf_.size()};
+  auto again = agent_->read("peer", {&d, 1});
+  ASSERT_TRUE(again.ok());
+  ASSERT_TRUE(again->wait(Deadline::after_ms(20000)).ok());
+  EXPECT_EQ(std::memcmp(buf_.data(), peer_->expected().data(), buf_.size()), 0);
+}
+
+TEST_F(UcxStalledPeerTest, KilledPeerFailsTheReadAsUnavailable) {
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_FALSE(read_->done());
+  ASSERT_TRUE(peer_->process().kill(SIGKILL).ok());
+  Status s = read_->wait(Deadline::after_ms(30000));
+  EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.to_string();
+  EXPECT_NE(s.message().find("peer"), std::string::npos) << s.to_string();
+  auto c = agent_->call("peer", "{}", Deadline::after_ms(20000));
+  EXPECT_EQ(c.status().code(), StatusCode::kUnavailable) << c.status().to_string();
+}
+
+TEST(UcxConfigTest, ErrorModeNoneIsRefusedForNetworkTransports) {
+  auto config = local_config("consumer");
+  config.ucx = {.enable = true, .tls = "tcp", .error_mode = "none"};
+  auto agent = Agent::create(config);
+  ASSERT_FALSE(agent.ok());
+  EXPECT_EQ(agent.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(agent.status().message().find("shared-memory"), std::string::npos);
+  config.ucx.error_mode = "sometimes";
+  EXPECT_EQ(Agent::create(config).status().code(), StatusCode::kInvalidArgument);
+  config.ucx = {.enable = true, .tls = "posix,cma", .error_mode = "none"};
+  EXPECT_TRUE(Agent::create(config).ok());
+}
 
 class AgentProcessFailure : public ::testing::Test {
  protected:

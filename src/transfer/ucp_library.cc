@@ -3,9 +3,8 @@
 #include <dlfcn.h>
 #include <glob.h>
 #include <signal.h>
-#include <unistd.h>
 
-#include <climits>
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <iterator>
@@ -81,15 +80,19 @@ Result<std::string> find_wheel(const std::string& venv_dir) {
     return lib + "/" + kSoname;
   }
   std::vector<fs::path> starts;
+  std::error_code ec;
+  auto add_start = [&](const fs::path& dir) {
+    fs::path canonical = fs::weakly_canonical(fs::absolute(dir, ec), ec);
+    if (!ec && std::find(starts.begin(), starts.end(), canonical) == starts.end()) {
+      starts.push_back(canonical);
+    }
+  };
   Dl_info self{};
   if (dladdr(reinterpret_cast<void*>(&load_ucp), &self) != 0 && self.dli_fname != nullptr) {
-    starts.push_back(fs::path(self.dli_fname).parent_path());
+    add_start(fs::path(self.dli_fname).parent_path());
   }
-  std::error_code ec;
-  if (fs::path exe = fs::read_symlink("/proc/self/exe", ec); !ec) {
-    starts.push_back(exe.parent_path());
-  }
-  if (fs::path cwd = fs::current_path(ec); !ec) starts.push_back(cwd);
+  if (fs::path exe = fs::read_symlink("/proc/self/exe", ec); !ec) add_start(exe.parent_path());
+  if (fs::path cwd = fs::current_path(ec); !ec) add_start(cwd);
   std::string searched;
   for (const fs::path& start : starts) {
     if (std::string lib = wheel_lib_above(start); !lib.empty()) return lib + "/" + kSoname;
@@ -109,11 +112,11 @@ std::string file_of(void* symbol) {
   return ec ? std::string(info.dli_fname) : path.string();
 }
 
+// Sets `*out` to `name` in `handle`; appends the name to `missing` when absent.
 template <typename F>
-bool resolve(void* handle, const char* name, F* out, std::string* missing) {
+void resolve(void* handle, const char* name, F* out, std::string* missing) {
   *out = reinterpret_cast<F>(dlsym(handle, name));
   if (*out == nullptr) *missing += (missing->empty() ? "" : ", ") + std::string(name);
-  return *out != nullptr;
 }
 
 // libucs's constructor installs crash handlers for these signals (UCX_HANDLE_ERRORS,
@@ -139,6 +142,11 @@ class ErrorSignalsGuard {
   struct sigaction saved_[std::size(kErrorSignals)]{};
 };
 
+// "wheel (/path/libucp.so.0)", or just the path when that is what was asked for.
+std::string name_of(const std::string& label, const std::string& file) {
+  return label == file ? file : label + " (" + file + ")";
+}
+
 Result<std::unique_ptr<UcpApi>> load(const std::string& file, const std::string& label) {
   dlerror();
   ErrorSignalsGuard signals;
@@ -146,7 +154,7 @@ Result<std::unique_ptr<UcpApi>> load(const std::string& file, const std::string&
   // entries, so nothing needs ucp's symbols in the global namespace.
   void* handle = dlopen(file.c_str(), RTLD_NOW | RTLD_LOCAL);
   if (handle == nullptr) {
-    return Unavailable("cannot load UCX library " + label + " (" + file + "): " + dl_error());
+    return Unavailable("cannot load UCX library " + name_of(label, file) + ": " + dl_error());
   }
   auto api = std::make_unique<UcpApi>();
   std::string missing;
@@ -190,7 +198,7 @@ Result<std::unique_ptr<UcpApi>> load(const std::string& file, const std::string&
   if (!missing.empty()) {
     // Not dlclose'd: UCX's constructors have run, and its destructors are not safe to
     // run while anything it started (its async thread) may be alive.
-    return Unavailable("UCX library " + label + " (" + file + ") lacks " + missing);
+    return Unavailable("UCX library " + name_of(label, file) + " lacks " + missing);
   }
 
   api->path = file_of(reinterpret_cast<void*>(api->init_version));
@@ -199,7 +207,7 @@ Result<std::unique_ptr<UcpApi>> load(const std::string& file, const std::string&
   api->version = api->get_version_string();
   if (major != UCP_API_MAJOR || minor < UCP_API_MINOR) {
     return Status(StatusCode::kFailedPrecondition,
-                  "UCX library " + label + " (" + api->path + ") is version " + api->version +
+                  "UCX library " + name_of(label, api->path) + " is version " + api->version +
                       "; ecx needs " + std::to_string(UCP_API_MAJOR) + "." +
                       std::to_string(UCP_API_MINOR) + " or newer within major version " +
                       std::to_string(UCP_API_MAJOR));
@@ -210,7 +218,7 @@ Result<std::unique_ptr<UcpApi>> load(const std::string& file, const std::string&
   if (!ucs.empty() && !api->path.empty() &&
       fs::path(ucs).parent_path() != fs::path(api->path).parent_path()) {
     return Status(StatusCode::kFailedPrecondition,
-                  "UCX library " + label + " (" + api->path + ") runs with libucs from " + ucs +
+                  "UCX library " + name_of(label, api->path) + " runs with libucs from " + ucs +
                       ", another UCX install already loaded in this process");
   }
   return api;

@@ -90,6 +90,8 @@ struct UcpApi {
 // kFailedPrecondition when another library was already loaded by an earlier call
 // (the message names both), when the library is older than the 1.13 headers, or when
 // its libucs comes from another UCX install already in the process.
+// The process's SIGSEGV/SIGBUS/SIGILL/SIGFPE handlers survive the load (libucs's
+// constructor replaces them with UCX's crash handler) unless UCX_HANDLE_ERRORS is set.
 // Thread-safe.
 Result<const UcpApi*> load_ucp(const std::string& library, const std::string& venv_dir = "");
 

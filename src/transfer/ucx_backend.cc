@@ -3,7 +3,6 @@
 #include <sys/epoll.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <optional>
 #include <cstring>
 #include <sstream>
@@ -81,6 +80,16 @@ void UcxBatch::fail(const Status& status) {
 void UcxBatch::request_done(const Status& status) {
   if (!status.ok()) fail(status);
   if (outstanding_.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+  complete();
+}
+
+void UcxBatch::abandon(const Status& reason) {
+  fail(reason);
+  complete();
+}
+
+void UcxBatch::complete() {
+  if (completed_.exchange(true, std::memory_order_acq_rel)) return;
   Status final_status;
   {
     std::lock_guard lock(mu_);
@@ -352,11 +361,7 @@ Result<std::unique_ptr<BackendEngine>> make_ucx_engine(const AgentConfig& config
                            "...), not UCX_TLS '" + ucx.tls +
                            "': a stalled network peer could not be cancelled; use 'peer'");
   }
-  std::string library = config.ucx.library;
-  if (const char* env = std::getenv("ECX_UCX_LIBRARY"); env != nullptr && *env != '\0') {
-    library = env;
-  }
-  ECX_ASSIGN_OR_RETURN(const UcpApi* api, load_ucp(library));
+  ECX_ASSIGN_OR_RETURN(const UcpApi* api, load_ucp(ucx.library));
   auto worker = UcxWorker::create(*api, config.ucx, config.name);
   if (!worker.ok()) return worker.status().with_context("agent " + config.name + ": ucx backend");
   (*worker)->start_progress();

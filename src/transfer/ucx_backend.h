@@ -23,7 +23,7 @@
 
 namespace ecx::transfer {
 
-// Loads UCX (config.ucx.library, or ECX_UCX_LIBRARY) and starts the worker and its
+// Loads UCX (config.ucx.library) and starts the worker and its
 // progress thread. Errors name the library, the transports and UCX's status.
 Result<std::unique_ptr<BackendEngine>> make_ucx_engine(const AgentConfig& config);
 

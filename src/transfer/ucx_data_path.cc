@@ -132,12 +132,24 @@ UcxDataPath::~UcxDataPath() {
 
 void UcxDataPath::fail_all(const Status& reason) {
   std::shared_ptr<Endpoint> ep;
+  std::vector<std::weak_ptr<UcxBatch>> inflight;
   {
     std::lock_guard lock(mu_);
     if (failed_.ok()) failed_ = reason;
     ep = ep_;
+    inflight.swap(inflight_);
   }
-  if (ep) reset_endpoint(ep);
+  if (mode_ == UCP_ERR_HANDLING_MODE_PEER) {
+    if (ep) reset_endpoint(ep);  // the forced close purges every request
+    return;
+  }
+  // Error mode none: UCX cannot purge, and a dead peer's memory can no longer be
+  // copied, so its batches end now (on the progress thread: no copy is under way).
+  worker_->defer([inflight, reason] {
+    for (const auto& weak : inflight) {
+      if (auto batch = weak.lock()) batch->abandon(reason);
+    }
+  });
 }
 
 void UcxDataPath::reset_endpoint(const std::shared_ptr<Endpoint>& ep) {
@@ -201,8 +213,17 @@ Status UcxDataPath::post(const std::shared_ptr<UcxBatch>& batch,
     auto endpoint = weak_ep.lock();
     if (path && endpoint) path->reset_endpoint(endpoint);
   };
-  batch->state()->set_cancel_hook([abort] { abort(Status(StatusCode::kCancelled, "cancelled")); });
-  worker_->watch(deadline, batch, [abort] { abort(DeadlineExceeded("deadline passed")); });
+  if (mode_ == UCP_ERR_HANDLING_MODE_PEER) {
+    batch->state()->set_cancel_hook(
+        [abort] { abort(Status(StatusCode::kCancelled, "cancelled")); });
+    worker_->watch(deadline, batch, [abort] { abort(DeadlineExceeded("deadline passed")); });
+  } else {
+    // Shared memory: requests complete without the peer (and cannot be purged); a dead
+    // peer's batches are abandoned by fail_all.
+    std::lock_guard lock(mu_);
+    std::erase_if(inflight_, [](const auto& weak) { return weak.expired(); });
+    inflight_.push_back(batch);
+  }
 
   const UcpApi& api = worker_->api();
   for (size_t i = 0; i < descriptors.size(); ++i) {

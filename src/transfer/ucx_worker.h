@@ -32,10 +32,19 @@ class UcxBatch {
   // Records why the batch fails (the first reason wins) without completing it: its
   // requests still complete (purged) before it does.
   void fail(const Status& status);
+  // Completes the batch now with `reason`, leaving its requests behind. Only for a dead
+  // peer on shared memory (error mode none), whose requests UCX cannot purge and whose
+  // memory can no longer be copied; called on the progress thread, between progress
+  // calls, so no copy is under way.
+  void abandon(const Status& reason);
+  bool completed() const { return completed_.load(std::memory_order_acquire); }
 
  private:
+  void complete();
+
   const std::shared_ptr<TransferState> state_;
   std::atomic<int> outstanding_{1};  // the submitter's count
+  std::atomic<bool> completed_{false};
   std::mutex mu_;
   Status status_;  // guarded by mu_
 };
@@ -151,6 +160,7 @@ class UcxDataPath final : public DataPath, public std::enable_shared_from_this<U
 
   std::mutex mu_;
   std::shared_ptr<Endpoint> ep_;                                       // guarded by mu_
+  std::vector<std::weak_ptr<UcxBatch>> inflight_;  // guarded by mu_ (error mode none only)
   std::map<uint32_t, std::shared_ptr<const UcxRemoteKey>> keys_;      // guarded by mu_
   Status failed_;                                                      // guarded by mu_
 };

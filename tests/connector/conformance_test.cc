@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -25,6 +26,8 @@ struct Case {
   std::string label;      // test name suffix
   std::string connector;  // p2p, disk, store, local
   std::string mode;       // p2p mode
+  std::string backend;    // p2p backend: "" (auto: shm here), "tcp" or "ucx"
+  std::string ucx_tls;    // ucx: UCX_TLS of both sides
   bool transfers() const { return connector != "local"; }
   bool p2p() const { return connector == "p2p"; }
 };
@@ -61,6 +64,8 @@ class ConformanceTest : public ::testing::TestWithParam<Case> {
   json extra(json overrides) const {
     json e = {{"engine_id", "e-" + tag_}, {"pool_bytes", "160MiB"}, {"load_timeout_ms", 20000}};
     if (GetParam().p2p()) e["mode"] = GetParam().mode;
+    if (!GetParam().backend.empty()) e["backend"] = GetParam().backend;
+    if (!GetParam().ucx_tls.empty()) e["ucx_tls"] = GetParam().ucx_tls;
     if (GetParam().connector == "disk") e["root"] = root_.string();
     if (GetParam().connector == "store") e["redis"] = redis_address();
     if (overrides.is_object()) e.update(overrides);
@@ -441,12 +446,25 @@ TEST_P(ConformanceTest, ConcurrentLoadsEachGetTheirBytes) {
   EXPECT_EQ(failures.load(), 0);
 }
 
-INSTANTIATE_TEST_SUITE_P(Connectors, ConformanceTest,
-                         ::testing::Values(Case{"p2p_pull", "p2p", "pull"},
-                                           Case{"p2p_pull_2step", "p2p", "pull-2step"},
-                                           Case{"p2p_push", "p2p", "push"},
-                                           Case{"disk", "disk", ""}, Case{"store", "store", ""},
-                                           Case{"local", "local", ""}),
+// Every p2p mode over every backend: shm (auto on one host), tcp, ucx over tcp and ucx
+// over shared memory; then the other connectors.
+std::vector<Case> all_cases() {
+  std::vector<Case> cases;
+  for (std::string mode : {"pull", "pull-2step", "push"}) {
+    std::string label = "p2p_" + mode;
+    std::replace(label.begin(), label.end(), '-', '_');
+    cases.push_back({label, "p2p", mode});
+    cases.push_back({label + "_tcp", "p2p", mode, "tcp"});
+    cases.push_back({label + "_ucx_tcp", "p2p", mode, "ucx", "tcp"});
+    cases.push_back({label + "_ucx_shm", "p2p", mode, "ucx", "posix,cma"});
+  }
+  cases.push_back({"disk", "disk", ""});
+  cases.push_back({"store", "store", ""});
+  cases.push_back({"local", "local", ""});
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Connectors, ConformanceTest, ::testing::ValuesIn(all_cases()),
                          [](const auto& info) { return info.param.label; });
 
 TEST(ConnectorConfig, ParsesVllmStyleJsonAndNames) {

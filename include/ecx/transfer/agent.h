@@ -33,7 +33,7 @@ struct UcxConfig {
   bool enable = false;
   // Which libucp: "system" (Debian's, 1.13: tcp, shared memory and RDMA verbs), "wheel"
   // (libucx-cu13 in the project's .venv, 1.22: tcp, shared memory and CUDA, no verbs),
-  // or a path to a libucp.so. One per process; ECX_UCX_LIBRARY overrides it.
+  // or a path to a libucp.so. One per process: every agent of a process uses the first.
   std::string library = "system";
   // UCX_TLS for this agent ("" = UCX's choice), e.g. "tcp", "posix,cma", "rc,cuda_copy".
   std::string tls;

@@ -67,22 +67,29 @@ bool eventually(F done, Deadline deadline) {
   return true;
 }
 
+// Every agent in these tests also runs the ucx backend (over tcp), so each backend is
+// tried the same way.
+AgentConfig with_ucx(AgentConfig c) {
+  c.ucx = {.enable = true, .tls = "tcp"};
+  return c;
+}
+
 TEST(Authentication, AgentsWithoutTheSecretCannotConnect) {
-  auto server = std::move(Agent::create(with_secret("server", "deployment-1")).value());
+  auto server = std::move(Agent::create(with_ucx(with_secret("server", "deployment-1"))).value());
   auto region = server->allocate(4096).value();
-  for (Backend b : {Backend::kShm, Backend::kTcp}) {
-    auto wrong = std::move(Agent::create(with_secret("wrong", "deployment-2")).value());
+  for (Backend b : {Backend::kShm, Backend::kTcp, Backend::kUcx}) {
+    auto wrong = std::move(Agent::create(with_ucx(with_secret("wrong", "deployment-2"))).value());
     auto r = wrong->connect(server->metadata(), {.backend = b});
     ASSERT_FALSE(r.ok());
     EXPECT_EQ(r.status().code(), StatusCode::kPermissionDenied) << r.status().to_string();
     EXPECT_FALSE(contains(r.status(), "deployment-1")) << r.status().to_string();
 
-    auto none = std::move(Agent::create(local_config("none")).value());
+    auto none = std::move(Agent::create(with_ucx(local_config("none"))).value());
     auto n = none->connect(server->metadata(), {.backend = b});
     ASSERT_FALSE(n.ok());
     EXPECT_EQ(n.status().code(), StatusCode::kPermissionDenied) << n.status().to_string();
 
-    auto member = std::move(Agent::create(with_secret("member", "deployment-1")).value());
+    auto member = std::move(Agent::create(with_ucx(with_secret("member", "deployment-1"))).value());
     ASSERT_TRUE(member->connect(server->metadata(), {.backend = b}).ok());
     std::vector<std::byte> buf(4096);
     TransferDescriptor d{buf.data(), region.id, 0, buf.size()};
@@ -90,7 +97,7 @@ TEST(Authentication, AgentsWithoutTheSecretCannotConnect) {
     ASSERT_TRUE(h.ok());
     EXPECT_TRUE(h->wait(Deadline::after_ms(10000)).ok());
   }
-  EXPECT_EQ(server->stats().handshakes_rejected, 4u);
+  EXPECT_EQ(server->stats().handshakes_rejected, 6u);
 }
 
 TEST(Authentication, AServerWithoutTheSecretIsNotTrustedByTheClient) {
@@ -253,13 +260,20 @@ TEST(SealedMemory, UnsealedOrShrinkableMemoryIsRefusedNotMapped) {
 }
 
 TEST(Grants, ARegionThatRequiresGrantsIsReadOnlyThroughTheRightCapability) {
-  auto server = std::move(Agent::create(local_config("server")).value());
+  auto server = std::move(Agent::create(with_ucx(local_config("server"))).value());
   auto region = server->allocate(1 << 20, {.remote_read = true, .require_grant = true}).value();
   std::memset(region.data, 0x5a, region.length);
+  // ucx: a region behind grants keeps its key out of the metadata (only the right
+  // capability gets it); an open region announces it.
+  auto open = server->allocate(4096).value();
+  for (const auto& r : server->metadata().regions) {
+    EXPECT_EQ(r.ucx_key.empty(), r.id == region.id) << "region " << r.id;
+  }
+  ASSERT_TRUE(server->deregister(open.id).ok());
   auto mine = server->grant(region.id, 4096, 8192, false, "client").value();
   auto theirs = server->grant(region.id, 4096, 8192, false, "somebody-else").value();
-  for (Backend b : {Backend::kTcp, Backend::kShm}) {
-    auto client = std::move(Agent::create(local_config("client")).value());
+  for (Backend b : {Backend::kTcp, Backend::kShm, Backend::kUcx}) {
+    auto client = std::move(Agent::create(with_ucx(local_config("client"))).value());
     ASSERT_TRUE(client->connect(server->metadata(), {.backend = b}).ok());
     std::vector<std::byte> buf(8192);
     auto read = [&](uint64_t offset, uint64_t length, const Capability& cap) {
@@ -272,7 +286,8 @@ TEST(Grants, ARegionThatRequiresGrantsIsReadOnlyThroughTheRightCapability) {
     EXPECT_EQ(read(4096, 8192, theirs).code(), StatusCode::kPermissionDenied);
     if (b == Backend::kTcp) {
       // Over tcp every request is checked against the grant's range (a same-host peer
-      // that holds a grant maps the arena read-only: see docs/SECURITY.md).
+      // that holds a grant maps the arena read-only, a ucx peer gets the region's key:
+      // see docs/SECURITY.md).
       EXPECT_EQ(read(0, 4096, mine).code(), StatusCode::kPermissionDenied);
       EXPECT_EQ(read(8192, 8192, mine).code(), StatusCode::kPermissionDenied);
     }

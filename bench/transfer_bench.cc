@@ -571,6 +571,8 @@ void add_transfer_commands(CLI::App& bench, int* exit_code) {
   p->add_option("--ucx", peer->ucx, "Enable ucx with this UCX_TLS ('default': UCX's choice)");
   p->add_option("--ucx-error-mode", peer->ucx_error_mode);
   p->add_option("--ucx-library", peer->ucx_library);
+  p->add_option("--memory", peer->memory, "Source region memory: host or cuda")
+      ->check(CLI::IsMember({"host", "cuda"}));
   p->add_option("--fault-stall-read-after-bytes", peer->fault_stall_read_after_bytes);
   p->callback([peer, exit_code] { *exit_code = run_transfer_peer(*peer); });
 

@@ -11,10 +11,12 @@
 #include <list>
 #include <nlohmann/json.hpp>
 #include <thread>
+#include <vector>
 
 #include "ecx/common/checksum.h"
 #include "ecx/common/log.h"
 #include "ecx/transfer/agent.h"
+#include "transfer/cuda_memory.h"
 #include "transfer/socket.h"
 #include "transfer/test_hooks.h"
 
@@ -75,6 +77,7 @@ transfer::AgentConfig agent_config(const TransferPeerOptions& options) {
 struct Producer {
   Agent* agent = nullptr;
   LocalRegion source, sink;
+  bool source_on_gpu = false;  // the source is CUDA device memory (--memory cuda)
   std::atomic<uint64_t> notified_ok{0}, notified_bad{0};
 };
 
@@ -127,8 +130,31 @@ Result<std::string> region_checksum(const Producer& p, const json& req) {
   const LocalRegion& r = region == p.source.id ? p.source : p.sink;
   if (region != p.source.id && region != p.sink.id) return NotFound("checksum: no such region");
   if (off > r.length || len > r.length - off) return OutOfRange("checksum: range outside region");
+  if (region == p.source.id && p.source_on_gpu) {
+    std::vector<std::byte> host(len);  // device bytes are hashed from a host copy
+    ECX_RETURN_IF_ERROR(transfer::cuda::copy(host.data(), r.data + off, len));
+    return json{{"checksum", checksum64(host.data(), len)}}.dump();
+  }
   return json{{"checksum", checksum64(r.data + off, len)}}.dump();
 }
+
+// A source region in CUDA device memory (--memory cuda), freed after the agent is gone.
+class DeviceSource {
+ public:
+  DeviceSource() = default;
+  DeviceSource(const DeviceSource&) = delete;
+  DeviceSource& operator=(const DeviceSource&) = delete;
+  ~DeviceSource() { transfer::cuda::device_free(data_); }
+
+  Result<LocalRegion> create(Agent& agent, const std::vector<std::byte>& pattern) {
+    ECX_ASSIGN_OR_RETURN(data_, transfer::cuda::device_alloc(pattern.size()));
+    ECX_RETURN_IF_ERROR(transfer::cuda::copy(data_, pattern.data(), pattern.size()));
+    return agent.register_memory(data_, pattern.size(), transfer::MemoryKind::kCuda);
+  }
+
+ private:
+  void* data_ = nullptr;
+};
 
 // Answers one CALL (the ops listed in transfer_peer.h).
 Result<std::string> answer_call(Producer& p, std::string_view body) {
@@ -158,23 +184,31 @@ Result<std::string> answer_call(Producer& p, std::string_view body) {
 }  // namespace
 
 int run_transfer_peer(const TransferPeerOptions& options) {
-  Producer producer;  // outlives the agent, whose handlers use it
+  Producer producer;    // outlives the agent, whose handlers use it
+  DeviceSource device;  // likewise: the agent deregisters it before it is freed
   auto created = Agent::create(agent_config(options));
   if (!created.ok()) {
     std::cerr << "bench peer: " << created.status().to_string() << "\n";
     return 1;
   }
   std::unique_ptr<Agent> agent = std::move(*created);
-  transfer::set_test_faults(*agent, {.stall_read_after_bytes = options.fault_stall_read_after_bytes});
-  auto source = agent->allocate(options.region_bytes);
+  transfer::set_test_faults(*agent,
+                            {.stall_read_after_bytes = options.fault_stall_read_after_bytes});
+  // A GPU source is filled from the pattern on the host, which the baseline then serves.
+  const bool on_gpu = options.memory == "cuda";
+  std::vector<std::byte> pattern(on_gpu ? options.region_bytes : 0);
+  fill_pattern(pattern.data(), pattern.size(), options.seed);
+  auto source = on_gpu ? device.create(*agent, pattern) : agent->allocate(options.region_bytes);
   auto sink = agent->allocate(options.region_bytes, {.remote_read = true, .remote_write = true});
   if (!source.ok() || !sink.ok()) {
-    std::cerr << "bench peer: cannot allocate regions\n";
+    std::cerr << "bench peer: cannot allocate regions: "
+              << (source.ok() ? sink.status() : source.status()).to_string() << "\n";
     return 1;
   }
-  fill_pattern(source->data, source->length, options.seed);
+  if (!on_gpu) fill_pattern(source->data, source->length, options.seed);
   producer.agent = agent.get();
   producer.source = *source;
+  producer.source_on_gpu = on_gpu;
   producer.sink = *sink;
   // Runs on the connection thread, in order with the sender's calls: a later "notified"
   // call sees every earlier notification's verdict.
@@ -193,6 +227,7 @@ int run_transfer_peer(const TransferPeerOptions& options) {
   }
   int baseline_fd = baseline->first.get();
   LocalRegion src = producer.source;
+  if (on_gpu) src.data = pattern.data();
   std::thread baseline_thread([baseline_fd, src] { serve_baseline(baseline_fd, src); });
 
   json ready = {{"metadata", agent->metadata().to_json()},
@@ -208,7 +243,7 @@ int run_transfer_peer(const TransferPeerOptions& options) {
   }
   ::shutdown(baseline_fd, SHUT_RDWR);
   baseline_thread.join();
-  agent.reset();
+  agent.reset();  // deregisters the device source before `device` frees it
   return 0;
 }
 

@@ -29,9 +29,12 @@ struct TransferPeerOptions {
   uint64_t seed = 42;
   uint64_t tcp_slice_bytes = 4ull << 20;
   int tcp_streams = 2;
-  std::string ucx;                            // "" = ucx off; else UcxConfig.tls ("tcp", ...)
-  std::string ucx_error_mode = "auto";        // UcxConfig.error_mode
-  std::string ucx_library = "system";         // UcxConfig.library
+  std::string ucx;                      // "" = ucx off; else UcxConfig.tls ("tcp", ...)
+  std::string ucx_error_mode = "auto";  // UcxConfig.error_mode
+  std::string ucx_library = "system";   // UcxConfig.library
+  // Where the source region lives: "host" (an agent arena) or "cuda" (device memory,
+  // registered as MemoryKind::kCuda; needs ucx with CUDA support, e.g. library "wheel").
+  std::string memory = "host";
   uint64_t fault_stall_read_after_bytes = 0;  // test-only: see transfer/test_hooks.h
 };
 
@@ -54,6 +57,7 @@ inline std::vector<std::string> transfer_peer_command(const std::string& exe,
     flag("--ucx-error-mode", options.ucx_error_mode);
     flag("--ucx-library", options.ucx_library);
   }
+  if (options.memory != "host") flag("--memory", options.memory);
   flag("--fault-stall-read-after-bytes", std::to_string(options.fault_stall_read_after_bytes));
   return argv;
 }

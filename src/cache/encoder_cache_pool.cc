@@ -1,27 +1,29 @@
 #include "ecx/cache/encoder_cache_pool.h"
 
 #include <condition_variable>
-#include <cstring>
 #include <list>
 #include <map>
 #include <mutex>
 #include <set>
+#include <span>
 #include <thread>
 #include <unordered_map>
+#include <vector>
 
 #include "cache/arena_allocator.h"
+#include "cache/arena_memory.h"
 #include "ecx/common/bytes.h"
-#include "ecx/common/checksum.h"
 
 namespace ecx::cache {
 
 class EncoderCachePool::Impl {
  public:
-  Impl(transfer::Agent* agent, PoolConfig config, transfer::LocalRegion region)
+  Impl(transfer::Agent* agent, PoolConfig config, std::unique_ptr<ArenaMemory> arena)
       : agent_(agent),
         config_(std::move(config)),
-        region_(region),
-        allocator_(region.length, kBlockAlignment) {
+        arena_(std::move(arena)),
+        region_(arena_->region()),
+        allocator_(region_.length, kBlockAlignment) {
     reaper_ = std::thread([this] { reap_leases(); });
   }
 
@@ -32,7 +34,6 @@ class EncoderCachePool::Impl {
     }
     reaper_cv_.notify_all();
     reaper_.join();
-    agent_->deregister(region_.id).ignore_error();
   }
 
   uint32_t region_id() const { return region_.id; }
@@ -83,9 +84,9 @@ class EncoderCachePool::Impl {
   Status commit(const MmHash& mm_hash, uint64_t generation) {
     std::unique_lock lock(mu_);
     ECX_ASSIGN_OR_RETURN(Entry * e, writing_entry(mm_hash, generation));
-    std::byte* block = region_.data + e->offset;
-    uint64_t sum = checksum64(block + kBlockHeaderBytes, e->meta.byte_size());
-    write_block_header(block, e->mm_hash, e->meta, e->generation, sum);
+    ECX_ASSIGN_OR_RETURN(uint64_t sum,
+                         arena_->checksum(e->offset + kBlockHeaderBytes, e->meta.byte_size()));
+    ECX_RETURN_IF_ERROR(write_header(*e, sum));
     mark_ready_locked(*e);
     lock.unlock();
     cv_.notify_all();
@@ -97,16 +98,18 @@ class EncoderCachePool::Impl {
                          std::optional<uint64_t> payload_checksum) {
     std::unique_lock lock(mu_);
     ECX_ASSIGN_OR_RETURN(Entry * e, writing_entry(mm_hash, generation));
-    std::byte* block = region_.data + e->offset;
-    Status verdict = verify_block(block, e->block_length, expected, payload_checksum);
+    auto host = host_block(*e, /*with_payload=*/!payload_checksum.has_value());
+    Status verdict = host.ok()
+                         ? verify_block(host->data(), e->block_length, expected, payload_checksum)
+                         : host.status();
+    BlockHeader h = verdict.ok() ? read_block_header(host->data()) : BlockHeader{};
+    if (verdict.ok()) verdict = write_header(*e, h.checksum);
     if (!verdict.ok()) {
       remove_locked(mm_hash);
       lock.unlock();
       cv_.notify_all();
       return verdict;
     }
-    BlockHeader h = read_block_header(block);
-    write_block_header(block, e->mm_hash, e->meta, e->generation, h.checksum);
     mark_ready_locked(*e);
     lock.unlock();
     cv_.notify_all();
@@ -278,6 +281,12 @@ class EncoderCachePool::Impl {
 
   std::chrono::milliseconds default_lease() const { return config_.lease; }
 
+  // Copies host bytes into a reserved block's payload (the caller holds the entry in
+  // state writing, so no lock is needed for its bytes).
+  Status write_payload(const BlockRef& ref, const void* data, uint64_t length) {
+    return arena_->write(ref.offset + kBlockHeaderBytes, data, length);
+  }
+
  private:
   struct Entry {
     MmHash mm_hash;
@@ -304,6 +313,26 @@ class EncoderCachePool::Impl {
                     e.block_length,
                     e.generation,
                     region_.data + e.offset};
+  }
+
+  // Writes the entry's header (through a host copy in a CUDA pool).
+  Status write_header(const Entry& e, uint64_t checksum) {
+    std::byte header[kBlockHeaderBytes];
+    write_block_header(header, e.mm_hash, e.meta, e.generation, checksum);
+    return arena_->write(e.offset, header, sizeof(header));
+  }
+
+  // The block's bytes where the CPU can read them: in place in a host pool; a host copy
+  // of the header (and the payload, when `with_payload`) in a CUDA pool. Either way the
+  // buffer spans block_length bytes, so verify_block's bounds hold.
+  Result<std::span<const std::byte>> host_block(const Entry& e, bool with_payload) {
+    if (arena_->kind() == transfer::MemoryKind::kHost) {
+      return std::span<const std::byte>(region_.data + e.offset, e.block_length);
+    }
+    staging_.assign(e.block_length, std::byte{0});
+    ECX_RETURN_IF_ERROR(
+        arena_->read(e.offset, staging_.data(), with_payload ? e.block_length : kBlockHeaderBytes));
+    return std::span<const std::byte>(staging_);
   }
 
   // The ready entry for mm_hash: kNotFound or kNotReady otherwise.
@@ -345,7 +374,9 @@ class EncoderCachePool::Impl {
     auto it = entries_.find(mm_hash);
     Entry& e = it->second;
     // A late reader of this block must not mistake it for the entry: clear the magic.
-    std::memset(region_.data + e.offset, 0, sizeof(uint32_t));
+    // (Should a CUDA copy fail here, the reader still sees the old generation.)
+    const uint32_t no_magic = 0;
+    arena_->write(e.offset, &no_magic, sizeof(no_magic)).ignore_error();
     if (e.ready) lru_.erase(e.lru);
     if (e.pins > 0) {  // only a writing entry can be removed while pinned (abort)
       for (auto p = pins_.begin(); p != pins_.end();) {
@@ -427,7 +458,9 @@ class EncoderCachePool::Impl {
 
   transfer::Agent* const agent_;
   const PoolConfig config_;
+  const std::unique_ptr<ArenaMemory> arena_;  // deregistered after the reaper stops
   const transfer::LocalRegion region_;
+  std::vector<std::byte> staging_;  // guarded by mu_; host copies of CUDA blocks
 
   mutable std::mutex mu_;
   std::condition_variable cv_;                 // entry became ready, or a pin ended
@@ -454,13 +487,9 @@ Result<std::unique_ptr<EncoderCachePool>> EncoderCachePool::create(transfer::Age
   }
   if (config.lease.count() <= 0)
     return InvalidArgument("pool " + config.name + ": lease must be positive");
-  ECX_ASSIGN_OR_RETURN(
-      transfer::LocalRegion region,
-      agent->allocate(config.capacity_bytes, {.remote_read = true,
-                                              .remote_write = config.remote_write,
-                                              .require_grant = config.require_grant}));
+  ECX_ASSIGN_OR_RETURN(std::unique_ptr<ArenaMemory> arena, ArenaMemory::create(agent, config));
   return std::unique_ptr<EncoderCachePool>(
-      new EncoderCachePool(std::make_unique<Impl>(agent, std::move(config), region)));
+      new EncoderCachePool(std::make_unique<Impl>(agent, std::move(config), std::move(arena))));
 }
 
 EncoderCachePool::EncoderCachePool(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -516,8 +545,13 @@ Result<BlockRef> EncoderCachePool::put(const MmHash& mm_hash, const TensorMeta& 
                            std::to_string(meta.byte_size()) + " bytes)");
   }
   ECX_ASSIGN_OR_RETURN(BlockRef ref, reserve(mm_hash, meta));
-  if (!payload.empty()) std::memcpy(ref.payload(), payload.data(), payload.size());
-  Status s = commit(mm_hash, ref.generation);
+  Status s =
+      payload.empty() ? Status::Ok() : impl_->write_payload(ref, payload.data(), payload.size());
+  if (!s.ok()) {
+    abort(mm_hash, ref.generation);
+    return s;
+  }
+  s = commit(mm_hash, ref.generation);
   if (!s.ok()) return s;
   return ref;
 }

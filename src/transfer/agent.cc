@@ -250,6 +250,14 @@ Result<LocalRegion> AgentImpl::allocate(uint64_t length, RegionAccess access) {
 Result<LocalRegion> AgentImpl::register_memory(void* data, uint64_t length, MemoryKind kind,
                                                RegionAccess access) {
   if (data == nullptr || length == 0) return InvalidArgument("register_memory: empty buffer");
+  // Checked first, so the refusal is the same with or without a GPU on this machine.
+  auto needs_ucx = [&] {
+    return Status(StatusCode::kFailedPrecondition,
+                  "register_memory: " + std::string(memory_kind_name(kind)) +
+                      " memory is reached only through the ucx backend, which agent " +
+                      config_.name + " does not enable (AgentConfig::ucx.enable)");
+  };
+  if (kind != MemoryKind::kHost && engine(Backend::kUcx) == nullptr) return needs_ucx();
   ECX_RETURN_IF_ERROR(check_memory_kind(data, length, kind));
   auto entry = std::make_shared<RegionEntry>();
   entry->data = static_cast<std::byte*>(data);
@@ -257,12 +265,7 @@ Result<LocalRegion> AgentImpl::register_memory(void* data, uint64_t length, Memo
   entry->kind = kind;
   entry->access = access;
   for (auto& engine : engines_) ECX_RETURN_IF_ERROR(engine->register_region(*entry));
-  if (kind != MemoryKind::kHost && !entry->ucx) {
-    return Status(StatusCode::kFailedPrecondition,
-                  "register_memory: " + std::string(memory_kind_name(kind)) +
-                      " memory is reached only through the ucx backend, which agent " +
-                      config_.name + " does not enable (AgentConfig::ucx.enable)");
-  }
+  if (kind != MemoryKind::kHost && !entry->ucx) return needs_ucx();
   return regions_.add(std::move(entry));
 }
 
@@ -480,8 +483,9 @@ Result<TransferHandle> AgentImpl::transfer(const std::string& peer_name,
   const char* op = write ? "write" : "read";
   ECX_ASSIGN_OR_RETURN(uint64_t total, check_descriptors(descriptors, op));
   ECX_ASSIGN_OR_RETURN(auto peer, connected_peer(peer_name));
-  Status inside =
-      check_announced_regions(descriptors, peer->control->peer().regions, write, peer_name);
+  Status inside = check_announced_regions(descriptors, peer->control->peer().regions, write,
+                                          peer_name, peer->backend);
+  if (inside.ok()) inside = regions_.check_host_buffers(descriptors, write, peer->backend);
   if (!inside.ok()) {
     stats_.rejected_descriptors++;
     return inside;

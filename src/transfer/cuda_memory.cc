@@ -37,8 +37,9 @@ bool is_device_pointer(const void* data) {
 Status check_device_range(const void* data, uint64_t length) {
   ECX_RETURN_IF_ERROR(available());
   if (!is_device_pointer(data)) {
-    return InvalidArgument("register_memory: MemoryKind::kCuda, but the buffer is not CUDA "
-                           "device memory");
+    return InvalidArgument(
+        "register_memory: MemoryKind::kCuda, but the buffer is not CUDA "
+        "device memory");
   }
   const auto* last = static_cast<const char*>(data) + (length - 1);
   if (!is_device_pointer(last)) {
@@ -59,8 +60,21 @@ void device_free(void* data) {
   if (data != nullptr) cudaFree(data);
 }
 
+Result<std::string> describe_device() {
+  ECX_RETURN_IF_ERROR(available());
+  int device = 0;
+  cudaDeviceProp prop{};
+  cudaError_t e = cudaGetDevice(&device);
+  if (e == cudaSuccess) e = cudaGetDeviceProperties(&prop, device);
+  if (e != cudaSuccess) return cuda_error(e, "cudaGetDeviceProperties");
+  return std::string(prop.name) + ", compute capability " + std::to_string(prop.major) + "." +
+         std::to_string(prop.minor) + ", " + std::to_string(prop.totalGlobalMem >> 30) + " GiB";
+}
+
 Status copy(void* dst, const void* src, uint64_t length) {
   cudaError_t e = cudaMemcpy(dst, src, length, cudaMemcpyDefault);
+  // A device-to-device cudaMemcpy may return before the copy ends.
+  if (e == cudaSuccess) e = cudaStreamSynchronize(nullptr);
   if (e != cudaSuccess) return cuda_error(e, "cudaMemcpy of " + std::to_string(length) + " bytes");
   return Status::Ok();
 }
@@ -86,6 +100,7 @@ bool built_with_cuda() { return false; }
 Status available() { return no_cuda(); }
 bool is_device_pointer(const void*) { return false; }
 Status check_device_range(const void*, uint64_t) { return no_cuda(); }
+Result<std::string> describe_device() { return no_cuda(); }
 Result<void*> device_alloc(uint64_t) { return no_cuda(); }
 void device_free(void*) {}
 Status copy(void*, const void*, uint64_t) { return no_cuda(); }

@@ -20,8 +20,13 @@ bool is_device_pointer(const void* data);
 // Ok when [data, data + length) lies inside one device allocation.
 Status check_device_range(const void* data, uint64_t length);
 
+// The current device, in words ("NVIDIA H200, compute capability 9.0, 139 GiB"), or why
+// there is none.
+Result<std::string> describe_device();
+
 // Device memory for tests, benchmarks and pools: allocate, free, and copy (any
-// direction; both pointers may be host or device).
+// direction; both pointers may be host or device). `copy` and `fill` return once the
+// bytes are in place (device-to-device copies are waited for too).
 Result<void*> device_alloc(uint64_t length);
 void device_free(void* data);
 Status copy(void* dst, const void* src, uint64_t length);

@@ -91,7 +91,7 @@ std::string describe_access(bool write, uint64_t length, uint64_t offset, uint32
 
 Status check_announced_regions(std::span<const TransferDescriptor> descriptors,
                                const std::vector<RegionInfo>& regions, bool write,
-                               const std::string& peer) {
+                               const std::string& peer, Backend backend) {
   for (size_t i = 0; i < descriptors.size(); ++i) {
     const auto& d = descriptors[i];
     for (const auto& r : regions) {
@@ -107,6 +107,11 @@ Status check_announced_regions(std::span<const TransferDescriptor> descriptors,
         return Status(StatusCode::kFailedPrecondition,
                       what() + ": region is not remotely writable");
       }
+      if (r.kind == MemoryKind::kCuda && backend != Backend::kUcx) {
+        return Status(StatusCode::kFailedPrecondition,
+                      what() + ": region is CUDA memory, reached only over ucx (connected over " +
+                          std::string(backend_name(backend)) + ")");
+      }
     }
   }
   return Status::Ok();
@@ -115,6 +120,7 @@ Status check_announced_regions(std::span<const TransferDescriptor> descriptors,
 LocalRegion RegionTable::add(std::shared_ptr<RegionEntry> entry) {
   std::lock_guard lock(mu_);
   entry->id = next_id_++;
+  if (entry->kind == MemoryKind::kCuda) cuda_regions_++;
   LocalRegion out{entry->id, entry->data, entry->length};
   regions_.emplace(entry->id, std::move(entry));
   return out;
@@ -123,8 +129,34 @@ LocalRegion RegionTable::add(std::shared_ptr<RegionEntry> entry) {
 Status RegionTable::remove(uint32_t id) {
   std::lock_guard lock(mu_);
   std::erase_if(grants_, [id](const auto& g) { return g.second.region == id; });
-  if (regions_.erase(id) == 0) {
+  auto it = regions_.find(id);
+  if (it == regions_.end()) {
     return NotFound("region " + std::to_string(id) + " is not registered on agent " + agent_name_);
+  }
+  if (it->second->kind == MemoryKind::kCuda) cuda_regions_--;
+  regions_.erase(it);
+  return Status::Ok();
+}
+
+Status RegionTable::check_host_buffers(std::span<const TransferDescriptor> descriptors, bool write,
+                                       Backend backend) const {
+  if (backend == Backend::kUcx) return Status::Ok();
+  std::lock_guard lock(mu_);
+  if (cuda_regions_ == 0) return Status::Ok();
+  for (size_t i = 0; i < descriptors.size(); ++i) {
+    const auto* begin = static_cast<const std::byte*>(descriptors[i].local);
+    const uint64_t length = descriptors[i].length;
+    for (const auto& [id, entry] : regions_) {
+      if (entry->kind != MemoryKind::kCuda) continue;
+      const std::byte* end = entry->data + entry->length;
+      if (begin < end && entry->data < begin + length) {
+        return Status(StatusCode::kFailedPrecondition,
+                      std::string(write ? "write" : "read") + ": descriptor " + std::to_string(i) +
+                          "'s local buffer is in CUDA region " + std::to_string(id) + " of agent " +
+                          agent_name_ + ", which " + std::string(backend_name(backend)) +
+                          " cannot reach (CUDA memory moves over ucx only)");
+      }
+    }
   }
   return Status::Ok();
 }
@@ -154,6 +186,11 @@ Result<std::shared_ptr<RegionEntry>> RegionTable::check_access(uint32_t id, uint
     auto it = regions_.find(id);
     if (it == regions_.end()) return NotFound(what + ": no such region");
     entry = it->second;
+    // Served here means copied by the CPU (tcp, shm's write stream): never device memory.
+    if (entry->kind == MemoryKind::kCuda) {
+      return Status(StatusCode::kFailedPrecondition,
+                    what + ": region is CUDA memory, reached only over ucx");
+    }
     if (entry->access.require_grant) {
       ECX_RETURN_IF_ERROR(check_grant_locked(id, offset, length, write, peer, capability, what));
     }

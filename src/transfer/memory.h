@@ -56,12 +56,12 @@ std::string describe_access(bool write, uint64_t length, uint64_t offset, uint32
                             const std::string& agent);
 
 // Checks a batch against the regions agent `peer` announced, before any byte moves: a
-// descriptor naming an announced region lies inside it, and for a write that region is
-// remotely writable. (The peer re-checks each request, and alone checks regions it
-// added after announcing these.)
+// descriptor naming an announced region lies inside it, for a write that region is
+// remotely writable, and CUDA regions are reached over ucx only (`backend`). (The peer
+// re-checks each request, and alone checks regions it added after announcing these.)
 Status check_announced_regions(std::span<const TransferDescriptor> descriptors,
                                const std::vector<RegionInfo>& regions, bool write,
-                               const std::string& peer);
+                               const std::string& peer, Backend backend);
 
 class RegionTable {
  public:
@@ -75,10 +75,15 @@ class RegionTable {
   // Validates a peer's request against the region: exists, access allowed, and
   // [offset, offset + length) inside it (overflow-safe); for a region that requires
   // grants, `capability` must be a grant of that region covering the range, for `peer`
-  // (or any peer). Returns the region, held.
+  // (or any peer); a CUDA region is refused (the caller copies with the CPU). Returns
+  // the region, held.
   Result<std::shared_ptr<RegionEntry>> check_access(uint32_t id, uint64_t offset, uint64_t length,
                                                     bool write, const std::string& peer = {},
                                                     const Capability& capability = {}) const;
+  // Over shm and tcp the CPU copies the bytes: no local buffer of a batch may lie in a
+  // CUDA region of this agent (kFailedPrecondition naming the descriptor and region).
+  Status check_host_buffers(std::span<const TransferDescriptor> descriptors, bool write,
+                            Backend backend) const;
   // Whether `peer` may have the region's memfd: the region needs no grant, or
   // `capability` is a grant of `peer` (or of any peer) in it.
   Status check_region_grant(uint32_t id, const std::string& peer,
@@ -105,6 +110,7 @@ class RegionTable {
   mutable std::mutex mu_;
   uint32_t next_id_ = 1;                                      // guarded by mu_
   std::map<uint32_t, std::shared_ptr<RegionEntry>> regions_;  // guarded by mu_
+  size_t cuda_regions_ = 0;                                   // guarded by mu_
   std::map<Capability, Grant> grants_;                        // guarded by mu_
 };
 

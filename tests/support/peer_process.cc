@@ -1,8 +1,15 @@
 #include "support/peer_process.h"
 
+#include <cstdlib>
+
 #include "ecx/common/checksum.h"
 
 namespace ecx::testing {
+
+std::string ecx_binary() {
+  const char* moved = std::getenv("ECX_TEST_BINARY");
+  return moved != nullptr && *moved != '\0' ? moved : ECX_BINARY;
+}
 
 bench::TransferPeerOptions peer_options() {
   return {.name = "peer", .region_bytes = 64ull << 20, .seed = 99};
@@ -16,7 +23,7 @@ bench::TransferPeerOptions peer_options(const BackendCase& backend) {
 
 Result<PeerProcess> PeerProcess::start(const bench::TransferPeerOptions& o) {
   ECX_ASSIGN_OR_RETURN(Subprocess child,
-                       Subprocess::spawn(bench::transfer_peer_command(ECX_BINARY, o)));
+                       Subprocess::spawn(bench::transfer_peer_command(ecx_binary(), o)));
   PeerProcess peer(std::move(child));
   ECX_ASSIGN_OR_RETURN(std::string line, peer.process_.read_line(Deadline::after_ms(30000)));
   auto ready = nlohmann::json::parse(line, nullptr, false);

@@ -15,6 +15,10 @@
 
 namespace ecx::testing {
 
+// The ecx binary that peers run: $ECX_TEST_BINARY when set (test binaries moved to
+// another machine, scripts/gpu-check), else the one built beside the tests.
+std::string ecx_binary();
+
 // A test's peer: the bench producer, named "peer", with a 64 MiB source region.
 bench::TransferPeerOptions peer_options();
 // The same, with `backend`'s ucx settings (the peer enables ucx for ucx cases).

@@ -12,6 +12,7 @@
 #include "ecx/engine/model.h"
 #include "ecx/serve/services.h"
 #include "epd_bench.h"
+#include "gpu_bench.h"
 #include "serve_bench.h"
 
 namespace {
@@ -253,6 +254,7 @@ int main(int argc, char** argv) {
   CLI::App* bench = app.add_subcommand("bench", "Benchmarks");
   bench->require_subcommand(1);
   ecx::bench::add_transfer_commands(*bench, &exit_code);
+  ecx::bench::add_gpu_transfer_command(*bench, &exit_code);
   ecx::bench::add_serve_command(*bench, &exit_code);
   ecx::bench::add_epd_command(*bench, &exit_code);
   ecx::bench::add_eval_command(app, &exit_code);

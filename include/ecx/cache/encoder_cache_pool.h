@@ -31,9 +31,16 @@ struct PoolConfig {
   // Peers reach blocks only through grants (pin_for_peer; RegionAccess::require_grant):
   // a peer cannot read, or map, what it was not handed.
   bool require_grant = false;
+  // Where the arena lives. kCuda: CUDA device memory of this process's current device,
+  // registered as MemoryKind::kCuda, so peers reach it over ucx only (the agent needs
+  // ucx.enable with a UCX that has CUDA support, e.g. library "wheel"). The pool writes
+  // block headers and computes payload checksums through host copies (docs/GPU.md).
+  transfer::MemoryKind memory = transfer::MemoryKind::kHost;
 };
 
-// Where an entry's block lives. `block` points into this process's arena.
+// Where an entry's block lives. `block` points into this process's arena: in a pool in
+// CUDA memory (PoolConfig::memory) it is a device address, for CUDA copies and kernels,
+// never for the CPU.
 struct BlockRef {
   MmHash mm_hash;
   TensorMeta meta;
@@ -104,7 +111,7 @@ class EncoderCachePool {
                          std::optional<uint64_t> payload_checksum = std::nullopt);
   // Drops an entry that is still being written (a failed load).
   void abort(const MmHash& mm_hash, uint64_t generation);
-  // reserve + copy + commit.
+  // reserve + copy + commit (`payload` is host memory, in either kind of pool).
   Result<BlockRef> put(const MmHash& mm_hash, const TensorMeta& meta,
                        std::span<const std::byte> payload);
 

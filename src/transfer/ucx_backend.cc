@@ -100,6 +100,8 @@ void UcxBatch::complete() {
 
 namespace {
 constexpr size_t kUcxKeyPadding = 4096;
+// While batches are in flight the progress thread wakes at least this often.
+constexpr int kBusyWakeMs = 20;
 }  // namespace
 
 Result<UcxRemoteKey> parse_ucx_key(std::string_view hex, uint64_t length, bool writable) {
@@ -246,6 +248,10 @@ void UcxWorker::progress_loop() {
     while (api_.worker_progress(worker_) != 0) {
     }
     int timeout_ms = run_due();
+    if (batches_.load(std::memory_order_relaxed) > 0 &&
+        (timeout_ms < 0 || timeout_ms > kBusyWakeMs)) {
+      timeout_ms = kBusyWakeMs;
+    }
     ucs_status_t s = api_.worker_arm(worker_);
     if (s == UCS_ERR_BUSY) continue;  // more events arrived: progress again
     if (s != UCS_OK) {

@@ -225,6 +225,11 @@ Status UcxDataPath::post(const std::shared_ptr<UcxBatch>& batch,
     inflight_.push_back(batch);
   }
 
+  worker_->batch_started();
+  std::weak_ptr<UcxWorker> weak_worker = worker_;  // a callback never owns the worker
+  batch->state()->on_complete([weak_worker](const Status&) {
+    if (auto worker = weak_worker.lock()) worker->batch_finished();
+  });
   const UcpApi& api = worker_->api();
   for (size_t i = 0; i < descriptors.size(); ++i) {
     const auto& d = descriptors[i];

@@ -75,6 +75,10 @@ class UcxWorker : public std::enable_shared_from_this<UcxWorker> {
   // requests (closing an endpoint) go here: their callbacks then never run on a thread
   // that holds a lock of ours.
   void defer(std::function<void()> task);
+  // Batches in flight. While there are some, the progress thread also wakes on a short
+  // timer (a safety net should UCX owe progress without signalling its event fd).
+  void batch_started() { batches_.fetch_add(1, std::memory_order_relaxed); }
+  void batch_finished() { batches_.fetch_sub(1, std::memory_order_relaxed); }
   // Endpoints being closed; stop_progress waits (bounded) for them.
   void close_started() { closing_.fetch_add(1); }
   void close_finished() { closing_.fetch_sub(1); }
@@ -102,6 +106,7 @@ class UcxWorker : public std::enable_shared_from_this<UcxWorker> {
   std::atomic<bool> stopping_{false};
   std::thread progress_;
   std::atomic<int> closing_{0};
+  std::atomic<int> batches_{0};
   std::mutex watch_mu_;
   std::multimap<std::chrono::steady_clock::time_point, Watch> watches_;  // guarded by watch_mu_
   std::vector<std::function<void()>> deferred_;                        // guarded by watch_mu_

@@ -22,6 +22,7 @@
 #include "ecx/transfer/agent.h"
 #include "transfer/socket.h"
 #include "transfer_peer.h"
+#include "transfer_results.h"
 
 namespace ecx::bench {
 namespace {
@@ -58,19 +59,11 @@ struct TransferBenchOptions {
   int streams = 2;
   ConnectorBenchOptions connectors;
   std::string item_size = "1600KiB";
-};
-
-struct Row {
-  std::string backend, mode;
-  uint64_t size = 0;
-  int batch = 0, iters = 0;
-  double gbps = 0, p50_us = 0, p99_us = 0, control_rtts_per_item = 0;
-};
-
-struct Baseline {
-  std::string name;
-  uint64_t size = 0;
-  double gbps = 0, p50_us = 0;
+  // ucx rows: one set per UCX_TLS ("default": UCX's choice), each against ucx_perftest.
+  std::vector<std::string> ucx_tls = {"tcp", "posix,cma"};
+  std::string ucx_library = "system";
+  std::string ucx_error_mode = "auto";
+  std::string ucx_perftest = "ucx_perftest";
 };
 
 std::vector<std::string> split(const std::string& text) {
@@ -116,26 +109,6 @@ EarlyExit failure(std::string line) { return {1, std::move(line)}; }
 
 constexpr uint64_t kPeerSeed = 20261130;
 
-json results_json(const std::vector<Row>& rows, const std::vector<Baseline>& baselines) {
-  json out = {{"results", json::array()}, {"baselines", json::array()}};
-  for (const auto& r : rows) {
-    out["results"].push_back({{"backend", r.backend},
-                              {"mode", r.mode},
-                              {"size_bytes", r.size},
-                              {"batch", r.batch},
-                              {"iters", r.iters},
-                              {"gbps", r.gbps},
-                              {"p50_us", r.p50_us},
-                              {"p99_us", r.p99_us},
-                              {"control_rtts_per_item", r.control_rtts_per_item}});
-  }
-  for (const auto& b : baselines) {
-    out["baselines"].push_back(
-        {{"name", b.name}, {"size_bytes", b.size}, {"gbps", b.gbps}, {"p50_us", b.p50_us}});
-  }
-  return out;
-}
-
 // Runs as: parse flags -> start the agent and the producer -> baselines, cases, baselines
 // again -> connector rows -> JSON -> stop the producer.
 class TransferBench {
@@ -149,8 +122,10 @@ class TransferBench {
   std::optional<EarlyExit> start();
   Status start_agent();
   Status start_peer();
+  Status restart_with_ucx(const std::string& tls);
   std::optional<EarlyExit> measure_transfers();
   std::optional<EarlyExit> measure_backend(Backend backend);
+  std::optional<EarlyExit> measure_ucx(const std::string& tls);
   std::optional<EarlyExit> measure_connectors();
   std::optional<EarlyExit> write_json() const;
   void stop_peer();
@@ -167,7 +142,6 @@ class TransferBench {
   Result<Baseline> measure_baseline(const std::string& name, uint64_t size) {
     return name == "memcpy" ? memcpy_baseline(size) : socket_baseline(size);
   }
-  void print(const std::vector<Row>& rows, const std::vector<Baseline>& baselines) const;
 
   TransferBenchOptions options_;
   std::vector<uint64_t> sizes_;
@@ -185,7 +159,10 @@ class TransferBench {
   std::vector<std::byte> reference_;  // the producer's source pattern, for verification
   std::vector<Row> rows_;
   std::vector<Baseline> baselines_;
+  std::vector<Baseline> perftest_;  // ucx_perftest, per UCX_TLS and size
   std::vector<ConnectorRow> connector_rows_;
+  // The UCX_TLS of the agents' ucx backend while ucx rows are measured; unset: ucx off.
+  std::optional<std::string> ucx_tls_;
 };
 
 int TransferBench::run() {
@@ -231,10 +208,15 @@ std::optional<EarlyExit> TransferBench::parse_lists() {
   for (const auto& b : split(options_.backends == "none" ? "" : options_.backends)) {
     auto parsed = transfer::parse_backend(b);
     if (!parsed.ok() || *parsed == Backend::kAuto) {
-      return usage_error("--backends: '" + b + "' (expected shm or tcp; ucx is not built)");
+      return usage_error("--backends: '" + b + "' (expected shm, tcp or ucx)");
     }
     backends_.push_back(*parsed);
   }
+  const std::string& mode = options_.ucx_error_mode;
+  if (mode != "auto" && mode != "peer" && mode != "none") {
+    return usage_error("--ucx-error-mode: '" + mode + "' (expected auto, peer or none)");
+  }
+  if (options_.ucx_tls.empty()) return usage_error("--ucx-tls: no transports");
   modes_ = split(options_.modes);
   for (const auto& m : modes_) {
     if (m != "pull" && m != "push" && m != "pull-2step") {
@@ -257,9 +239,16 @@ std::optional<EarlyExit> TransferBench::start() {
 }
 
 Status TransferBench::start_agent() {
-  ECX_ASSIGN_OR_RETURN(agent_, Agent::create({.name = "bench-consumer",
-                                              .tcp_slice_bytes = options_.slice_bytes,
-                                              .tcp_streams = options_.streams}));
+  transfer::AgentConfig config{.name = "bench-consumer",
+                               .tcp_slice_bytes = options_.slice_bytes,
+                               .tcp_streams = options_.streams};
+  if (ucx_tls_) {
+    config.ucx = {.enable = true,
+                  .library = options_.ucx_library,
+                  .tls = *ucx_tls_ == "default" ? std::string() : *ucx_tls_,
+                  .error_mode = options_.ucx_error_mode};
+  }
+  ECX_ASSIGN_OR_RETURN(agent_, Agent::create(config));
   ECX_ASSIGN_OR_RETURN(
       dest_, agent_->allocate(region_bytes_, {.remote_read = true, .remote_write = true}));
   return Status::Ok();
@@ -270,6 +259,11 @@ Status TransferBench::start_peer() {
                            .seed = kPeerSeed,
                            .tcp_slice_bytes = options_.slice_bytes,
                            .tcp_streams = options_.streams};
+  if (ucx_tls_) {
+    peer.ucx = *ucx_tls_;
+    peer.ucx_error_mode = options_.ucx_error_mode;
+    peer.ucx_library = options_.ucx_library;
+  }
   ECX_ASSIGN_OR_RETURN(auto child,
                        Subprocess::spawn(transfer_peer_command(current_executable(), peer)));
   peer_process_.emplace(std::move(child));
@@ -295,12 +289,19 @@ std::optional<EarlyExit> TransferBench::measure_transfers() {
   auto before = measure_baselines();
   if (!before.ok()) return failure("baseline failed: " + before.status().to_string());
   for (Backend backend : backends_) {
-    if (auto stop = measure_backend(backend)) return stop;
+    if (backend != Backend::kUcx) {
+      if (auto stop = measure_backend(backend)) return stop;
+      continue;
+    }
+    for (const auto& tls : options_.ucx_tls) {
+      if (auto stop = measure_ucx(tls)) return stop;
+    }
   }
   auto baselines = average_with_second_run(*before);
   if (!baselines.ok()) return failure("baseline failed: " + baselines.status().to_string());
   baselines_ = *baselines;
-  if (!rows_.empty()) print(rows_, baselines_);
+  baselines_.insert(baselines_.end(), perftest_.begin(), perftest_.end());
+  if (!rows_.empty()) print_results(rows_, baselines_);
   return std::nullopt;
 }
 
@@ -327,6 +328,30 @@ std::optional<EarlyExit> TransferBench::measure_backend(Backend backend) {
   return std::nullopt;
 }
 
+// Both agents restarted with ucx over `tls`; ucx_perftest with the same transports
+// before and after the rows, averaged (as the other baselines are).
+std::optional<EarlyExit> TransferBench::measure_ucx(const std::string& tls) {
+  std::string mode = ucx_resolved_mode(options_.ucx_error_mode, tls);
+  if (Status st = restart_with_ucx(tls); !st.ok()) {
+    return failure("ucx with UCX_TLS '" + tls + "': " + st.to_string());
+  }
+  std::printf("%s: UCX_TLS=%s, error mode %s, producer pid %d\n", ucx_label(tls).c_str(),
+              tls.c_str(), mode.c_str(), peer_process_->pid());
+  auto perftest = [&] {
+    return measure_ucx_perftest(options_.ucx_perftest, tls, mode, sizes_, options_.iters);
+  };
+  std::vector<Baseline> before = perftest();
+  size_t first = rows_.size();
+  if (auto stop = measure_backend(Backend::kUcx)) return stop;
+  for (size_t i = first; i < rows_.size(); ++i) {
+    rows_[i].ucx_tls = tls;
+    rows_[i].ucx_error_mode = mode;
+  }
+  auto averaged = average_baselines(before, perftest());
+  perftest_.insert(perftest_.end(), averaged.begin(), averaged.end());
+  return std::nullopt;
+}
+
 std::optional<EarlyExit> TransferBench::measure_connectors() {
   if (options_.connectors.connectors.empty()) return std::nullopt;
   auto item = parse_bytes(options_.item_size);
@@ -350,6 +375,17 @@ std::optional<EarlyExit> TransferBench::write_json() const {
   if (!f) return failure("cannot write " + options_.json_path);
   std::printf("\nwrote %s\n", options_.json_path.c_str());
   return std::nullopt;
+}
+
+// Stops the producer and the agent, and starts both again with ucx over `tls`.
+Status TransferBench::restart_with_ucx(const std::string& tls) {
+  stop_peer();
+  peer_process_.reset();
+  dest_ = {};
+  agent_.reset();
+  ucx_tls_ = tls;
+  ECX_RETURN_IF_ERROR(start_agent());
+  return start_peer();
 }
 
 void TransferBench::stop_peer() {
@@ -433,6 +469,7 @@ Result<Row> TransferBench::run_case(Backend backend, const std::string& mode, ui
   if (!samples.ok())
     return samples.status().with_context(row.backend + " " + mode + " " + format_bytes(size));
   ECX_RETURN_IF_ERROR(verify(mode, size, batch));
+  row.verified_bytes = size * static_cast<uint64_t>(batch);
   LatencySummary s = summarize(*samples);
   row.p50_us = s.p50_us;
   row.p99_us = s.p99_us;
@@ -498,37 +535,24 @@ Result<Baseline> TransferBench::socket_baseline(uint64_t size) {
   return Baseline{"tcp-socket", size, gbps(size * options_.iters, s.total_seconds), s.p50_us};
 }
 
-void TransferBench::print(const std::vector<Row>& rows,
-                          const std::vector<Baseline>& baselines) const {
-  auto baseline_gbps = [&](const std::string& name, uint64_t size) {
-    for (const auto& b : baselines) {
-      if (b.name == name && b.size == size) return b.gbps;
-    }
-    return 0.0;
-  };
-  std::printf("\n%-8s %-11s %9s %5s %9s %10s %10s %6s  %s\n", "backend", "mode", "size", "batch",
-              "GB/s", "p50(us)", "p99(us)", "ctrl", "vs baseline");
-  for (const auto& r : rows) {
-    std::string base = r.backend == "shm" ? "memcpy" : "tcp-socket";
-    double b = baseline_gbps(base, r.size);
-    std::printf("%-8s %-11s %9s %5d %9.2f %10.1f %10.1f %6.1f  %.2fx %s\n", r.backend.c_str(),
-                r.mode.c_str(), format_bytes(r.size).c_str(), r.batch, r.gbps, r.p50_us, r.p99_us,
-                r.control_rtts_per_item, b > 0 ? r.gbps / b : 0.0, base.c_str());
-  }
-  std::printf("\nbaselines (same run, same process layout):\n");
-  for (const auto& b : baselines) {
-    std::printf("  %-11s %9s %9.2f GB/s  p50 %.1f us\n", b.name.c_str(),
-                format_bytes(b.size).c_str(), b.gbps, b.p50_us);
-  }
-}
-
 }  // namespace
 
 void add_transfer_commands(CLI::App& bench, int* exit_code) {
   auto options = std::make_shared<TransferBenchOptions>();
   CLI::App* t =
       bench.add_subcommand("transfer", "Transfer engine benchmark (nixlbench-like), two processes");
-  t->add_option("--backends", options->backends, "Backends to measure: shm,tcp")
+  t->add_option("--backends", options->backends, "Backends to measure: shm,tcp,ucx")
+      ->capture_default_str();
+  t->add_option("--ucx-tls", options->ucx_tls,
+                "ucx rows: one set per UCX_TLS value, e.g. --ucx-tls tcp posix,cma ('default': "
+                "UCX's choice); each against ucx_perftest with the same transports")
+      ->capture_default_str();
+  t->add_option("--ucx-library", options->ucx_library, "ucx: system, wheel or a libucp.so path")
+      ->capture_default_str();
+  t->add_option("--ucx-error-mode", options->ucx_error_mode,
+                "ucx: auto (peer over tcp, none over shared memory), peer or none")
+      ->capture_default_str();
+  t->add_option("--ucx-perftest", options->ucx_perftest, "ucx_perftest binary (baseline)")
       ->capture_default_str();
   t->add_option("--modes", options->modes, "Modes: pull,push,pull-2step")->capture_default_str();
   t->add_option("--sizes", options->sizes, "Item sizes")->capture_default_str();

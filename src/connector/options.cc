@@ -97,8 +97,8 @@ Status read_specific(const JsonReader& r, ConnectorOptions& o) {
   ECX_ASSIGN_OR_RETURN(o.mode, parse_p2p_mode(mode));
   ECX_ASSIGN_OR_RETURN(std::string backend, r.string("backend", Presence::kOptional, 64, "auto"));
   ECX_ASSIGN_OR_RETURN(o.backend, transfer::parse_backend(backend));
-  ECX_ASSIGN_OR_RETURN(o.ucx.enable, r.boolean("ucx", Presence::kOptional,
-                                               o.backend == transfer::Backend::kUcx));
+  ECX_ASSIGN_OR_RETURN(o.ucx.enable,
+                       r.boolean("ucx", Presence::kOptional, o.backend == transfer::Backend::kUcx));
   ECX_ASSIGN_OR_RETURN(o.ucx.tls, r.string("ucx_tls", Presence::kOptional, 256, o.ucx.tls));
   ECX_ASSIGN_OR_RETURN(o.ucx.library,
                        r.string("ucx_library", Presence::kOptional, 4096, o.ucx.library));

@@ -301,13 +301,13 @@ Result<std::shared_ptr<Peer>> AgentImpl::open_peer(const AgentMetadata& meta, Ba
                          " is not enabled in agent " + config_.name);
     }
     if (!chosen->reaches(meta, same_host || backend == Backend::kShm)) {
-      return Unavailable("backend " + std::string(backend_name(backend)) +
-                         " cannot reach agent '" + meta.name + "' (no endpoint for it)");
+      return Unavailable("backend " + std::string(backend_name(backend)) + " cannot reach agent '" +
+                         meta.name + "' (no endpoint for it)");
     }
     return open_with(*chosen, meta, same_host, deadline);
   }
-  Status last = Unavailable("no backend of agent " + config_.name + " reaches agent '" +
-                            meta.name + "'");
+  Status last =
+      Unavailable("no backend of agent " + config_.name + " reaches agent '" + meta.name + "'");
   for (const auto& e : engines_) {
     if (!e->reaches(meta, same_host)) continue;
     auto peer = open_with(*e, meta, same_host, deadline);
@@ -339,9 +339,8 @@ Result<UniqueFd> AgentImpl::dial_control(const AgentMetadata& meta, bool over_un
 }
 
 // The control channel (unix or tcp, as the engine needs), then the engine's data path.
-Result<std::shared_ptr<Peer>> AgentImpl::open_with(BackendEngine& engine,
-                                                   const AgentMetadata& meta, bool same_host,
-                                                   Deadline deadline) {
+Result<std::shared_ptr<Peer>> AgentImpl::open_with(BackendEngine& engine, const AgentMetadata& meta,
+                                                   bool same_host, Deadline deadline) {
   auto peer = std::make_shared<Peer>();
   peer->name = meta.name;
   peer->backend = engine.kind();

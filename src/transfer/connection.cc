@@ -292,9 +292,9 @@ Result<RegionGrant> ControlChannel::query_region(uint32_t region, const Capabili
   if (!capability.empty()) {
     payload.assign(reinterpret_cast<const char*>(capability.bytes.data()), capability.bytes.size());
   }
-  ECX_ASSIGN_OR_RETURN(Pending p, request(static_cast<uint16_t>(FrameType::kRegionQuery), region,
-                                          payload, deadline,
-                                          want_ucx_key ? kRegionQueryUcxKey : uint16_t{0}));
+  ECX_ASSIGN_OR_RETURN(
+      Pending p, request(static_cast<uint16_t>(FrameType::kRegionQuery), region, payload, deadline,
+                         want_ucx_key ? kRegionQueryUcxKey : uint16_t{0}));
   RegionGrant grant;
   grant.length = p.length;
   grant.remote_write = (p.flags & kRegionRemoteWrite) != 0;

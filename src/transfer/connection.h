@@ -83,8 +83,8 @@ class ControlChannel {
   Status notify(const std::string& message);
   // Asks for a region's length and access (and, over unix, its memfd; or with
   // `want_ucx_key`, its ucx key), presenting `capability` for regions that require a grant.
-  Result<RegionGrant> query_region(uint32_t region, const Capability& capability,
-                                   Deadline deadline, bool want_ucx_key = false);
+  Result<RegionGrant> query_region(uint32_t region, const Capability& capability, Deadline deadline,
+                                   bool want_ucx_key = false);
   // Shuts the socket down; pending requests fail with kUnavailable.
   void close();
 

@@ -41,8 +41,8 @@ class DataPath {
   // A zero-copy read-only view of the peer's bytes; only where the backend maps them.
   virtual Result<RemoteView> view(uint32_t /*region*/, uint64_t /*offset*/, uint64_t /*length*/,
                                   const Capability& /*capability*/, Deadline /*deadline*/) {
-    return Status(StatusCode::kFailedPrecondition,
-                  "a zero-copy view needs the shm backend, not " + std::string(backend_name(kind())));
+    return Status(StatusCode::kFailedPrecondition, "a zero-copy view needs the shm backend, not " +
+                                                       std::string(backend_name(kind())));
   }
   // The backend this path belongs to.
   virtual Backend kind() const = 0;

@@ -30,8 +30,10 @@ Status check_hex(const std::string& text, const char* what) {
 
 constexpr EnumName<MemoryKind> kMemoryKinds[] = {{MemoryKind::kHost, "host"},
                                                  {MemoryKind::kCuda, "cuda"}};
-constexpr EnumName<Backend> kBackends[] = {
-    {Backend::kAuto, "auto"}, {Backend::kShm, "shm"}, {Backend::kTcp, "tcp"}, {Backend::kUcx, "ucx"}};
+constexpr EnumName<Backend> kBackends[] = {{Backend::kAuto, "auto"},
+                                           {Backend::kShm, "shm"},
+                                           {Backend::kTcp, "tcp"},
+                                           {Backend::kUcx, "ucx"}};
 
 Result<MemoryKind> parse_kind(const std::string& kind) {
   return parse_name<MemoryKind>(kMemoryKinds, kind, "agent metadata region kind");

@@ -14,8 +14,8 @@
 #include "ecx/transfer/agent.h"
 #include "transfer/memory.h"
 #include "transfer/socket.h"
-#include "transfer/test_hooks.h"
 #include "transfer/stats_counters.h"
+#include "transfer/test_hooks.h"
 #include "transfer/wire.h"
 
 namespace ecx::transfer {
@@ -85,9 +85,9 @@ class Server {
   std::thread tcp_acceptor_;
 
   std::mutex mu_;
-  std::condition_variable stop_cv_;    // wakes fault-injection stalls on stop
-  bool stopping_ = false;              // guarded by mu_
-  std::list<Connection> connections_;  // guarded by mu_
+  std::condition_variable stop_cv_;                  // wakes fault-injection stalls on stop
+  bool stopping_ = false;                            // guarded by mu_
+  std::list<Connection> connections_;                // guarded by mu_
   std::atomic<uint64_t> stall_read_after_bytes_{0};  // TestFaults
 };
 

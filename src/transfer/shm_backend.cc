@@ -15,8 +15,8 @@ ShmDataPath::Mapping::~Mapping() {
 }
 
 Result<std::shared_ptr<ShmDataPath::Mapping>> ShmDataPath::mapping(uint32_t region,
-                                                           const Capability& capability,
-                                                           Deadline deadline) {
+                                                                   const Capability& capability,
+                                                                   Deadline deadline) {
   {
     std::lock_guard lock(mu_);
     auto it = mappings_.find(region);
@@ -99,7 +99,7 @@ std::shared_ptr<TransferState> ShmDataPath::submit(std::span<const TransferDescr
 }
 
 Result<RemoteView> ShmDataPath::view(uint32_t region, uint64_t offset, uint64_t length,
-                                 const Capability& capability, Deadline deadline) {
+                                     const Capability& capability, Deadline deadline) {
   TransferDescriptor d{nullptr, region, offset, length, capability};
   ECX_ASSIGN_OR_RETURN(auto maps, resolve({&d, 1}, deadline));
   RemoteView v;
@@ -122,8 +122,8 @@ class ShmEngine final : public BackendEngine {
   Result<std::shared_ptr<DataPath>> open(PeerLink link, Deadline) override {
     std::string endpoint = link.peer.shm_endpoint;
     auto writes = std::make_shared<TcpDataPool>(
-        config_, link.self, link.peer,
-        [endpoint](Deadline d) { return connect_unix(endpoint, d); }, "unix @" + endpoint, 1);
+        config_, link.self, link.peer, [endpoint](Deadline d) { return connect_unix(endpoint, d); },
+        "unix @" + endpoint, 1);
     return std::shared_ptr<DataPath>(
         std::make_shared<ShmDataPath>(std::move(link.control), link.stats, std::move(writes)));
   }

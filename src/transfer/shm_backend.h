@@ -31,8 +31,8 @@ class ShmDataPath final : public DataPath {
 
   // READs are copied on the calling thread (validated in full before the first byte
   // moves); WRITEs go to the unix data stream.
-  std::shared_ptr<TransferState> submit(std::span<const TransferDescriptor> descriptors,
-                                        bool write, Deadline deadline, std::string description,
+  std::shared_ptr<TransferState> submit(std::span<const TransferDescriptor> descriptors, bool write,
+                                        Deadline deadline, std::string description,
                                         TransferFinalizer finalizer) override;
   Result<RemoteView> view(uint32_t region, uint64_t offset, uint64_t length,
                           const Capability& capability, Deadline deadline) override;

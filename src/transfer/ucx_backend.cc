@@ -3,8 +3,8 @@
 #include <sys/epoll.h>
 
 #include <algorithm>
-#include <optional>
 #include <cstring>
+#include <optional>
 #include <sstream>
 
 #include "ecx/common/bytes.h"
@@ -194,7 +194,8 @@ void UcxWorker::watch(Deadline deadline, std::weak_ptr<void> owner,
   bool earliest = false;
   {
     std::lock_guard lock(watch_mu_);
-    auto it = watches_.emplace(deadline.time_point(), Watch{std::move(owner), std::move(on_expire)});
+    auto it =
+        watches_.emplace(deadline.time_point(), Watch{std::move(owner), std::move(on_expire)});
     earliest = it == watches_.begin();
   }
   if (earliest) wake();  // the progress thread sleeps until the earliest deadline
@@ -310,8 +311,9 @@ Result<ucp_err_handling_mode_t> UcxEngine::error_mode(bool same_host) const {
 }
 
 Result<std::shared_ptr<DataPath>> UcxEngine::open(PeerLink link, Deadline) {
-  ECX_ASSIGN_OR_RETURN(std::string address,
-                       hex_decode(link.peer.ucx_address, "agent " + link.peer.name + "'s ucx address"));
+  ECX_ASSIGN_OR_RETURN(
+      std::string address,
+      hex_decode(link.peer.ucx_address, "agent " + link.peer.name + "'s ucx address"));
   if (address.empty()) return Unavailable("agent '" + link.peer.name + "' has no ucx endpoint");
   ECX_ASSIGN_OR_RETURN(ucp_err_handling_mode_t mode, error_mode(link.same_host));
   auto path = std::make_shared<UcxDataPath>(worker_, std::move(link), std::move(address), mode);
@@ -363,9 +365,10 @@ Result<std::unique_ptr<BackendEngine>> make_ucx_engine(const AgentConfig& config
   // Without peer error handling UCX cannot purge a request that waits on a network peer,
   // so a stalled peer could not be cancelled: `none` is for shared memory only.
   if (ucx.error_mode == "none" && !ucx.tls.empty() && !ucx_tls_is_shared_memory(ucx.tls)) {
-    return InvalidArgument("ucx error_mode 'none' needs shared-memory transports (posix, cma, "
-                           "...), not UCX_TLS '" + ucx.tls +
-                           "': a stalled network peer could not be cancelled; use 'peer'");
+    return InvalidArgument(
+        "ucx error_mode 'none' needs shared-memory transports (posix, cma, "
+        "...), not UCX_TLS '" +
+        ucx.tls + "': a stalled network peer could not be cancelled; use 'peer'");
   }
   ECX_ASSIGN_OR_RETURN(const UcpApi* api, load_ucp(ucx.library));
   auto worker = UcxWorker::create(*api, config.ucx, config.name);

@@ -105,8 +105,8 @@ void close_endpoint(std::shared_ptr<Endpoint> endpoint) {
 
 }  // namespace
 
-UcxDataPath::UcxDataPath(std::shared_ptr<UcxWorker> worker, PeerLink link,
-                         std::string peer_address, ucp_err_handling_mode_t mode)
+UcxDataPath::UcxDataPath(std::shared_ptr<UcxWorker> worker, PeerLink link, std::string peer_address,
+                         ucp_err_handling_mode_t mode)
     : worker_(std::move(worker)),
       control_(std::move(link.control)),
       stats_(link.stats),
@@ -289,9 +289,9 @@ Result<std::shared_ptr<const UcxRemoteKey>> UcxDataPath::key_for(const TransferD
   ECX_ASSIGN_OR_RETURN(RegionGrant grant,
                        control_->query_region(d.remote_region, d.capability, deadline, true));
   if (grant.ucx_key.empty()) {
-    return Status(StatusCode::kFailedPrecondition,
-                  "region " + std::to_string(d.remote_region) + " of agent " + peer_ +
-                      " is not registered with ucx");
+    return Status(StatusCode::kFailedPrecondition, "region " + std::to_string(d.remote_region) +
+                                                       " of agent " + peer_ +
+                                                       " is not registered with ucx");
   }
   ECX_ASSIGN_OR_RETURN(UcxRemoteKey key,
                        parse_ucx_key(grant.ucx_key, grant.length, grant.remote_write));
@@ -342,8 +342,9 @@ Result<ucp_rkey_h> UcxDataPath::rkey_for(Endpoint& ep, uint32_t region, const Uc
   ucs_status_t s = worker_->api().ep_rkey_unpack(ep.ep, key.packed.data(), &rkey);
   if (s != UCS_OK) {
     stats_->rejected_descriptors++;
-    return ucx_status(worker_->api(), s,
-                      "unpack the ucx key of region " + std::to_string(region) + " of agent " + peer_);
+    return ucx_status(
+        worker_->api(), s,
+        "unpack the ucx key of region " + std::to_string(region) + " of agent " + peer_);
   }
   std::lock_guard lock(ep.mu);
   auto [it, added] = ep.rkeys.emplace(region, rkey);

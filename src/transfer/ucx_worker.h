@@ -109,7 +109,7 @@ class UcxWorker : public std::enable_shared_from_this<UcxWorker> {
   std::atomic<int> batches_{0};
   std::mutex watch_mu_;
   std::multimap<std::chrono::steady_clock::time_point, Watch> watches_;  // guarded by watch_mu_
-  std::vector<std::function<void()>> deferred_;                        // guarded by watch_mu_
+  std::vector<std::function<void()>> deferred_;                          // guarded by watch_mu_
 };
 
 // A peer region's key as the peer packed it: where the region is, how long, and the
@@ -129,8 +129,8 @@ class UcxDataPath final : public DataPath, public std::enable_shared_from_this<U
               ucp_err_handling_mode_t mode);
   ~UcxDataPath() override;
 
-  std::shared_ptr<TransferState> submit(std::span<const TransferDescriptor> descriptors,
-                                        bool write, Deadline deadline, std::string description,
+  std::shared_ptr<TransferState> submit(std::span<const TransferDescriptor> descriptors, bool write,
+                                        Deadline deadline, std::string description,
                                         TransferFinalizer finalizer) override;
   void fail_all(const Status& reason) override;
   Backend kind() const override { return Backend::kUcx; }
@@ -164,10 +164,10 @@ class UcxDataPath final : public DataPath, public std::enable_shared_from_this<U
   const ucp_err_handling_mode_t mode_;
 
   std::mutex mu_;
-  std::shared_ptr<Endpoint> ep_;                                       // guarded by mu_
+  std::shared_ptr<Endpoint> ep_;                   // guarded by mu_
   std::vector<std::weak_ptr<UcxBatch>> inflight_;  // guarded by mu_ (error mode none only)
-  std::map<uint32_t, std::shared_ptr<const UcxRemoteKey>> keys_;      // guarded by mu_
-  Status failed_;                                                      // guarded by mu_
+  std::map<uint32_t, std::shared_ptr<const UcxRemoteKey>> keys_;  // guarded by mu_
+  Status failed_;                                                 // guarded by mu_
 };
 
 }  // namespace ecx::transfer

@@ -181,6 +181,10 @@ int run_demo(const DemoOptions& o, const std::string& exe) {
   DemoStack stack;
   std::printf("ecx demo: connector %s; starting encoder, pd and proxy on loopback...\n",
               o.connector.c_str());
+  std::printf(
+      "model: ecx-tiny-vl, a small reference vision-language model (ViT-style encoder, decoder "
+      "LM) with seeded weights: its text is deterministic noise; what matters is that every "
+      "connector gives the same text (ecx eval)\n");
   use_new_stack_secret();  // E and PD authenticate each other with a secret of this run
   Status s = stack.start(exe, o.connector);
   if (s.ok()) {

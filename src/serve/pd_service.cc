@@ -6,6 +6,7 @@
 
 #include <iostream>
 
+#include "ecx/common/checksum.h"
 #include "ecx/common/json_reader.h"
 #include "ecx/common/log.h"
 #include "serve/http_server.h"
@@ -112,9 +113,17 @@ std::optional<RequestError> PdService::prepare_prompt(Job& job) {
     return err;
   }
   if (auto err = load(job, load_request)) return err;
-  return attach_embeddings(
-      job.prompt, [&](const MmHash& h) { return connector_->loaded(job.id, h); },
-      model_.config.embed_dim);
+  auto loaded = [&](const MmHash& h) { return connector_->loaded(job.id, h); };
+  if (auto err = attach_embeddings(job.prompt, loaded, model_.config.embed_dim)) return err;
+  // What the model will read, per distinct image: `ecx eval` compares it across
+  // connectors.
+  json checksums = json::array();
+  for (const auto& image : images.distinct) {
+    auto ref = loaded(image.mm_hash);
+    checksums.push_back(ref.ok() ? checksum64(ref->payload(), ref->meta.byte_size()) : 0);
+  }
+  job.timings["embedding_checksums"] = std::move(checksums);
+  return std::nullopt;
 }
 
 std::optional<RequestError> PdService::load(Job& job, const connector::LoadRequest& load_request) {

@@ -13,9 +13,11 @@
 
 #include <httplib.h>
 
+#include "charts.h"
 #include "ecx/common/subprocess.h"
 #include "ecx/engine/image.h"
 #include "ecx/serve/services.h"
+#include "progress.h"
 #include "stack.h"
 
 namespace ecx::bench {
@@ -49,8 +51,14 @@ Result<json> run_connector(const EpdOptions& o, const std::string& connector,
                          "--num-prompts", std::to_string(o.num_prompts), "--output-len",
                          std::to_string(o.output_len), "--input-len", std::to_string(o.input_len),
                          "--request-rate", o.request_rate, "--json", out_path}));
-  while (bench.read_line(Deadline::after_ms(1800000)).ok()) {
+  // Its progress lines drive this run's bar (a terminal) or lines (a log).
+  Progress progress(connector, o.num_prompts);
+  while (true) {
+    auto line = bench.read_line(Deadline::after_ms(1800000));
+    if (!line.ok()) break;
+    if (auto counts = parse_progress_line(*line)) progress.set(counts->first);
   }
+  progress.finish();
   ECX_ASSIGN_OR_RETURN(int code, bench.wait(Deadline::after_ms(60000)));
   std::ifstream in(out_path);
   std::string text(std::istreambuf_iterator<char>(in), {});
@@ -60,6 +68,22 @@ Result<json> run_connector(const EpdOptions& o, const std::string& connector,
   if (code != 0) j["note"] = "some requests failed";
   j["connector"] = connector;
   return j;
+}
+
+// Median TTFT per connector with a p99 whisker, next to the JSON.
+void write_chart(const EpdOptions& o, const std::vector<json>& rows) {
+  BarChart chart{.title = "ecx bench epd (" + o.workload + ", " + std::to_string(o.num_prompts) +
+                          " prompts): TTFT per connector (bar median, whisker p99)",
+                 .y_label = "milliseconds"};
+  for (const auto& r : rows) {
+    if (r.contains("error")) continue;
+    chart.bars.push_back({r["connector"].get<std::string>(), r["median_ttft_ms"].get<double>(),
+                          r["p99_ttft_ms"].get<double>()});
+  }
+  if (chart.bars.empty()) return;
+  std::string png = chart_path_for(o.json_path);
+  Status s = write_bar_chart(chart, png);
+  std::printf("%s\n", s.ok() ? ("wrote " + png).c_str() : s.message().c_str());
 }
 
 int run_epd(const EpdOptions& o) {
@@ -121,6 +145,7 @@ int run_epd(const EpdOptions& o) {
     std::ofstream f(o.json_path);
     f << json{{"workload", o.workload}, {"num_prompts", o.num_prompts}, {"rows", rows}}.dump(2)
       << "\n";
+    write_chart(o, rows);
   }
   for (const auto& r : rows) {
     if (r.contains("error")) return 1;

@@ -22,6 +22,7 @@
 #include "ecx/transfer/agent.h"
 #include "transfer/socket.h"
 #include "transfer_peer.h"
+#include "charts.h"
 #include "transfer_results.h"
 
 namespace ecx::bench {
@@ -128,6 +129,7 @@ class TransferBench {
   std::optional<EarlyExit> measure_ucx(const std::string& tls);
   std::optional<EarlyExit> measure_connectors();
   std::optional<EarlyExit> write_json() const;
+  void write_chart() const;
   void stop_peer();
   Result<Row> run_case(Backend backend, const std::string& mode, uint64_t size, int batch);
   Result<std::vector<int64_t>> time_pull(const std::vector<TransferDescriptor>& descs);
@@ -374,7 +376,25 @@ std::optional<EarlyExit> TransferBench::write_json() const {
   f << out.dump(2) << "\n";
   if (!f) return failure("cannot write " + options_.json_path);
   std::printf("\nwrote %s\n", options_.json_path.c_str());
+  write_chart();
   return std::nullopt;
+}
+
+// p50 per case, with a p99 whisker, next to the JSON.
+void TransferBench::write_chart() const {
+  BarChart chart{.title = "ecx bench transfer: latency per request (bar p50, whisker p99)",
+                 .y_label = "microseconds (log scale)",
+                 .log_scale = true};
+  for (const auto& r : rows_) {
+    std::string name = r.ucx_tls.empty() ? r.backend : r.backend + "(" + r.ucx_tls + ")";
+    chart.bars.push_back({name + " " + r.mode + " " + std::to_string(r.batch) + "x" +
+                              format_bytes(r.size),
+                          r.p50_us, r.p99_us});
+  }
+  std::string png = chart_path_for(options_.json_path);
+  Status s = chart.bars.empty() ? Status::Ok() : write_bar_chart(chart, png);
+  if (s.ok() && !chart.bars.empty()) std::printf("wrote %s\n", png.c_str());
+  if (!s.ok()) std::printf("%s\n", s.message().c_str());
 }
 
 // Stops the producer and the agent, and starts both again with ucx over `tls`.

@@ -38,6 +38,13 @@ TEST(BenchTransferTest, UcxRowsOverTcpAndSharedMemoryAreVerifiedAgainstUcxPerfte
   json j = json::parse(in, nullptr, false);
   std::filesystem::remove(json_path);
   ASSERT_TRUE(j.is_object()) << output;
+  // The chart beside the JSON: a PNG (gnuplot is installed by scripts/deps).
+  auto png = std::filesystem::path(json_path).replace_extension(".png");
+  std::ifstream png_in(png, std::ios::binary);
+  char magic[8] = {};
+  png_in.read(magic, sizeof(magic));
+  EXPECT_EQ(std::string(magic + 1, 3), "PNG") << output;
+  std::filesystem::remove(png);
   for (const auto& [tls, mode, label] :
        {std::tuple{"tcp", "peer", "ucx-tcp"}, std::tuple{"posix,cma", "none", "ucx-shm"}}) {
     SCOPED_TRACE(tls);

@@ -1,5 +1,6 @@
 // `ecx demo`: proxy + 1 E + 1 PD on loopback, a few multimodal requests, their answers
 // and per-stage timings, then a short load run. Everything stops on exit or Ctrl-C.
+#include <httplib.h>
 #include <signal.h>
 #include <unistd.h>
 

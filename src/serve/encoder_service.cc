@@ -111,9 +111,9 @@ class EncoderService {
   // `config` must outlive the service.
   static Result<std::unique_ptr<EncoderService>> create(const EncoderServiceConfig& config);
 
-  void handle_encode(const httplib::Request& req, httplib::Response& res);
-  void handle_chat(const httplib::Request& req, httplib::Response& res);
-  void handle_release(const httplib::Request& req, httplib::Response& res);
+  void handle_encode(const HttpRequest& req, HttpResponse& res);
+  void handle_chat(const HttpRequest& req, HttpResponse& res);
+  void handle_release(const HttpRequest& req, HttpResponse& res);
   std::string render_metrics();
   // Lets consumers finish reading what this encoder handed out (bounded).
   void drain() { connector_->wait_for_readers(Deadline::after_ms(5000)).ignore_error(); }
@@ -205,7 +205,7 @@ std::optional<RequestError> EncoderService::encode(const engine::PreparedImage& 
   return std::nullopt;
 }
 
-void EncoderService::handle_encode(const httplib::Request& req, httplib::Response& res) {
+void EncoderService::handle_encode(const HttpRequest& req, HttpResponse& res) {
   auto t0 = Clock::now();
   auto data_url = read_encode_body(req.body);
   if (!data_url.ok()) {
@@ -252,7 +252,7 @@ void EncoderService::release_all(const std::vector<connector::EcTransferParams>&
 
 // Every image is prepared before any is encoded, so a bad image takes no pins; an encode
 // that fails part way releases the params issued before it.
-void EncoderService::handle_chat(const httplib::Request& req, httplib::Response& res) {
+void EncoderService::handle_chat(const HttpRequest& req, HttpResponse& res) {
   auto t0 = Clock::now();
   ChatRequest chat;
   if (auto err = read_chat_body(req.body, config_.common, &chat)) {
@@ -285,7 +285,7 @@ void EncoderService::handle_chat(const httplib::Request& req, httplib::Response&
                   "application/json");
 }
 
-void EncoderService::handle_release(const httplib::Request& req, httplib::Response& res) {
+void EncoderService::handle_release(const HttpRequest& req, HttpResponse& res) {
   auto params = read_release_body(req.body);
   if (!params.ok()) {
     return send_error(res, 400, "invalid_request_error", params.status().message());
@@ -318,18 +318,16 @@ int run_encoder_service(const EncoderServiceConfig& config) {
     return 1;
   }
   EncoderService& e = **encoder;
-  httplib::Server server;
-  server.Post("/v1/encode", [&e](const httplib::Request& req, httplib::Response& res) {
-    e.handle_encode(req, res);
-  });
-  server.Post("/v1/chat/completions", [&e](const httplib::Request& req, httplib::Response& res) {
-    e.handle_chat(req, res);
-  });
-  server.Post("/v1/ec/release", [&e](const httplib::Request& req, httplib::Response& res) {
-    e.handle_release(req, res);
-  });
+  // The vision encoder is CPU-bound: a few workers; the rest wait in the queue.
+  HttpServer server(config.common, "encoder", 4);
+  server.work("POST", "/v1/encode",
+              [&e](const HttpRequest& req, HttpResponse& res) { e.handle_encode(req, res); });
+  server.work("POST", "/v1/chat/completions",
+              [&e](const HttpRequest& req, HttpResponse& res) { e.handle_chat(req, res); });
+  server.work("POST", "/v1/ec/release",
+              [&e](const HttpRequest& req, HttpResponse& res) { e.handle_release(req, res); });
   add_common_routes(server, config.common, "encoder", [&e] { return e.render_metrics(); });
-  int rc = serve_until_signal(server, config.common, "encoder");
+  int rc = server.serve_until_signal();
   e.drain();  // graceful: consumers finish reading what we handed out
   return rc;
 }

@@ -1,23 +1,42 @@
 #include "serve/http_server.h"
 
 #include <signal.h>
-#include <sys/socket.h>
 
 #include <algorithm>
 #include <atomic>
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/post.hpp>
+#include <boost/asio/strand.hpp>
 #include <cstdio>
+#include <fstream>
 #include <iostream>
 #include <random>
+#include <sstream>
 #include <thread>
 
 #include "ecx/common/json_reader.h"
 #include "ecx/common/log.h"
+#include "serve/http_connection.h"
 
 namespace ecx::serve {
 
+namespace net = boost::asio;
+using tcp = net::ip::tcp;
 using nlohmann::json;
 
-void send_error(httplib::Response& res, int http_status, const std::string& type,
+std::string HttpRequest::header(std::string_view name) const {
+  for (const auto& [key, value] : headers) {
+    if (key.size() == name.size() &&
+        std::equal(key.begin(), key.end(), name.begin(),
+                   [](char a, char b) { return std::tolower(a) == std::tolower(b); })) {
+      return value;
+    }
+  }
+  return "";
+}
+
+void send_error(HttpResponse& res, int http_status, const std::string& type,
                 const std::string& message) {
   res.status = http_status;
   res.set_content(
@@ -25,7 +44,7 @@ void send_error(httplib::Response& res, int http_status, const std::string& type
       "application/json");
 }
 
-void send_error(httplib::Response& res, const RequestError& error) {
+void send_error(HttpResponse& res, const RequestError& error) {
   send_error(res, error.http_status, error.type, error.message);
 }
 
@@ -50,62 +69,87 @@ int http_status_for(const Status& s) {
   }
 }
 
-void send_status(httplib::Response& res, const Status& s) {
+void send_status(HttpResponse& res, const Status& s) {
   send_error(res, http_status_for(s), std::string(status_code_name(s.code())), s.message());
+}
+
+HttpServer::HttpServer(const CommonServiceConfig& config, std::string role, int role_workers)
+    : state_(std::make_unique<ServerState>(config, std::move(role),
+                                           config.workers > 0 ? config.workers : role_workers)) {
+  max_queued_ = config.max_queued;
+  host_ = config.host;
+  port_ = config.port;
+}
+
+HttpServer::~HttpServer() = default;
+
+void HttpServer::fast(const std::string& method, const std::string& path, HttpHandler handler) {
+  state_->routes[{method, path}] = HttpRoute{true, std::move(handler)};
+}
+
+void HttpServer::work(const std::string& method, const std::string& path, HttpHandler handler) {
+  state_->routes[{method, path}] = HttpRoute{false, std::move(handler)};
 }
 
 namespace {
 
-// Errors the library answers by itself (404, 413, ...) and exceptions out of a handler
-// get the same JSON error body as ours.
-void install_error_handlers(httplib::Server& server) {
-  server.set_error_handler([](const httplib::Request&, httplib::Response& res) {
-    if (res.body.empty()) {
-      std::string type = res.status == 404   ? "not_found"
-                         : res.status == 413 ? "request_too_large"
-                                             : "error";
-      send_error(res, res.status, type, "HTTP " + std::to_string(res.status));
-    }
-  });
-  server.set_exception_handler(
-      [](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
-        std::string what = "internal error";
-        try {
-          if (ep) std::rethrow_exception(ep);
-        } catch (const std::exception& e) {
-          what = e.what();
-        } catch (...) {
-        }
-        send_error(res, 500, "internal_error", what);
-      });
+// The threads of this process, from /proc/self/status; -1 when unreadable.
+int process_threads() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("Threads:", 0) == 0) return std::atoi(line.c_str() + 8);
+  }
+  return -1;
+}
+
+void metric_line(std::ostringstream& out, const char* name, const char* type, const char* help,
+                 double value) {
+  out << "# HELP " << name << " " << help << "\n# TYPE " << name << " " << type << "\n"
+      << name << " " << value << "\n";
 }
 
 }  // namespace
 
-void add_common_routes(httplib::Server& server, const CommonServiceConfig& config,
+std::string HttpServer::render_metrics() const {
+  std::ostringstream out;
+  const ServerState& s = *state_;
+  metric_line(out, "ecx_http_rejected_total", "counter",
+              "requests refused with 503 because the queue was full (--max-queued)",
+              static_cast<double>(s.rejected.load()));
+  metric_line(out, "ecx_http_queue_depth", "gauge", "requests waiting for a worker",
+              s.queue ? static_cast<double>(s.queue->waiting()) : 0);
+  metric_line(out, "ecx_http_requests_running", "gauge", "requests on a worker now",
+              s.queue ? static_cast<double>(s.queue->running()) : 0);
+  metric_line(out, "ecx_http_max_queued", "gauge", "the queue bound (--max-queued)",
+              static_cast<double>(max_queued_));
+  metric_line(out, "ecx_http_workers", "gauge", "worker threads (--workers)", s.workers);
+  metric_line(out, "ecx_http_io_threads", "gauge", "I/O threads (--io-threads)", s.io_threads);
+  metric_line(out, "ecx_http_open_connections", "gauge", "open client connections",
+              static_cast<double>(s.open_connections.load()));
+  metric_line(out, "ecx_process_threads", "gauge", "threads of this process", process_threads());
+  return out.str();
+}
+
+void add_common_routes(HttpServer& server, const CommonServiceConfig& config,
                        const std::string& role, const std::function<std::string()>& metrics,
                        std::function<HealthReport()> health) {
-  // Structured logs: key=value, one line per request.
+  // Structured logs: key=value, one line per request (written by the server).
   spdlog::set_pattern("ts=%Y-%m-%dT%H:%M:%S.%e level=%l service=" + role + " pid=%P %v");
-  server.set_logger([](const httplib::Request& req, const httplib::Response& res) {
-    spdlog::info("method={} path={} status={} bytes_in={} bytes_out={}", req.method, req.path,
-                 res.status, req.body.size(), res.body.size());
-  });
-  server.Get("/health", [role, health](const httplib::Request&, httplib::Response& res) {
+  server.fast("GET", "/health", [role, health](const HttpRequest&, HttpResponse& res) {
     HealthReport report{200, json{{"status", "ok"}, {"role", role}}};
     if (health) report = health();
     res.status = report.http_status;
     res.set_content(safe_dump(report.body), "application/json");
   });
-  server.Get("/v1/models", [model = config.model](const httplib::Request&, httplib::Response& res) {
+  server.fast("GET", "/v1/models", [model = config.model](const HttpRequest&, HttpResponse& res) {
     json entry = {{"id", model}, {"object", "model"}, {"created", 0}, {"owned_by", "ecx"}};
     res.set_content(json{{"object", "list"}, {"data", json::array({entry})}}.dump(),
                     "application/json");
   });
-  server.Get("/metrics", [metrics](const httplib::Request&, httplib::Response& res) {
-    res.set_content(metrics(), "text/plain; version=0.0.4");
+  server.fast("GET", "/metrics", [metrics, &server](const HttpRequest&, HttpResponse& res) {
+    res.set_content(metrics() + server.render_metrics(), "text/plain; version=0.0.4");
   });
-  install_error_handlers(server);
 }
 
 void block_shutdown_signals() {
@@ -118,57 +162,77 @@ void block_shutdown_signals() {
 
 namespace {
 
-// Binds config.host:config.port (0 = any free port). Returns the port, or 0 when it
-// cannot listen there.
-int bind_listener(httplib::Server& server, const CommonServiceConfig& config) {
-  // The distribution's cpp-httplib listens with a backlog of 5: a burst of concurrent
-  // clients (a proxy encoding 24 images at once) overflows it and connections fail.
-  // Keep the listening socket and raise its backlog after bind. SO_REUSEADDR only: two
-  // servers must never share a port by accident (the library default is SO_REUSEPORT).
-  int listen_fd = -1;
-  server.set_socket_options([&listen_fd](int sock) {
-    int yes = 1;
-    ::setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
-    listen_fd = sock;
-  });
-  int port = config.port;
-  if (port == 0) {
-    port = std::max(0, server.bind_to_any_port(config.host));
-  } else if (!server.bind_to_port(config.host, port)) {
-    port = 0;
-  }
-  if (port != 0 && listen_fd >= 0) ::listen(listen_fd, 1024);
-  return port;
+// Accepts connections until the acceptor closes; each gets its own strand.
+void accept_next(tcp::acceptor& acceptor, ServerState& state) {
+  acceptor.async_accept(net::make_strand(acceptor.get_executor()),
+                        [&acceptor, &state](boost::system::error_code ec, tcp::socket socket) {
+                          if (ec == net::error::operation_aborted || !acceptor.is_open()) return;
+                          if (!ec) serve_connection(state, std::move(socket));
+                          accept_next(acceptor, state);
+                        });
 }
 
-}  // namespace
+// Binds host:port (0 = any free port) with a deep backlog. Returns the port, or 0.
+int bind_listener(tcp::acceptor& acceptor, const std::string& host, int port) {
+  boost::system::error_code ec;
+  net::io_context resolve_ctx;
+  tcp::resolver resolver(resolve_ctx);
+  auto endpoints = resolver.resolve(host, std::to_string(port), ec);
+  if (ec || endpoints.empty()) return 0;
+  tcp::endpoint endpoint = *endpoints.begin();
+  acceptor.open(endpoint.protocol(), ec);
+  // SO_REUSEADDR only: two servers must never share a port by accident.
+  if (!ec) acceptor.set_option(net::socket_base::reuse_address(true), ec);
+  if (!ec) acceptor.bind(endpoint, ec);
+  if (!ec) acceptor.listen(4096, ec);
+  if (ec) return 0;
+  return acceptor.local_endpoint().port();
+}
 
-int serve_until_signal(httplib::Server& server, const CommonServiceConfig& config,
-                       const std::string& role) {
-  // Signals are taken synchronously by this thread; every other thread blocks them.
-  block_shutdown_signals();
-  int threads = std::max(1, config.threads);
-  server.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
-  server.set_payload_max_length(config.max_body_bytes);
-  int port = bind_listener(server, config);
-  if (port == 0) {
-    std::cerr << "ecx serve " << role << ": cannot listen on " << config.host << ":" << config.port
-              << "\n";
-    return 1;
-  }
-  std::thread listener([&] { server.listen_after_bind(); });
-  std::cout << "ecx serve " << role << " listening on http://" << config.host << ":" << port
-            << std::endl;
-  spdlog::info("{} listening on {}:{}", role, config.host, port);
+int wait_for_signal() {
   sigset_t set;
   sigemptyset(&set);
   sigaddset(&set, SIGTERM);
   sigaddset(&set, SIGINT);
   int sig = 0;
   sigwait(&set, &sig);
+  return sig;
+}
+
+}  // namespace
+
+int HttpServer::serve_until_signal() {
+  // Signals are taken synchronously by this thread; every other thread blocks them.
+  block_shutdown_signals();
+  ServerState& s = *state_;
+  const std::string& role = s.role;
+  net::io_context ioc(s.io_threads);
+  tcp::acceptor acceptor(ioc);
+  int port = bind_listener(acceptor, host_, port_);
+  if (port == 0) {
+    std::cerr << "ecx serve " << role << ": cannot listen on " << host_ << ":" << port_ << "\n";
+    return 1;
+  }
+  s.queue = std::make_unique<RequestQueue>(s.workers, max_queued_);
+  accept_next(acceptor, s);
+  std::vector<std::thread> io;
+  for (int i = 0; i < s.io_threads; ++i) io.emplace_back([&ioc] { ioc.run(); });
+  std::cout << "ecx serve " << role << " listening on http://" << host_ << ":" << port << std::endl;
+  spdlog::info("{} listening on {}:{}", role, host_, port);
+  int sig = wait_for_signal();
   spdlog::info("{}: signal {}, draining in-flight requests", role, sig);
-  server.stop();  // stops accepting; the thread pool finishes the requests it has
-  listener.join();
+  // Stop accepting; answer what was admitted (queued, running, streaming); then go.
+  s.stopping = true;
+  net::post(ioc, [&acceptor] {
+    boost::system::error_code ignored;
+    acceptor.close(ignored);
+  });
+  if (!s.wait_idle(Deadline::after(std::chrono::minutes(10)))) {
+    spdlog::warn("{}: requests still in flight after 10 minutes; stopping anyway", role);
+  }
+  ioc.stop();
+  for (auto& t : io) t.join();
+  s.queue->stop();
   return 0;
 }
 

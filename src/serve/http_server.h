@@ -1,16 +1,24 @@
-// The HTTP side every service shares: JSON error answers, the common routes (/health,
-// /v1/models, /metrics), and the run-until-signal server loop.
+// The HTTP side every service shares: an event-driven server (Boost.Beast on Asio: a
+// few I/O threads hold every connection; no thread per connection or per stream), one
+// FIFO of work per service with admission control, JSON error answers, the common
+// routes (/health, /v1/models, /metrics), and the run-until-signal loop.
+//
+// Two kinds of route:
+//   fast  answered on an I/O thread, ahead of any queued work (/health, /metrics,
+//         /v1/models): the handler must not block.
+//   work  queued in the service's one FIFO (serve/request_queue.h) and run by a worker
+//         thread; past --max-queued waiting requests, an immediate 503 with Retry-After.
 #pragma once
 
-#include <httplib.h>
-
 #include <functional>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <utility>
 
 #include "ecx/common/status.h"
 #include "ecx/serve/services.h"
+#include "serve/http_types.h"
 
 namespace ecx::serve {
 
@@ -22,13 +30,13 @@ struct RequestError {
 };
 
 // {"error":{"message","type","code"}} with the status.
-void send_error(httplib::Response& res, int http_status, const std::string& type,
+void send_error(HttpResponse& res, int http_status, const std::string& type,
                 const std::string& message);
-void send_error(httplib::Response& res, const RequestError& error);
+void send_error(HttpResponse& res, const RequestError& error);
 // Maps a Status to an HTTP status: invalid_argument 400, resource_exhausted 413,
 // not_found 404, deadline 504, unavailable 502, others 500.
 int http_status_for(const Status& s);
-void send_status(httplib::Response& res, const Status& s);
+void send_status(HttpResponse& res, const Status& s);
 
 // What GET /health answers: 200 when the service can serve, else 503 with a reason.
 struct HealthReport {
@@ -36,10 +44,38 @@ struct HealthReport {
   nlohmann::json body;  // {"status", "role", ...}
 };
 
-// Installs /health, /v1/models and /metrics, and one log line per request. Without
-// `health`, /health answers 200 {"status":"ok","role":ROLE}; with it, what it reports (it
-// must not block).
-void add_common_routes(httplib::Server& server, const CommonServiceConfig& config,
+struct ServerState;  // serve/http_connection.h
+
+class HttpServer {
+ public:
+  // `config` gives the limits and threads; `role_workers` is the worker count when
+  // config.workers is 0 (each role knows what its work costs).
+  HttpServer(const CommonServiceConfig& config, std::string role, int role_workers);
+  ~HttpServer();
+  HttpServer(const HttpServer&) = delete;
+  HttpServer& operator=(const HttpServer&) = delete;
+
+  void fast(const std::string& method, const std::string& path, HttpHandler handler);
+  void work(const std::string& method, const std::string& path, HttpHandler handler);
+
+  // Binds, prints the listening line, serves until SIGTERM/SIGINT, then stops
+  // accepting, finishes every admitted request and returns the exit code.
+  int serve_until_signal();
+
+  // ecx_http_* lines for /metrics: rejected requests, queue depth, threads, connections.
+  std::string render_metrics() const;
+
+ private:
+  std::unique_ptr<ServerState> state_;
+  uint64_t max_queued_ = 0;
+  std::string host_;
+  int port_ = 0;
+};
+
+// Installs /health, /v1/models and /metrics as fast routes, with one log line per
+// request. Without `health`, /health answers 200 {"status":"ok","role":ROLE}; with it,
+// what it reports (it must not block). `metrics` must not block either.
+void add_common_routes(HttpServer& server, const CommonServiceConfig& config,
                        const std::string& role, const std::function<std::string()>& metrics,
                        std::function<HealthReport()> health = {});
 
@@ -47,11 +83,6 @@ void add_common_routes(httplib::Server& server, const CommonServiceConfig& confi
 // call first in a service's main, before any thread starts. serve_until_signal takes
 // them synchronously.
 void block_shutdown_signals();
-
-// Binds, prints the listening line, serves until SIGTERM/SIGINT, then stops accepting
-// and waits for in-flight requests. Returns the exit code.
-int serve_until_signal(httplib::Server& server, const CommonServiceConfig& config,
-                       const std::string& role);
 
 // "http://host:port" -> host, port.
 Result<std::pair<std::string, int>> parse_url(const std::string& url);

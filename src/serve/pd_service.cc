@@ -39,7 +39,7 @@ class PdService {
   // `config` must outlive the service.
   static Result<std::unique_ptr<PdService>> create(const PdServiceConfig& config);
 
-  void handle_chat(const httplib::Request& req, httplib::Response& res);
+  void handle_chat(const HttpRequest& req, HttpResponse& res);
   std::string render_metrics();
 
  private:
@@ -47,10 +47,10 @@ class PdService {
   // decode_images -> plan_load -> build_prompt -> load -> attach_embeddings.
   std::optional<RequestError> prepare_prompt(Job& job);
   std::optional<RequestError> load(Job& job, const connector::LoadRequest& load);
-  void answer(Job& job, httplib::Response& res);
-  void answer_streaming(const std::shared_ptr<Job>& job, httplib::Response& res);
+  void answer(Job& job, HttpResponse& res);
+  void answer_streaming(const std::shared_ptr<Job>& job, HttpResponse& res);
   // Writes the whole stream; false when it ended early (client gone, or a failure).
-  bool stream(Job& job, httplib::DataSink& sink);
+  bool stream(Job& job, StreamWriter& writer);
   void record(Job& job, const Generation& generation, bool ok);
 
   const PdServiceConfig& config_;
@@ -82,7 +82,7 @@ Result<std::unique_ptr<PdService>> PdService::create(const PdServiceConfig& conf
   return pd;
 }
 
-void PdService::handle_chat(const httplib::Request& req, httplib::Response& res) {
+void PdService::handle_chat(const HttpRequest& req, HttpResponse& res) {
   auto job = std::make_shared<Job>(prepared_images_, *connector_, make_id("chatcmpl"));
   if (auto err = parse_chat_request(req.body, config_.common, &job->request)) {
     metrics_.add("ecx_request_failures_total", "reason=\"bad_request\"", 1);
@@ -151,7 +151,7 @@ void PdService::record(Job& job, const Generation& generation, bool ok) {
   metrics_.add("ecx_generated_tokens_total", "", generation.generated);
 }
 
-void PdService::answer(Job& job, httplib::Response& res) {
+void PdService::answer(Job& job, HttpResponse& res) {
   std::string text;
   Generation generation = generate(*lm_, job.prompt, job.request, [&](const std::string& t) {
     text += t;
@@ -164,17 +164,16 @@ void PdService::answer(Job& job, httplib::Response& res) {
                   "application/json");
 }
 
-// Generates inside the content provider, one SSE event per token.
-void PdService::answer_streaming(const std::shared_ptr<Job>& job, httplib::Response& res) {
-  res.set_chunked_content_provider(
-      "text/event-stream",
-      [this, job](size_t, httplib::DataSink& sink) { return stream(*job, sink); },
-      // Also runs when the client went away before streaming began: nothing stays held.
-      [job](bool) { job->hold.release(); });
+// Generates on this worker, one SSE event per token, each handed to the client's
+// connection as it comes; a client that goes away stops the generation at its next token.
+void PdService::answer_streaming(const std::shared_ptr<Job>& job, HttpResponse& res) {
+  StreamWriter& writer = res.start_stream("text/event-stream");
+  stream(*job, writer);
+  job->hold.release();  // also when the stream ended early: nothing stays held
 }
 
-bool PdService::stream(Job& job, httplib::DataSink& sink) {
-  auto write = [&sink](const std::string& event) { return sink.write(event.data(), event.size()); };
+bool PdService::stream(Job& job, StreamWriter& writer) {
+  auto write = [&writer](const std::string& event) { return writer.write(event); };
   const std::string& model = job.request.model;
   bool open = write(
       sse_event(chunk_json(job.id, model, {{"role", "assistant"}, {"content", ""}}, nullptr)));
@@ -183,7 +182,10 @@ bool PdService::stream(Job& job, httplib::DataSink& sink) {
   });
   record(job, generation, generation.status.ok() && open);
   job.hold.release();
-  if (!open) return false;
+  if (!open) {
+    metrics_.add("ecx_client_disconnects_total", "", 1);
+    return false;
+  }
   if (!generation.status.ok()) {
     // Headers are sent: report the failure in the stream, and do not claim success.
     const Status& s = generation.status;
@@ -196,7 +198,6 @@ bool PdService::stream(Job& job, httplib::DataSink& sink) {
                              finish_reason(generation, job.request.max_tokens), &job.timings)));
   if (job.request.include_usage) write(sse_event(usage_chunk_json(job.id, model, generation)));
   write("data: [DONE]\n\n");
-  sink.done();
   return true;
 }
 
@@ -215,12 +216,12 @@ int run_pd_service(const PdServiceConfig& config) {
     std::cerr << "ecx serve pd: " << pd.status().to_string() << "\n";
     return 1;
   }
-  httplib::Server server;
-  server.Post("/v1/chat/completions", [&](const httplib::Request& req, httplib::Response& res) {
-    (*pd)->handle_chat(req, res);
-  });
+  // Prefill and decode are CPU-bound: a few workers; the rest wait in the queue.
+  HttpServer server(config.common, "pd", 4);
+  server.work("POST", "/v1/chat/completions",
+              [&](const HttpRequest& req, HttpResponse& res) { (*pd)->handle_chat(req, res); });
   add_common_routes(server, config.common, "pd", [&] { return (*pd)->render_metrics(); });
-  return serve_until_signal(server, config.common, "pd");
+  return server.serve_until_signal();
 }
 
 }  // namespace ecx::serve

@@ -18,8 +18,6 @@
 // answer's ec_transfer_params travel to the PD unchanged. Everything else is the same.
 #include <algorithm>
 #include <chrono>
-#include <condition_variable>
-#include <deque>
 #include <future>
 #include <iostream>
 #include <mutex>
@@ -56,107 +54,38 @@ double ms_since(Clock::time_point t) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
 }
 
-// Chunks of a streamed upstream response, handed from the fetching thread to ours.
-struct StreamPipe {
-  std::mutex mu;
-  std::condition_variable cv;
-  std::deque<std::string> chunks;  // guarded by mu
-  bool headers = false;            // guarded by mu
-  bool done = false;               // guarded by mu
-  int status = 0;                  // guarded by mu
-  std::string error;               // guarded by mu
-  bool reader_gone = false;        // guarded by mu
+// A streamed answer on its way from a PD to the client, on one proxy worker: the PD's
+// status decides whether the client gets a stream (200) or the PD's error as is.
+struct StreamRelay {
+  HttpResponse& res;
+  int status = 0;                  // the PD's
+  StreamWriter* writer = nullptr;  // once the PD answered 200
+  std::string error_body;          // the PD's answer when it was not 200
+  bool client_gone = false;        // the client closed its connection mid-stream
 };
 
-// A streamed POST of `body` to `pd`, whose answer goes into `pipe`.
-httplib::Request stream_request(const std::shared_ptr<StreamPipe>& pipe, const std::string& body) {
+// A streamed POST of `body` whose answer goes through `relay`.
+httplib::Request stream_request(StreamRelay& relay, const std::string& body) {
   httplib::Request r;
   r.method = "POST";
   r.path = "/v1/chat/completions";
   r.body = body;
   r.set_header("Content-Type", "application/json");
-  r.response_handler = [pipe](const httplib::Response& resp) {
-    std::lock_guard lock(pipe->mu);
-    pipe->status = resp.status;
-    pipe->headers = true;
-    pipe->cv.notify_all();
+  r.response_handler = [&relay](const httplib::Response& resp) {
+    relay.status = resp.status;
+    if (resp.status == 200) relay.writer = &relay.res.start_stream("text/event-stream");
     return true;
   };
-  r.content_receiver = [pipe](const char* data, size_t n, uint64_t, uint64_t) {
-    std::lock_guard lock(pipe->mu);
-    if (pipe->reader_gone) return false;
-    pipe->chunks.emplace_back(data, n);
-    pipe->cv.notify_all();
-    return true;
+  r.content_receiver = [&relay](const char* data, size_t n, uint64_t, uint64_t) {
+    if (relay.writer == nullptr) {
+      relay.error_body.append(data, n);
+      return true;
+    }
+    // A client gone: stop reading, which closes the PD's connection and so stops it too.
+    relay.client_gone = !relay.writer->write(std::string_view(data, n));
+    return !relay.client_gone;
   };
   return r;
-}
-
-// Fetches a streamed answer from the first PD of `order` that accepts the connection,
-// into `pipe`. Runs on its own thread; owns everything it touches.
-void fetch_stream(std::shared_ptr<StreamPipe> pipe, UpstreamList order, std::string body,
-                  int64_t timeout_ms) {
-  std::string errors;
-  for (const auto& pd : order) {
-    httplib::Client cli(pd->host, pd->port);
-    cli.set_connection_timeout(kPdConnectTimeout);
-    cli.set_read_timeout(std::chrono::milliseconds(timeout_ms));
-    cli.set_write_timeout(std::chrono::milliseconds(timeout_ms));
-    pd->in_flight++;
-    auto result = cli.send(stream_request(pipe, body));
-    pd->in_flight--;
-    if (!result && connect_failed(result.error())) {
-      pd->mark_down(httplib::to_string(result.error()));
-      errors += (errors.empty() ? "" : "; ") + pd->url + ": " + httplib::to_string(result.error());
-      continue;  // nothing was sent: the next PD may take it
-    }
-    std::lock_guard lock(pipe->mu);
-    if (!result && pipe->error.empty())
-      pipe->error = "pd " + pd->url + ": " + httplib::to_string(result.error());
-    pipe->done = true;
-    pipe->cv.notify_all();
-    return;
-  }
-  std::lock_guard lock(pipe->mu);
-  pipe->error = "no PD could be reached (" + errors + ")";
-  pipe->done = true;
-  pipe->cv.notify_all();
-}
-
-// Relays the PD's stream from `pipe` to the client until it ends; false when it ended
-// early (the client went away, the PD stalled past `timeout_ms` or failed mid-stream).
-bool relay_stream(StreamPipe& pipe, httplib::DataSink& sink, int64_t timeout_ms) {
-  std::unique_lock lock(pipe.mu);
-  while (true) {
-    if (!pipe.cv.wait_for(lock, std::chrono::milliseconds(timeout_ms),
-                          [&] { return !pipe.chunks.empty() || pipe.done; })) {
-      pipe.reader_gone = true;
-      return false;  // upstream stalled past the deadline
-    }
-    while (!pipe.chunks.empty()) {
-      std::string c = std::move(pipe.chunks.front());
-      pipe.chunks.pop_front();
-      lock.unlock();
-      bool ok = sink.write(c.data(), c.size());
-      lock.lock();
-      if (!ok) {
-        pipe.reader_gone = true;
-        return false;
-      }
-    }
-    if (!pipe.done) continue;
-    if (!pipe.error.empty()) {
-      // PD failed mid-stream: say so instead of ending as if complete.
-      std::string err =
-          "data: " + safe_dump(json{{"error", {{"message", pipe.error}, {"type", "pd_failed"}}}}) +
-          "\n\n";
-      lock.unlock();
-      sink.write(err.data(), err.size());
-      return false;
-    }
-    sink.done();
-    return true;
-  }
 }
 
 // What encoding a request's images came to.
@@ -184,7 +113,7 @@ class Proxy {
     return all;
   }
 
-  void handle_chat(const httplib::Request& req, httplib::Response& res);
+  void handle_chat(const HttpRequest& req, HttpResponse& res);
   HealthReport health() const;
   std::string render_metrics();
 
@@ -204,8 +133,10 @@ class Proxy {
   UpstreamList pd_order() const;
   // Each answers the client; true when a PD took the request (answered 2xx).
   bool forward_blocking(const std::string& body, Clock::time_point t0, double encode_ms,
-                        httplib::Response& res);
-  bool forward_streaming(const std::string& body, httplib::Response& res);
+                        HttpResponse& res);
+  bool forward_streaming(const std::string& body, HttpResponse& res);
+  // After the PD's stream ended: counts it, or answers the client the PD's failure.
+  bool finish_stream(StreamRelay& relay, httplib::Error error, const Upstream& pd, double pd_ms);
   void count_answer(int http_status) {
     metrics_.add("ecx_proxy_requests_total", "status=\"" + std::to_string(http_status) + "\"", 1);
   }
@@ -299,7 +230,7 @@ UpstreamList Proxy::pd_order() const {
   return order;
 }
 
-void Proxy::handle_chat(const httplib::Request& req, httplib::Response& res) {
+void Proxy::handle_chat(const HttpRequest& req, HttpResponse& res) {
   auto t0 = Clock::now();
   ChatRequest chat;
   if (auto err = parse_chat_request(req.body, config_.common, &chat)) {
@@ -322,7 +253,7 @@ void Proxy::handle_chat(const httplib::Request& req, httplib::Response& res) {
 }
 
 bool Proxy::forward_blocking(const std::string& body, Clock::time_point t0, double encode_ms,
-                             httplib::Response& res) {
+                             HttpResponse& res) {
   std::string errors;
   for (const auto& pd : pd_order()) {
     httplib::Client cli(pd->host, pd->port);
@@ -365,45 +296,60 @@ bool Proxy::forward_blocking(const std::string& body, Clock::time_point t0, doub
   return false;
 }
 
-// Fetches on a helper thread; answers with PD's status if it is an error, else relays
-// the SSE stream chunk by chunk.
-bool Proxy::forward_streaming(const std::string& body, httplib::Response& res) {
-  auto pipe = std::make_shared<StreamPipe>();
-  int64_t timeout_ms = config_.request_timeout_ms;
-  std::thread(fetch_stream, pipe, pd_order(), body, timeout_ms).detach();
-  {
-    std::unique_lock lock(pipe->mu);
-    bool ok = pipe->cv.wait_for(lock, std::chrono::milliseconds(timeout_ms),
-                                [&] { return pipe->headers || pipe->done; });
-    if (!ok || !pipe->headers) {
-      pipe->reader_gone = true;
-      metrics_.add("ecx_proxy_failures_total", "reason=\"pd\"", 1);
-      send_error(res, ok ? 502 : 504, ok ? "pd_failed" : "pd_timeout",
-                 pipe->error.empty() ? "pd did not answer" : pipe->error);
-      count_answer(res.status);
-      return false;
+// Relays the PD's SSE stream chunk by chunk as it comes (no helper thread), or the PD's
+// error as it answered it.
+bool Proxy::forward_streaming(const std::string& body, HttpResponse& res) {
+  std::string errors;
+  for (const auto& pd : pd_order()) {
+    httplib::Client cli(pd->host, pd->port);
+    cli.set_connection_timeout(kPdConnectTimeout);
+    cli.set_read_timeout(std::chrono::milliseconds(config_.request_timeout_ms));
+    cli.set_write_timeout(std::chrono::milliseconds(config_.request_timeout_ms));
+    StreamRelay relay{res};
+    auto t_pd = Clock::now();
+    pd->in_flight++;
+    auto result = cli.send(stream_request(relay, body));
+    pd->in_flight--;
+    if (!result && relay.status == 0 && connect_failed(result.error())) {
+      pd->mark_down(httplib::to_string(result.error()));
+      errors += (errors.empty() ? "" : "; ") + pd->url + ": " + httplib::to_string(result.error());
+      continue;  // nothing was sent: the next PD may take it
     }
-    if (pipe->status != 200) {
-      pipe->cv.wait_for(lock, std::chrono::milliseconds(timeout_ms), [&] { return pipe->done; });
-      std::string all;
-      for (auto& c : pipe->chunks) all += c;
-      res.status = pipe->status;
-      res.set_content(all, "application/json");
-      count_answer(res.status);
-      return false;
-    }
+    return finish_stream(relay, result.error(), *pd, ms_since(t_pd));
   }
-  count_answer(200);
-  res.set_chunked_content_provider(
-      "text/event-stream",
-      [pipe, timeout_ms](size_t, httplib::DataSink& sink) {
-        return relay_stream(*pipe, sink, timeout_ms);
-      },
-      [pipe](bool) {
-        std::lock_guard lock(pipe->mu);
-        pipe->reader_gone = true;
-      });
-  return true;
+  metrics_.add("ecx_proxy_failures_total", "reason=\"no_pd\"", 1);
+  send_error(res, 502, "pd_failed", "no PD could be reached (" + errors + ")");
+  count_answer(res.status);
+  return false;
+}
+
+bool Proxy::finish_stream(StreamRelay& relay, httplib::Error error, const Upstream& pd,
+                          double pd_ms) {
+  if (relay.writer != nullptr) {  // the client has its stream
+    count_answer(200);
+    if (relay.client_gone) {
+      metrics_.add("ecx_proxy_client_disconnects_total", "", 1);
+    } else if (error != httplib::Error::Success) {
+      // PD failed mid-stream: say so instead of ending as if complete.
+      std::string message = "pd " + pd.url + ": " + httplib::to_string(error);
+      relay.writer->write(
+          "data: " + safe_dump(json{{"error", {{"message", message}, {"type", "pd_failed"}}}}) +
+          "\n\n");
+    }
+    return true;
+  }
+  if (relay.status != 0 && error == httplib::Error::Success) {  // the PD's own error answer
+    relay.res.status = relay.status;
+    relay.res.set_content(relay.error_body, "application/json");
+    count_answer(relay.status);
+    return false;
+  }
+  bool timeout = pd_ms >= static_cast<double>(config_.request_timeout_ms) * 0.95;
+  metrics_.add("ecx_proxy_failures_total", "reason=\"pd\"", 1);
+  send_error(relay.res, timeout ? 504 : 502, timeout ? "pd_timeout" : "pd_failed",
+             "pd " + pd.url + ": " + httplib::to_string(error));
+  count_answer(relay.res.status);
+  return false;
 }
 
 HealthReport Proxy::health() const {
@@ -487,14 +433,14 @@ int run_proxy_service(const ProxyServiceConfig& config) {
   // every 250 ms until the server has stopped (the prober is destroyed after it).
   UpstreamProber prober(proxy.probed(), UpstreamProber::Options{});
   prober.wait_first_round(Deadline::after_ms(2000));
-  httplib::Server server;
-  server.Post("/v1/chat/completions", [&](const httplib::Request& req, httplib::Response& res) {
-    proxy.handle_chat(req, res);
-  });
+  // Workers mostly wait on E and PD: many, so the queue, not the pool, is the bound.
+  HttpServer server(config.common, "proxy", 64);
+  server.work("POST", "/v1/chat/completions",
+              [&](const HttpRequest& req, HttpResponse& res) { proxy.handle_chat(req, res); });
   add_common_routes(
       server, config.common, "proxy", [&] { return proxy.render_metrics(); },
       [&] { return proxy.health(); });
-  return serve_until_signal(server, config.common, "proxy");
+  return server.serve_until_signal();
 }
 
 }  // namespace ecx::serve

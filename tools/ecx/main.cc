@@ -32,8 +32,21 @@ void add_common_flags(CLI::App* app, ecx::serve::CommonServiceConfig& c) {
       ->capture_default_str();
   app->add_option("--allowed-root", c.allowed_root, "Folder local image files may come from")
       ->envname("ECX_ALLOWED_ROOT");
-  app->add_option("--threads", c.threads, "HTTP worker threads")
-      ->envname("ECX_THREADS")
+  app->add_option("--workers,--threads", c.workers,
+                  "Threads running queued requests (0 = the role's default: pd 4, encoder 4, "
+                  "proxy 64)")
+      ->envname("ECX_WORKERS")
+      ->capture_default_str();
+  app->add_option("--io-threads", c.io_threads, "Threads holding every HTTP connection")
+      ->envname("ECX_IO_THREADS")
+      ->capture_default_str();
+  app->add_option("--max-queued", c.max_queued,
+                  "Requests that may wait for a worker; past it, 503 with Retry-After")
+      ->envname("ECX_MAX_QUEUED")
+      ->capture_default_str();
+  app->add_option("--idle-timeout", c.idle_timeout_s,
+                  "Seconds a keep-alive connection may stay idle before it is closed")
+      ->envname("ECX_IDLE_TIMEOUT")
       ->capture_default_str();
   app->add_option("--max-images", c.max_images, "Images per request")
       ->envname("ECX_MAX_IMAGES")

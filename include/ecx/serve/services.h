@@ -21,7 +21,10 @@ struct CommonServiceConfig {
   uint16_t port = 8000;               // 0 = any free port (printed on start)
   std::string model = "ecx-tiny-vl";  // the served model name
   std::string log_level = "warn";     // trace, debug, info, warn, error, off
-  int threads = 8;                    // HTTP worker threads
+  int workers = 0;                    // threads running queued work; 0 = the role's default
+  int io_threads = 2;                 // threads holding every connection (Asio)
+  uint64_t max_queued = 1024;         // waiting requests past which new ones get 503
+  int idle_timeout_s = 60;            // a keep-alive connection with no request is closed
   uint64_t max_body_bytes = 64ull << 20;
   int max_images = 8;  // per chat request
   uint64_t max_image_bytes = 20ull << 20;

@@ -1,0 +1,413 @@
+// One HTTP connection on Boost.Beast: reads a request (bounded), answers a fast route on
+// this I/O thread or queues a work route for a worker, writes the answer, and reads the
+// next request on the same connection (keep-alive). A streamed answer goes out as
+// chunks handed over by the worker through a bounded buffer (ChunkStream); while it is
+// sent the socket is watched, so the worker learns at once when the client has gone.
+#include "serve/http_connection.h"
+
+#include <boost/asio/dispatch.hpp>
+#include <boost/asio/post.hpp>
+#include <boost/asio/write.hpp>
+#include <boost/beast/core.hpp>
+#include <boost/beast/http.hpp>
+#include <nlohmann/json.hpp>
+
+#include "ecx/common/json_reader.h"
+#include "ecx/common/log.h"
+
+namespace ecx::serve {
+
+namespace beast = boost::beast;
+namespace http = beast::http;
+namespace net = boost::asio;
+using tcp = net::ip::tcp;
+using nlohmann::json;
+
+ServerState::ServerState(const CommonServiceConfig& config, std::string role_name, int n_workers)
+    : role(std::move(role_name)),
+      io_threads(std::max(1, config.io_threads)),
+      workers(std::max(1, n_workers)),
+      max_body_bytes(config.max_body_bytes),
+      idle_timeout(std::max(1, config.idle_timeout_s)) {}
+
+void ServerState::begin_request() {
+  std::lock_guard lock(mu_);
+  ++in_flight_;
+}
+
+void ServerState::end_request() {
+  std::lock_guard lock(mu_);
+  if (--in_flight_ == 0) idle_cv_.notify_all();
+}
+
+bool ServerState::wait_idle(Deadline deadline) {
+  std::unique_lock lock(mu_);
+  return idle_cv_.wait_until(lock, deadline.time_point(), [this] { return in_flight_ == 0; });
+}
+
+namespace {
+
+std::string error_body(int status, const std::string& type, const std::string& message) {
+  return safe_dump(json{{"error", {{"message", message}, {"type", type}, {"code", status}}}});
+}
+
+HttpResponse error_response(int status, const std::string& type, const std::string& message) {
+  HttpResponse res;
+  res.status = status;
+  res.set_content(error_body(status, type, message), "application/json");
+  return res;
+}
+
+HttpRequest to_request(http::request<http::string_body>&& msg) {
+  HttpRequest req;
+  req.method = std::string(msg.method_string());
+  std::string target(msg.target());
+  auto q = target.find('?');
+  req.path = target.substr(0, q);
+  if (q != std::string::npos) req.query = target.substr(q + 1);
+  for (const auto& field : msg) {
+    req.headers.emplace_back(std::string(field.name_string()), std::string(field.value()));
+  }
+  req.body = std::move(msg.body());
+  return req;
+}
+
+void log_request(const std::string& method, const std::string& path, int status, size_t in,
+                 size_t out) {
+  spdlog::info("method={} path={} status={} bytes_in={} bytes_out={}", method, path, status, in,
+               out);
+}
+
+class Connection;
+
+// A streamed answer's body between the worker (write, finish) and the connection's
+// strand (pump). The worker blocks while `stream_buffer_bytes` are waiting.
+class ChunkStream final : public StreamWriter {
+ public:
+  ChunkStream(size_t limit, std::chrono::seconds write_timeout)
+      : limit_(limit), write_timeout_(write_timeout) {}
+
+  bool write(std::string_view chunk) override;
+  bool client_gone() const override {
+    std::lock_guard lock(mu_);
+    return gone_;
+  }
+  // The connection's strand, to send next: the chunks waiting (moved out). `ended` is
+  // true when nothing more will come: the worker finished, or the client is gone.
+  // Returns false (and clears `sending_`) when there is nothing to do yet.
+  bool take(std::string* chunks, bool* ended, bool* gone);
+  void mark_gone() {
+    std::lock_guard lock(mu_);
+    gone_ = true;
+    space_cv_.notify_all();
+  }
+  size_t bytes_written() const {
+    std::lock_guard lock(mu_);
+    return total_;
+  }
+
+  // Set by the connection: schedules a pump on its strand.
+  std::function<void()> wake;
+  // The worker: the handler returned.
+  void finish();
+
+ private:
+  const size_t limit_;
+  const std::chrono::seconds write_timeout_;
+  mutable std::mutex mu_;
+  std::condition_variable space_cv_;
+  std::string pending_;    // guarded by mu_
+  size_t total_ = 0;       // guarded by mu_
+  bool sending_ = true;    // guarded by mu_; a pump is scheduled or running (headers first)
+  bool finished_ = false;  // guarded by mu_
+  bool gone_ = false;      // guarded by mu_
+};
+
+bool ChunkStream::write(std::string_view chunk) {
+  std::unique_lock lock(mu_);
+  bool room =
+      space_cv_.wait_for(lock, write_timeout_, [&] { return gone_ || pending_.size() < limit_; });
+  if (!room) gone_ = true;  // the client stopped reading
+  if (gone_) return false;
+  pending_.append(chunk);
+  total_ += chunk.size();
+  if (sending_) return true;
+  sending_ = true;
+  lock.unlock();
+  wake();
+  return true;
+}
+
+void ChunkStream::finish() {
+  std::unique_lock lock(mu_);
+  finished_ = true;
+  if (sending_) return;
+  sending_ = true;
+  lock.unlock();
+  wake();
+}
+
+bool ChunkStream::take(std::string* chunks, bool* ended, bool* gone) {
+  std::lock_guard lock(mu_);
+  *gone = gone_;
+  *ended = finished_;
+  if (gone_ && !finished_) {  // nothing more to send; finish() wakes us for the end
+    sending_ = false;
+    return false;
+  }
+  if (pending_.empty() && !finished_) {
+    sending_ = false;
+    return false;
+  }
+  chunks->swap(pending_);
+  pending_.clear();
+  space_cv_.notify_all();
+  return true;
+}
+
+class Connection : public std::enable_shared_from_this<Connection> {
+ public:
+  Connection(ServerState& state, tcp::socket socket) : state_(state), stream_(std::move(socket)) {
+    state_.open_connections++;
+  }
+  ~Connection() { state_.open_connections--; }
+
+  void start() {
+    net::dispatch(stream_.get_executor(), [self = shared_from_this()] { self->read_request(); });
+  }
+
+ private:
+  void read_request();
+  void on_read(beast::error_code ec);
+  void route(HttpRequest req);
+  void queue_work(const HttpHandler& handler, HttpRequest req);
+  void run_work(const HttpHandler& handler, const HttpRequest& req);
+  // On the strand: writes `res`, then reads the next request or closes.
+  void send(HttpResponse res, std::string method, std::string path, size_t bytes_in, bool counted);
+  void close();
+
+  // Streamed answers. start_stream runs on the worker; the rest on the strand.
+  StreamWriter& start_stream(HttpResponse& res, const std::string& type);
+  void watch_client(const std::shared_ptr<ChunkStream>& chunks);
+  void pump(const std::shared_ptr<ChunkStream>& chunks);
+  void end_stream(const std::shared_ptr<ChunkStream>& chunks, bool send_last);
+
+  ServerState& state_;
+  beast::tcp_stream stream_;
+  beast::flat_buffer buffer_;
+  std::optional<http::request_parser<http::string_body>> parser_;
+  unsigned version_ = 11;    // of the request being answered
+  bool keep_alive_ = false;  // of the request being answered
+  // The request being answered, for its log line (strand only).
+  std::string method_, path_;
+  size_t bytes_in_ = 0;
+  int stream_status_ = 200;
+  std::shared_ptr<ChunkStream> chunks_;  // the streamed answer, once started
+};
+
+void Connection::read_request() {
+  parser_.emplace();
+  parser_->body_limit(state_.max_body_bytes);
+  parser_->header_limit(64 * 1024);
+  stream_.expires_after(state_.idle_timeout);
+  http::async_read(
+      stream_, buffer_, *parser_,
+      [self = shared_from_this()](beast::error_code ec, size_t) { self->on_read(ec); });
+}
+
+void Connection::on_read(beast::error_code ec) {
+  if (ec == http::error::end_of_stream || ec == beast::error::timeout ||
+      ec == net::error::operation_aborted || ec == net::error::connection_reset ||
+      ec == net::error::eof) {
+    return close();
+  }
+  if (ec) {
+    // The client sent too much or something that is not HTTP: say so, then close.
+    keep_alive_ = false;
+    version_ = 11;
+    bool too_large = ec == http::error::body_limit || ec == http::error::header_limit;
+    int status = too_large ? 413 : 400;
+    std::string what = too_large ? "request larger than " + std::to_string(state_.max_body_bytes) +
+                                       " bytes (--max-body-bytes)"
+                                 : "bad HTTP request: " + ec.message();
+    return send(error_response(status, too_large ? "request_too_large" : "invalid_request", what),
+                "?", "?", 0, false);
+  }
+  auto msg = parser_->release();
+  version_ = msg.version();
+  keep_alive_ = msg.keep_alive();
+  route(to_request(std::move(msg)));
+}
+
+void Connection::route(HttpRequest req) {
+  method_ = req.method;
+  path_ = req.path;
+  bytes_in_ = req.body.size();
+  auto it = state_.routes.find({req.method, req.path});
+  if (it == state_.routes.end()) {
+    bool known_path = false;
+    for (const auto& [key, r] : state_.routes) known_path |= key.second == req.path;
+    int status = known_path ? 405 : 404;
+    return send(error_response(status, known_path ? "method_not_allowed" : "not_found",
+                               "no route " + req.method + " " + req.path),
+                req.method, req.path, req.body.size(), false);
+  }
+  if (!it->second.fast) return queue_work(it->second.handler, std::move(req));
+  HttpResponse res;
+  res.set_stream_starter([](HttpResponse&, const std::string&) -> StreamWriter& {
+    throw std::logic_error("a fast route cannot stream");
+  });
+  try {
+    it->second.handler(req, res);
+  } catch (const std::exception& e) {
+    res = error_response(500, "internal_error", e.what());
+  }
+  send(std::move(res), req.method, req.path, req.body.size(), false);
+}
+
+void Connection::queue_work(const HttpHandler& handler, HttpRequest req) {
+  if (state_.stopping) {
+    keep_alive_ = false;
+    return send(error_response(503, "unavailable", state_.role + " is shutting down"), req.method,
+                req.path, req.body.size(), false);
+  }
+  state_.begin_request();
+  auto shared = std::make_shared<HttpRequest>(std::move(req));
+  bool admitted = state_.queue->push(
+      [self = shared_from_this(), &handler, shared] { self->run_work(handler, *shared); });
+  if (admitted) return;
+  state_.end_request();
+  state_.rejected++;
+  HttpResponse res = error_response(
+      503, "server_busy",
+      state_.role + " is at capacity: " + std::to_string(state_.queue->max_queued()) +
+          " requests are waiting (--max-queued); retry later");
+  res.set_header("Retry-After", "1");
+  send(std::move(res), shared->method, shared->path, shared->body.size(), false);
+}
+
+// On a worker thread.
+void Connection::run_work(const HttpHandler& handler, const HttpRequest& req) {
+  HttpResponse res;
+  res.set_stream_starter([this](HttpResponse& r, const std::string& type) -> StreamWriter& {
+    return start_stream(r, type);
+  });
+  try {
+    handler(req, res);
+  } catch (const std::exception& e) {
+    if (!res.streaming()) res = error_response(500, "internal_error", e.what());
+  }
+  if (res.streaming()) return chunks_->finish();
+  net::post(stream_.get_executor(),
+            [self = shared_from_this(), res = std::move(res), method = req.method, path = req.path,
+             n = req.body.size()]() mutable {
+              self->send(std::move(res), std::move(method), std::move(path), n, true);
+            });
+}
+
+void Connection::send(HttpResponse res, std::string method, std::string path, size_t bytes_in,
+                      bool counted) {
+  auto msg = std::make_shared<http::response<http::string_body>>();
+  msg->version(version_);
+  msg->result(static_cast<unsigned>(res.status));
+  msg->set(http::field::content_type, res.content_type);
+  for (const auto& [name, value] : res.headers) msg->set(name, value);
+  msg->keep_alive(keep_alive_ && !state_.stopping);
+  msg->body() = std::move(res.body);
+  msg->prepare_payload();
+  log_request(method, path, res.status, bytes_in, msg->body().size());
+  stream_.expires_after(state_.write_timeout);
+  http::async_write(stream_, *msg,
+                    [self = shared_from_this(), msg, counted](beast::error_code ec, size_t) {
+                      if (counted) self->state_.end_request();
+                      if (ec || !msg->keep_alive()) return self->close();
+                      self->read_request();
+                    });
+}
+
+void Connection::close() {
+  beast::error_code ignored;
+  stream_.socket().shutdown(tcp::socket::shutdown_send, ignored);
+  stream_.socket().close(ignored);
+}
+
+// On the worker: the headers go out on the strand; chunks wait until they have.
+StreamWriter& Connection::start_stream(HttpResponse& res, const std::string& type) {
+  res.mark_streaming();
+  auto chunks = std::make_shared<ChunkStream>(state_.stream_buffer_bytes, state_.write_timeout);
+  chunks->wake = [weak = std::weak_ptr<Connection>(shared_from_this())] {
+    if (auto self = weak.lock()) {
+      net::post(self->stream_.get_executor(), [self] { self->pump(self->chunks_); });
+    }
+  };
+  chunks_ = chunks;  // read by the strand only after the post below
+  auto header = std::make_shared<http::response<http::empty_body>>();
+  header->version(version_);
+  header->result(static_cast<unsigned>(res.status));
+  header->set(http::field::content_type, type);
+  header->set(http::field::cache_control, "no-cache");
+  for (const auto& [name, value] : res.headers) header->set(name, value);
+  header->keep_alive(false);  // one streamed answer per connection: its end is the close
+  header->chunked(true);
+  stream_status_ = res.status;
+  net::post(stream_.get_executor(), [self = shared_from_this(), header, chunks] {
+    auto sr = std::make_shared<http::response_serializer<http::empty_body>>(*header);
+    self->stream_.expires_after(self->state_.write_timeout);
+    http::async_write_header(self->stream_, *sr,
+                             [self, header, sr, chunks](beast::error_code ec, size_t) {
+                               if (ec)
+                                 chunks->mark_gone();
+                               else
+                                 self->watch_client(chunks);
+                               self->pump(chunks);
+                             });
+  });
+  return *chunks;
+}
+
+// A client that closes its connection mid-stream makes the socket readable (EOF).
+void Connection::watch_client(const std::shared_ptr<ChunkStream>& chunks) {
+  stream_.socket().async_wait(tcp::socket::wait_read,
+                              [self = shared_from_this(), chunks](beast::error_code ec) {
+                                if (ec == net::error::operation_aborted) return;
+                                beast::error_code avail_ec;
+                                size_t n = self->stream_.socket().available(avail_ec);
+                                if (ec || avail_ec || n == 0) chunks->mark_gone();
+                              });
+}
+
+void Connection::pump(const std::shared_ptr<ChunkStream>& chunks) {
+  auto data = std::make_shared<std::string>();
+  bool ended = false, gone = false;
+  if (!chunks->take(data.get(), &ended, &gone)) return;
+  if (gone) return end_stream(chunks, false);
+  if (data->empty()) return end_stream(chunks, ended);
+  stream_.expires_after(state_.write_timeout);
+  net::async_write(stream_, http::make_chunk(net::buffer(*data)),
+                   [self = shared_from_this(), chunks, data](beast::error_code ec, size_t) {
+                     if (ec) chunks->mark_gone();
+                     self->pump(chunks);
+                   });
+}
+
+// The worker has finished: the last chunk (unless the client is gone), the log line, the
+// close.
+void Connection::end_stream(const std::shared_ptr<ChunkStream>& chunks, bool send_last) {
+  auto done = [self = shared_from_this(), chunks] {
+    log_request(self->method_, self->path_, self->stream_status_, self->bytes_in_,
+                chunks->bytes_written());
+    self->state_.end_request();
+    self->close();
+  };
+  if (!send_last) return done();
+  stream_.expires_after(state_.write_timeout);
+  net::async_write(stream_, http::make_chunk_last(), [done](beast::error_code, size_t) { done(); });
+}
+
+}  // namespace
+
+void serve_connection(ServerState& state, tcp::socket socket) {
+  std::make_shared<Connection>(state, std::move(socket))->start();
+}
+
+}  // namespace ecx::serve

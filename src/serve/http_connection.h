@@ -1,0 +1,63 @@
+// Inside serve/http_server: what the server shares with its connections, and the
+// connection itself (one per accepted socket, living on its strand). Not for services.
+#pragma once
+
+#include <atomic>
+#include <boost/asio/ip/tcp.hpp>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+
+#include "ecx/common/deadline.h"
+#include "ecx/serve/services.h"
+#include "serve/http_types.h"
+#include "serve/request_queue.h"
+
+namespace ecx::serve {
+
+struct HttpRoute {
+  bool fast = false;  // answered on the I/O thread
+  HttpHandler handler;
+};
+
+// Settings and figures of one server; connections hold a reference (the server
+// outlives them: it joins its I/O threads before it goes).
+struct ServerState {
+  ServerState(const CommonServiceConfig& config, std::string role, int workers);
+
+  const std::string role;
+  const int io_threads;
+  const int workers;
+  const uint64_t max_body_bytes;
+  const std::chrono::seconds idle_timeout;
+  const std::chrono::seconds write_timeout{60};  // a client that stops reading
+  const size_t stream_buffer_bytes = 1 << 20;    // per streamed answer, before write blocks
+  std::map<std::pair<std::string, std::string>, HttpRoute> routes;  // set before serving
+  std::unique_ptr<RequestQueue> queue;                              // made when serving starts
+
+  std::atomic<bool> stopping{false};
+  std::atomic<uint64_t> rejected{0};  // 503 for a full queue
+  std::atomic<int64_t> open_connections{0};
+
+  // Admitted work routes not yet answered (queued, running or streaming).
+  void begin_request();
+  void end_request();
+  // Until none is in flight or `deadline`; false on the deadline.
+  bool wait_idle(Deadline deadline);
+
+ private:
+  std::mutex mu_;
+  std::condition_variable idle_cv_;
+  int64_t in_flight_ = 0;  // guarded by mu_
+};
+
+// Serves `socket` (whose executor is its own strand) until the client goes, the idle
+// timeout passes or the server stops.
+void serve_connection(ServerState& state, boost::asio::ip::tcp::socket socket);
+
+}  // namespace ecx::serve

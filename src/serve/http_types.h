@@ -1,0 +1,73 @@
+// What a service's handlers see of HTTP: one request, one response, and for a streamed
+// answer (SSE) a writer. The server (serve/http_server.h) fills the request, runs the
+// handler and sends what it left in the response.
+#pragma once
+
+#include <functional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+namespace ecx::serve {
+
+struct HttpRequest {
+  std::string method;  // "GET", "POST", ...
+  std::string path;    // the target up to '?'
+  std::string query;   // the target after '?', undecoded ("" when none)
+  std::vector<std::pair<std::string, std::string>> headers;
+  std::string body;
+
+  // The first header called `name` (case-insensitive), or "" when there is none.
+  std::string header(std::string_view name) const;
+};
+
+// The body of a streamed answer, written chunk by chunk from the worker thread that runs
+// the handler. The chunks go to the connection's I/O thread through a bounded buffer.
+class StreamWriter {
+ public:
+  virtual ~StreamWriter() = default;
+  // Queues `chunk` for the client; blocks while the buffer is full. False once the
+  // client has gone (closed its connection, or stopped reading past the write timeout):
+  // the handler should then stop producing and give back what it holds.
+  virtual bool write(std::string_view chunk) = 0;
+  // True once the client has gone; what write() would answer, without writing.
+  virtual bool client_gone() const = 0;
+};
+
+class HttpResponse {
+ public:
+  int status = 200;
+  std::string content_type = "application/json";
+  std::string body;
+  std::vector<std::pair<std::string, std::string>> headers;  // beyond Content-Type/Length
+
+  void set_content(std::string content, std::string type) {
+    body = std::move(content);
+    content_type = std::move(type);
+  }
+  void set_header(std::string name, std::string value) {
+    headers.emplace_back(std::move(name), std::move(value));
+  }
+
+  // Sends `status` and the headers now (chunked, `type`) and returns the writer of the
+  // body; the answer ends when the handler returns. Only on work routes (the server
+  // answers a fast route's handler that calls it with a 500). `body` is then unused.
+  StreamWriter& start_stream(const std::string& type) { return start_stream_(*this, type); }
+  bool streaming() const { return streaming_; }
+
+  // Set by the server: what start_stream does on this connection.
+  using StreamStarter = std::function<StreamWriter&(HttpResponse&, const std::string&)>;
+  void set_stream_starter(StreamStarter starter) { start_stream_ = std::move(starter); }
+  void mark_streaming() { streaming_ = true; }
+
+ private:
+  StreamStarter start_stream_;
+  bool streaming_ = false;
+};
+
+// A route's handler. Work routes run on the service's worker threads; fast routes on an
+// I/O thread, so they must not block.
+using HttpHandler = std::function<void(const HttpRequest&, HttpResponse&)>;
+
+}  // namespace ecx::serve

@@ -13,6 +13,7 @@
 #include "ecx/serve/services.h"
 #include "epd_bench.h"
 #include "gpu_bench.h"
+#include "load_bench.h"
 #include "serve_bench.h"
 
 namespace {
@@ -269,6 +270,7 @@ int main(int argc, char** argv) {
   ecx::bench::add_transfer_commands(*bench, &exit_code);
   ecx::bench::add_gpu_transfer_command(*bench, &exit_code);
   ecx::bench::add_serve_command(*bench, &exit_code);
+  ecx::bench::add_load_command(*bench, &exit_code);
   ecx::bench::add_epd_command(*bench, &exit_code);
   ecx::bench::add_eval_command(app, &exit_code);
 

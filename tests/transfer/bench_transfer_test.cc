@@ -6,6 +6,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 
 #include "ecx/common/subprocess.h"
@@ -74,6 +75,54 @@ TEST(BenchTransferTest, UcxRowsOverTcpAndSharedMemoryAreVerifiedAgainstUcxPerfte
     }
     EXPECT_EQ(baselines, 1);
   }
+}
+
+// `ecx bench peers`: every row keeps the contract's fields, ecx's rows are measured, and
+// a peer that cannot run (here: no Python environment) is a row with its reason, not a
+// missing row or a failed command.
+TEST(BenchPeersTest, RowsKeepTheirFieldsAndAPeerThatCannotRunSaysWhy) {
+  auto json_path = std::filesystem::path(::testing::TempDir()) /
+                   ("bench_peers_" + std::to_string(::getpid()) + ".json");
+  auto bench =
+      Subprocess::spawn({ECX_BINARY, "bench", "peers", "--systems", "ecx,memcpy,nixl", "--venv",
+                         "/nonexistent-venv", "--iters", "3", "--json", json_path.string()});
+  ASSERT_TRUE(bench.ok()) << bench.status().to_string();
+  std::string output;
+  while (true) {
+    auto line = bench->read_line(Deadline::after_ms(300000));
+    if (!line.ok()) break;
+    output += *line + "\n";
+  }
+  ASSERT_EQ(*bench->wait(Deadline::after_ms(60000)), 0) << output;
+  std::ifstream in(json_path);
+  json j = json::parse(in, nullptr, false);
+  ASSERT_TRUE(j.is_object() && j["results"].is_array()) << output;
+  std::map<std::string, int> rows;
+  for (const auto& r : j["results"]) {
+    for (const char* key : {"system", "transport", "variant", "items", "item_bytes", "p50_us",
+                            "p99_us", "gbps", "control_rtts_per_item", "verified_bytes", "error"}) {
+      EXPECT_TRUE(r.contains(key)) << key << " in " << r.dump();
+    }
+    EXPECT_TRUE(r["items"].is_number_integer() && r["item_bytes"].is_number_integer());
+    std::string system = r["system"];
+    rows[system]++;
+    if (system == "ecx") {
+      EXPECT_TRUE(r["error"].is_null()) << r.dump();
+      EXPECT_GT(r["p50_us"].get<double>(), 0.0);
+      EXPECT_EQ(r["verified_bytes"].get<uint64_t>(),
+                r["items"].get<uint64_t>() * r["item_bytes"].get<uint64_t>() * 3);
+    }
+    if (system == "nixl") {
+      ASSERT_TRUE(r["error"].is_string()) << r.dump();
+      EXPECT_NE(r["error"].get<std::string>().find("nonexistent-venv"), std::string::npos);
+    }
+  }
+  EXPECT_EQ(rows["ecx"], 6);  // pull over shm and tcp: 1 x 1600 KiB, 3 x 1600 KiB, 8 MiB
+  EXPECT_EQ(rows["memcpy"], 3);
+  EXPECT_EQ(rows["nixl"], 3);
+  EXPECT_EQ(rows.count("mooncake"), 0u);
+  std::filesystem::remove(json_path);
+  std::filesystem::remove(std::filesystem::path(json_path).replace_extension(".png"));
 }
 
 }  // namespace

@@ -12,6 +12,7 @@
 #include "ecx/engine/model.h"
 #include "ecx/serve/services.h"
 #include "epd_bench.h"
+#include "peers_bench.h"
 #include "gpu_bench.h"
 #include "load_bench.h"
 #include "serve_bench.h"
@@ -272,6 +273,7 @@ int main(int argc, char** argv) {
   ecx::bench::add_serve_command(*bench, &exit_code);
   ecx::bench::add_load_command(*bench, &exit_code);
   ecx::bench::add_epd_command(*bench, &exit_code);
+  ecx::bench::add_peers_command(*bench, &exit_code);
   ecx::bench::add_eval_command(app, &exit_code);
 
   CLI::App* serve = app.add_subcommand("serve", "Run one service: encoder, pd or proxy");

@@ -53,6 +53,7 @@ Status write_bar_chart(const BarChart& chart, const std::string& png_path) {
       << "set ylabel " << quoted(chart.y_label) << "\n"
       << "set style fill solid 0.55 border -1\nset boxwidth 0.7\nset grid ytics\n"
       << "set xtics rotate by -40 noenhanced\nset key top left\nset yrange [0:*]\n"
+      << "set rmargin 14\nset bmargin 12\n"
       << (chart.log_scale ? "set logscale y\nset yrange [*:*]\n" : "") << "plot " << quoted(data)
       << " using 0:2:xtic(1) with boxes title 'p50', '' using "
       << "0:2:2:3 with yerrorbars lc rgb 'black' pt 0 title 'p99'\n";

@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "ecx/engine/image.h"
+#include "progress.h"
 
 namespace ecx::bench {
 namespace {
@@ -217,6 +218,9 @@ Run send_requests(const Target& target, const std::vector<std::string>& bodies,
   std::vector<Sample> samples(bodies.size());
   std::atomic<size_t> next{0};
   std::atomic<int> in_flight{0}, peak{0};
+  // A bar on a terminal, "progress: ..." lines otherwise (bench epd reads them).
+  std::mutex progress_mu;
+  bench::Progress progress("bench serve", static_cast<int>(bodies.size()));
   auto t0 = Clock::now();
   std::vector<std::thread> threads;
   for (int t = 0; t < workers; ++t) {
@@ -233,10 +237,13 @@ Run send_requests(const Target& target, const std::vector<std::string>& bodies,
         }
         samples[i] = run_one(target.host, target.port, bodies[i], t0);
         --in_flight;
+        std::lock_guard lock(progress_mu);
+        progress.advance();
       }
     });
   }
   for (auto& t : threads) t.join();
+  progress.finish();
   double duration = std::chrono::duration<double>(Clock::now() - t0).count();
   return Run{std::move(samples), duration, peak.load()};
 }

@@ -81,7 +81,7 @@ HttpServer::HttpServer(const CommonServiceConfig& config, std::string role, int 
   port_ = config.port;
 }
 
-HttpServer::~HttpServer() = default;
+HttpServer::~HttpServer() { stop(); }
 
 void HttpServer::fast(const std::string& method, const std::string& path, HttpHandler handler) {
   state_->routes[{method, path}] = HttpRoute{true, std::move(handler)};
@@ -201,38 +201,63 @@ int wait_for_signal() {
 
 }  // namespace
 
+// The I/O side while serving.
+struct HttpServer::Running {
+  explicit Running(int threads) : ioc(threads), acceptor(ioc) {}
+  net::io_context ioc;
+  tcp::acceptor acceptor;
+  std::vector<std::thread> io;
+};
+
+Result<int> HttpServer::start() {
+  ServerState& s = *state_;
+  running_ = std::make_unique<Running>(s.io_threads);
+  int port = bind_listener(running_->acceptor, host_, port_);
+  if (port == 0) {
+    running_.reset();
+    return Unavailable("cannot listen on " + host_ + ":" + std::to_string(port_));
+  }
+  s.queue = std::make_unique<RequestQueue>(s.workers, max_queued_);
+  accept_next(running_->acceptor, s);
+  for (int i = 0; i < s.io_threads; ++i) {
+    running_->io.emplace_back([ioc = &running_->ioc] { ioc->run(); });
+  }
+  return port;
+}
+
+void HttpServer::stop() {
+  if (!running_) return;
+  ServerState& s = *state_;
+  // Stop accepting; answer what was admitted (queued, running, streaming); then go.
+  s.stopping = true;
+  net::post(running_->ioc, [acceptor = &running_->acceptor] {
+    boost::system::error_code ignored;
+    acceptor->close(ignored);
+  });
+  if (!s.wait_idle(Deadline::after(std::chrono::minutes(10)))) {
+    spdlog::warn("{}: requests still in flight after 10 minutes; stopping anyway", s.role);
+  }
+  running_->ioc.stop();
+  for (auto& t : running_->io) t.join();
+  s.queue->stop();
+  running_.reset();
+}
+
 int HttpServer::serve_until_signal() {
   // Signals are taken synchronously by this thread; every other thread blocks them.
   block_shutdown_signals();
-  ServerState& s = *state_;
-  const std::string& role = s.role;
-  net::io_context ioc(s.io_threads);
-  tcp::acceptor acceptor(ioc);
-  int port = bind_listener(acceptor, host_, port_);
-  if (port == 0) {
-    std::cerr << "ecx serve " << role << ": cannot listen on " << host_ << ":" << port_ << "\n";
+  const std::string& role = state_->role;
+  auto port = start();
+  if (!port.ok()) {
+    std::cerr << "ecx serve " << role << ": " << port.status().message() << "\n";
     return 1;
   }
-  s.queue = std::make_unique<RequestQueue>(s.workers, max_queued_);
-  accept_next(acceptor, s);
-  std::vector<std::thread> io;
-  for (int i = 0; i < s.io_threads; ++i) io.emplace_back([&ioc] { ioc.run(); });
-  std::cout << "ecx serve " << role << " listening on http://" << host_ << ":" << port << std::endl;
-  spdlog::info("{} listening on {}:{}", role, host_, port);
+  std::cout << "ecx serve " << role << " listening on http://" << host_ << ":" << *port
+            << std::endl;
+  spdlog::info("{} listening on {}:{}", role, host_, *port);
   int sig = wait_for_signal();
   spdlog::info("{}: signal {}, draining in-flight requests", role, sig);
-  // Stop accepting; answer what was admitted (queued, running, streaming); then go.
-  s.stopping = true;
-  net::post(ioc, [&acceptor] {
-    boost::system::error_code ignored;
-    acceptor.close(ignored);
-  });
-  if (!s.wait_idle(Deadline::after(std::chrono::minutes(10)))) {
-    spdlog::warn("{}: requests still in flight after 10 minutes; stopping anyway", role);
-  }
-  ioc.stop();
-  for (auto& t : io) t.join();
-  s.queue->stop();
+  stop();
   return 0;
 }
 

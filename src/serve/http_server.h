@@ -58,15 +58,21 @@ class HttpServer {
   void fast(const std::string& method, const std::string& path, HttpHandler handler);
   void work(const std::string& method, const std::string& path, HttpHandler handler);
 
-  // Binds, prints the listening line, serves until SIGTERM/SIGINT, then stops
-  // accepting, finishes every admitted request and returns the exit code.
+  // Binds, prints the listening line, serves until SIGTERM/SIGINT, then stop(); returns
+  // the exit code.
   int serve_until_signal();
+  // Binds and starts serving on the I/O and worker threads; returns the port.
+  Result<int> start();
+  // Stops accepting, finishes every admitted request, joins every thread. Idempotent.
+  void stop();
 
   // ecx_http_* lines for /metrics: rejected requests, queue depth, threads, connections.
   std::string render_metrics() const;
 
  private:
+  struct Running;
   std::unique_ptr<ServerState> state_;
+  std::unique_ptr<Running> running_;  // while serving
   uint64_t max_queued_ = 0;
   std::string host_;
   int port_ = 0;

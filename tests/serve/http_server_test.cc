@@ -1,0 +1,254 @@
+// The services' HTTP layer (serve/http_server.h) in-process, over real loopback HTTP:
+// health answers while the work queue is full, admission control, FIFO order, a client
+// that leaves mid-stream is noticed, bad requests get JSON 4xx, and idle keep-alive
+// connections do not block a new request. Work handlers wait on the test's gates, so
+// nothing here depends on timing.
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <httplib.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <condition_variable>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "serve/http_server.h"
+
+namespace ecx::serve {
+namespace {
+
+using nlohmann::json;
+
+// A flag a handler waits on (with a deadline) and the test opens.
+class Gate {
+ public:
+  void open() {
+    std::lock_guard lock(mu_);
+    open_ = true;
+    cv_.notify_all();
+  }
+  bool wait(std::chrono::seconds timeout = std::chrono::seconds(60)) {
+    std::unique_lock lock(mu_);
+    return cv_.wait_for(lock, timeout, [&] { return open_; });
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool open_ = false;
+};
+
+// A counter the test can wait on.
+class Counter {
+ public:
+  void add() {
+    std::lock_guard lock(mu_);
+    ++n_;
+    cv_.notify_all();
+  }
+  bool wait_for(int n) {
+    std::unique_lock lock(mu_);
+    return cv_.wait_for(lock, std::chrono::seconds(60), [&] { return n_ >= n; });
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int n_ = 0;
+};
+
+double metric(const std::string& text, const std::string& name) {
+  std::istringstream lines(text);
+  std::string line;
+  while (std::getline(lines, line)) {
+    if (line.rfind(name + " ", 0) == 0) return std::stod(line.substr(name.size() + 1));
+  }
+  return -1;
+}
+
+struct TestServer {
+  explicit TestServer(int workers, uint64_t max_queued, uint64_t max_body = 1 << 20) {
+    config.port = 0;
+    config.workers = workers;
+    config.max_queued = max_queued;
+    config.max_body_bytes = max_body;
+    server = std::make_unique<HttpServer>(config, "test", workers);
+    add_common_routes(*server, config, "test", [] { return std::string(); });
+  }
+  void start() {
+    auto p = server->start();
+    ASSERT_TRUE(p.ok()) << p.status().to_string();
+    port = *p;
+  }
+  httplib::Client client() const {
+    httplib::Client cli("127.0.0.1", port);
+    cli.set_read_timeout(std::chrono::seconds(60));
+    return cli;
+  }
+  // Waits until `n` requests wait in the queue (the server has no event for it).
+  bool queued(double n) {
+    for (int i = 0; i < 1200; ++i) {
+      if (metric(server->render_metrics(), "ecx_http_queue_depth") == n) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    return false;
+  }
+
+  CommonServiceConfig config;
+  std::unique_ptr<HttpServer> server;
+  int port = 0;
+};
+
+void expect_json_error(const httplib::Result& res, int status) {
+  ASSERT_TRUE(res) << httplib::to_string(res.error());
+  EXPECT_EQ(res->status, status);
+  auto body = json::parse(res->body, nullptr, false);
+  ASSERT_TRUE(body.is_object()) << res->body;
+  EXPECT_EQ(body["error"]["code"], status);
+  EXPECT_TRUE(body["error"]["message"].is_string());
+  EXPECT_TRUE(body["error"]["type"].is_string());
+}
+
+TEST(HttpServerTest, HealthAnswersAndOverflowGets503WhileTheQueueIsFull) {
+  TestServer t(/*workers=*/1, /*max_queued=*/2);
+  Gate gate;
+  Counter started;
+  t.server->work("POST", "/work", [&](const HttpRequest&, HttpResponse& res) {
+    started.add();
+    gate.wait();
+    res.set_content("{}", "application/json");
+  });
+  t.start();
+  std::vector<std::thread> clients;
+  std::vector<int> statuses(3, 0);
+  clients.emplace_back(
+      [&] { statuses[0] = t.client().Post("/work", "{}", "application/json")->status; });
+  ASSERT_TRUE(started.wait_for(1));  // the one worker is busy
+  for (int i = 1; i < 3; ++i) {
+    clients.emplace_back(
+        [&, i] { statuses[i] = t.client().Post("/work", "{}", "application/json")->status; });
+  }
+  ASSERT_TRUE(t.queued(2));
+  // Full: the next one is refused at once, counted, and says when to retry.
+  auto refused = t.client().Post("/work", "{}", "application/json");
+  expect_json_error(refused, 503);
+  EXPECT_EQ(refused->get_header_value("Retry-After"), "1");
+  auto health = t.client().Get("/health");
+  ASSERT_TRUE(health);
+  EXPECT_EQ(health->status, 200);
+  auto metrics = t.client().Get("/metrics");
+  ASSERT_TRUE(metrics);
+  EXPECT_EQ(metric(metrics->body, "ecx_http_rejected_total"), 1);
+  // Nothing admitted is harmed.
+  gate.open();
+  for (auto& c : clients) c.join();
+  EXPECT_EQ(statuses, std::vector<int>({200, 200, 200}));
+}
+
+TEST(HttpServerTest, QueuedRequestsRunInArrivalOrder) {
+  TestServer t(/*workers=*/1, /*max_queued=*/100);
+  Gate gate;
+  Counter started;
+  std::mutex mu;
+  std::vector<std::string> order;
+  t.server->work("POST", "/work", [&](const HttpRequest& req, HttpResponse& res) {
+    if (req.body == "first") {
+      started.add();
+      gate.wait();
+    }
+    std::lock_guard lock(mu);
+    order.push_back(req.body);
+    res.set_content("{}", "application/json");
+  });
+  t.start();
+  std::vector<std::thread> clients;
+  clients.emplace_back([&] { t.client().Post("/work", "first", "text/plain"); });
+  ASSERT_TRUE(started.wait_for(1));
+  std::vector<std::string> want = {"first"};
+  for (int i = 0; i < 8; ++i) {
+    std::string body = "r" + std::to_string(i);
+    want.push_back(body);
+    clients.emplace_back([&t, body] { t.client().Post("/work", body, "text/plain"); });
+    ASSERT_TRUE(t.queued(i + 1));  // arrived before the next one is sent
+  }
+  gate.open();
+  for (auto& c : clients) c.join();
+  EXPECT_EQ(order, want);
+}
+
+TEST(HttpServerTest, AStreamNoticesTheClientLeaving) {
+  TestServer t(/*workers=*/1, /*max_queued=*/10);
+  Counter gone;
+  t.server->work("POST", "/stream", [&](const HttpRequest&, HttpResponse& res) {
+    StreamWriter& w = res.start_stream("text/event-stream");
+    // Writes until the client has gone; a client that never leaves fails the test by
+    // its timeout, not by hanging here.
+    for (int i = 0; i < 10'000'000; ++i) {
+      if (!w.write("data: tick\n\n")) {
+        gone.add();
+        return;
+      }
+    }
+  });
+  t.start();
+  {
+    httplib::Client cli = t.client();
+    int chunks = 0;
+    httplib::Request req;
+    req.method = "POST";
+    req.path = "/stream";
+    req.body = "{}";
+    req.content_receiver = [&](const char*, size_t, uint64_t, uint64_t) {
+      return ++chunks < 3;  // leaves after a few chunks
+    };
+    cli.send(req);
+    EXPECT_GE(chunks, 1);
+  }
+  EXPECT_TRUE(gone.wait_for(1));
+}
+
+TEST(HttpServerTest, BadRequestsGetJson4xx) {
+  TestServer t(/*workers=*/1, /*max_queued=*/10, /*max_body=*/1000);
+  t.server->work("POST", "/work", [](const HttpRequest&, HttpResponse& res) {
+    res.set_content("{}", "application/json");
+  });
+  t.start();
+  expect_json_error(t.client().Post("/work", std::string(5000, 'x'), "text/plain"), 413);
+  expect_json_error(t.client().Get("/nowhere"), 404);
+  expect_json_error(t.client().Get("/work"), 405);
+  auto ok = t.client().Post("/work", std::string(500, 'x'), "text/plain");
+  ASSERT_TRUE(ok);
+  EXPECT_EQ(ok->status, 200);
+}
+
+TEST(HttpServerTest, ManyIdleConnectionsDoNotBlockANewRequest) {
+  TestServer t(/*workers=*/1, /*max_queued=*/10);
+  t.server->work("POST", "/work", [](const HttpRequest&, HttpResponse& res) {
+    res.set_content("{}", "application/json");
+  });
+  t.start();
+  std::vector<int> idle;
+  for (int i = 0; i < 500; ++i) {
+    int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    ASSERT_GE(fd, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(t.port));
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+    idle.push_back(fd);
+  }
+  auto res = t.client().Post("/work", "{}", "application/json");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 200);
+  auto metrics = t.client().Get("/metrics");
+  ASSERT_TRUE(metrics);
+  EXPECT_GE(metric(metrics->body, "ecx_http_open_connections"), 500);
+  for (int fd : idle) ::close(fd);
+}
+
+}  // namespace
+}  // namespace ecx::serve

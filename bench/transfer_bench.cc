@@ -12,6 +12,7 @@
 
 #include "bench.h"
 #include "bench_stats.h"
+#include "charts.h"
 #include "connector_bench.h"
 #include "connector_peer.h"
 #include "ecx/common/bytes.h"
@@ -22,7 +23,6 @@
 #include "ecx/transfer/agent.h"
 #include "transfer/socket.h"
 #include "transfer_peer.h"
-#include "charts.h"
 #include "transfer_results.h"
 
 namespace ecx::bench {
@@ -387,9 +387,9 @@ void TransferBench::write_chart() const {
                  .log_scale = true};
   for (const auto& r : rows_) {
     std::string name = r.ucx_tls.empty() ? r.backend : r.backend + "(" + r.ucx_tls + ")";
-    chart.bars.push_back({name + " " + r.mode + " " + std::to_string(r.batch) + "x" +
-                              format_bytes(r.size),
-                          r.p50_us, r.p99_us});
+    chart.bars.push_back(
+        {name + " " + r.mode + " " + std::to_string(r.batch) + "x" + format_bytes(r.size), r.p50_us,
+         r.p99_us});
   }
   std::string png = chart_path_for(options_.json_path);
   Status s = chart.bars.empty() ? Status::Ok() : write_bar_chart(chart, png);

@@ -12,9 +12,9 @@
 #include "ecx/engine/model.h"
 #include "ecx/serve/services.h"
 #include "epd_bench.h"
-#include "peers_bench.h"
 #include "gpu_bench.h"
 #include "load_bench.h"
+#include "peers_bench.h"
 #include "serve_bench.h"
 
 namespace {

@@ -16,6 +16,7 @@
 #include "ecx/common/checksum.h"
 #include "ecx/common/subprocess.h"
 #include "ecx/connector/ec_connector.h"
+#include "netns.h"
 
 namespace ecx::bench {
 namespace {
@@ -28,9 +29,11 @@ double control_rtts(const std::string& name) { return name == "p2p:pull-2step" ?
 
 class Producer {
  public:
-  static Result<Producer> start(const std::string& exe, const json& config) {
-    ECX_ASSIGN_OR_RETURN(Subprocess p, Subprocess::spawn({exe, "bench", "connector-peer",
-                                                          "--config", config.dump()}));
+  static Result<Producer> start(const std::string& exe, const json& config,
+                                const std::string& netns) {
+    ECX_ASSIGN_OR_RETURN(Subprocess p,
+                         Subprocess::spawn(in_netns(
+                             netns, {exe, "bench", "connector-peer", "--config", config.dump()})));
     Producer producer(std::move(p));
     ECX_ASSIGN_OR_RETURN(std::string ready, producer.process_.read_line(Deadline::after_ms(30000)));
     if (ready.rfind("ok", 0) != 0) return Unavailable("producer did not start: " + ready);
@@ -177,14 +180,17 @@ Status measure(const ConnectorBenchOptions& o, const std::string& exe, const jso
   std::string kind = row.connector.substr(0, row.connector.find(':'));
   json producer_extra = extra;
   producer_extra["engine_id"] = "bench-e-" + tag;
+  if (!o.peer_netns.empty()) producer_extra["tcp_host"] = o.peer_host;
   ECX_ASSIGN_OR_RETURN(
       Producer producer,
-      Producer::start(exe, {{"connector", kind}, {"role", "producer"}, {"extra", producer_extra}}));
+      Producer::start(exe, {{"connector", kind}, {"role", "producer"}, {"extra", producer_extra}},
+                      o.peer_netns));
   connector::ConnectorConfig cc;
   cc.connector = kind;
   cc.role = connector::Role::kConsumer;
   cc.extra = extra;
   cc.extra["engine_id"] = "bench-pd-" + tag;
+  if (!o.peer_netns.empty()) cc.extra["tcp_host"] = o.consumer_host;
   cc.extra["failure_policy"] = "fail";
   ECX_ASSIGN_OR_RETURN(auto consumer, connector::create_connector(cc));
   ECX_ASSIGN_OR_RETURN(auto samples, time_requests(o, producer, *consumer, tag));
@@ -208,7 +214,13 @@ ConnectorRow run_one(const ConnectorBenchOptions& o, const std::string& exe,
   row.requests = o.requests;
   std::string tag = std::to_string(::getpid()) + "-" + std::to_string(index);
   auto root = std::filesystem::temp_directory_path() / ("ecx-bench-disk-" + tag);
-  Status measured = measure(o, exe, connector_extra(o, name, tag, root, security), tag, row);
+  Status measured =
+      !o.peer_netns.empty() && security == "off"
+          ? Status(StatusCode::kFailedPrecondition,
+                   "security off: agents without a secret listen on loopback only, out of reach "
+                   "of network namespace " +
+                       o.peer_netns)
+          : measure(o, exe, connector_extra(o, name, tag, root, security), tag, row);
   if (!measured.ok()) row.error = measured.message();
   std::error_code ec;
   std::filesystem::remove_all(root, ec);

@@ -22,6 +22,12 @@ struct ConnectorBenchOptions {
   // "off": neither. "on,off" measures both, alternated, `rounds` times in one run.
   std::string security = "on";
   int rounds = 1;
+  // The producer in this network namespace (ip netns exec), its agent on `peer_host`,
+  // the consumer's on `consumer_host` (transfer_bench.cc resolves both). Needs security
+  // on: an agent without a secret listens on loopback only.
+  std::string peer_netns;
+  std::string peer_host;
+  std::string consumer_host;
 };
 
 struct ConnectorRow {

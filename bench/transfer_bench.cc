@@ -10,17 +10,21 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 
+#include "transfer_bench.h"
+
 #include "bench.h"
 #include "bench_stats.h"
 #include "charts.h"
 #include "connector_bench.h"
 #include "connector_peer.h"
+#include "ecx/common/auth.h"
 #include "ecx/common/bytes.h"
 #include "ecx/common/checksum.h"
 #include "ecx/common/json_reader.h"
 #include "ecx/common/log.h"
 #include "ecx/common/subprocess.h"
 #include "ecx/transfer/agent.h"
+#include "netns.h"
 #include "transfer/socket.h"
 #include "transfer_peer.h"
 #include "transfer_results.h"
@@ -48,24 +52,6 @@ using nlohmann::json;
 using transfer::Agent;
 using transfer::Backend;
 using transfer::TransferDescriptor;
-
-struct TransferBenchOptions {
-  std::string backends = "shm,tcp";
-  std::string modes = "pull,push,pull-2step";
-  std::string sizes = "64KiB,1600KiB,8MiB";
-  std::string batches = "1,3,16";
-  int iters = 50;
-  std::string json_path;
-  uint64_t slice_bytes = 4ull << 20;
-  int streams = 2;
-  ConnectorBenchOptions connectors;
-  std::string item_size = "1600KiB";
-  // ucx rows: one set per UCX_TLS ("default": UCX's choice), each against ucx_perftest.
-  std::vector<std::string> ucx_tls = {"tcp", "posix,cma"};
-  std::string ucx_library = "system";
-  std::string ucx_error_mode = "auto";
-  std::string ucx_perftest = "ucx_perftest";
-};
 
 std::vector<std::string> split(const std::string& text) {
   std::vector<std::string> out;
@@ -123,6 +109,8 @@ class TransferBench {
   std::optional<EarlyExit> start();
   Status start_agent();
   Status start_peer();
+  Status resolve_hosts();
+  Status report_auto_backend();
   Status restart_with_ucx(const std::string& tls);
   std::optional<EarlyExit> measure_transfers();
   std::optional<EarlyExit> measure_backend(Backend backend);
@@ -158,6 +146,12 @@ class TransferBench {
   std::string peer_name_;
   uint32_t source_region_ = 0;
   uint16_t baseline_port_ = 0;
+  // Across network namespaces (--peer-netns): the producer's address, ours, and the
+  // deployment secret both agents need to listen beyond loopback.
+  std::string peer_host_ = "127.0.0.1";
+  std::string consumer_host_;
+  std::string secret_;
+  std::string auto_backend_;          // what `auto` picked for the producer (--peer-netns)
   std::vector<std::byte> reference_;  // the producer's source pattern, for verification
   std::vector<Row> rows_;
   std::vector<Baseline> baselines_;
@@ -207,10 +201,15 @@ std::optional<EarlyExit> TransferBench::parse_lists() {
       return usage_error("--batch: '" + b + "' is not a batch size in 1..1024");
     batches_.push_back(v);
   }
+  const bool netns = !options_.peer_netns.empty();
+  if (netns && !options_.backends_given) options_.backends = "tcp";
   for (const auto& b : split(options_.backends == "none" ? "" : options_.backends)) {
     auto parsed = transfer::parse_backend(b);
     if (!parsed.ok() || *parsed == Backend::kAuto) {
       return usage_error("--backends: '" + b + "' (expected shm, tcp or ucx)");
+    }
+    if (netns && *parsed == Backend::kShm) {
+      return usage_error("--backends shm cannot reach a producer in another network namespace");
     }
     backends_.push_back(*parsed);
   }
@@ -230,8 +229,10 @@ std::optional<EarlyExit> TransferBench::parse_lists() {
 
 // The consumer agent and its destination region; the producer when a backend is measured.
 std::optional<EarlyExit> TransferBench::start() {
-  Status st = start_agent();
+  Status st = options_.peer_netns.empty() ? Status::Ok() : resolve_hosts();
+  if (st.ok()) st = start_agent();
   if (st.ok() && !backends_.empty()) st = start_peer();
+  if (st.ok() && !backends_.empty() && !options_.peer_netns.empty()) st = report_auto_backend();
   if (!st.ok()) return failure(st.to_string());
   if (!backends_.empty()) {
     std::printf("ecx bench transfer: producer pid %d, consumer pid %d, %d iterations per case\n",
@@ -244,6 +245,10 @@ Status TransferBench::start_agent() {
   transfer::AgentConfig config{.name = "bench-consumer",
                                .tcp_slice_bytes = options_.slice_bytes,
                                .tcp_streams = options_.streams};
+  if (!secret_.empty()) {
+    config.tcp_host = consumer_host_;
+    config.auth_secret = secret_;
+  }
   if (ucx_tls_) {
     config.ucx = {.enable = true,
                   .library = options_.ucx_library,
@@ -266,10 +271,18 @@ Status TransferBench::start_peer() {
     peer.ucx_error_mode = options_.ucx_error_mode;
     peer.ucx_library = options_.ucx_library;
   }
-  ECX_ASSIGN_OR_RETURN(auto child,
-                       Subprocess::spawn(transfer_peer_command(current_executable(), peer)));
+  std::optional<SecretFile> secret_file;
+  if (!secret_.empty()) {
+    ECX_ASSIGN_OR_RETURN(secret_file, SecretFile::write(secret_));
+    peer.tcp_host = peer_host_;
+    peer.auth_token_file = secret_file->path();
+  }
+  ECX_ASSIGN_OR_RETURN(
+      auto child, Subprocess::spawn(in_netns(options_.peer_netns,
+                                             transfer_peer_command(current_executable(), peer))));
   peer_process_.emplace(std::move(child));
   ECX_ASSIGN_OR_RETURN(std::string line, peer_process_->read_line(Deadline::after_ms(30000)));
+  secret_file.reset();  // read by now
   auto ready = parse_json_object(line, "bench peer's ready line");
   if (!ready.ok()) return Internal("bench peer printed no JSON: " + line);
   JsonReader r(*ready, "bench peer's ready line");
@@ -280,8 +293,34 @@ Status TransferBench::start_peer() {
   source_region_ = static_cast<uint32_t>(region);
   ECX_ASSIGN_OR_RETURN(uint64_t port, r.u64("baseline_port", Presence::kRequired, 65535));
   baseline_port_ = static_cast<uint16_t>(port);
+  ECX_ASSIGN_OR_RETURN(peer_host_, r.string("host", Presence::kOptional, 256, "127.0.0.1"));
   reference_.resize(region_bytes_);
   fill_pattern(reference_.data(), reference_.size(), kPeerSeed);
+  return Status::Ok();
+}
+
+// --peer-netns: the producer listens on its namespace's address, we on ours towards it,
+// both with a secret made for this run.
+Status TransferBench::resolve_hosts() {
+  ECX_ASSIGN_OR_RETURN(peer_host_, netns_address(options_.peer_netns));
+  if (!options_.tcp_host.empty()) {
+    consumer_host_ = options_.tcp_host;
+  } else {
+    ECX_ASSIGN_OR_RETURN(consumer_host_, local_address_towards(peer_host_));
+  }
+  secret_ = hex_encode(random_bytes(32).data(), 32);
+  std::printf("producer in network namespace %s at %s, consumer at %s\n",
+              options_.peer_netns.c_str(), peer_host_.c_str(), consumer_host_.c_str());
+  return Status::Ok();
+}
+
+// Which backend `auto` picks for the producer: tcp (or ucx) between two hosts, not shm.
+Status TransferBench::report_auto_backend() {
+  ECX_RETURN_IF_ERROR(agent_->connect(peer_, {}).status());
+  ECX_ASSIGN_OR_RETURN(Backend backend, agent_->peer_backend(peer_name_));
+  auto_backend_ = std::string(transfer::backend_name(backend));
+  agent_->disconnect(peer_name_);
+  std::printf("backend auto picks %s for the producer\n", auto_backend_.c_str());
   return Status::Ok();
 }
 
@@ -361,6 +400,14 @@ std::optional<EarlyExit> TransferBench::measure_connectors() {
     return usage_error("--item-size: " + options_.item_size + " is not a size");
   }
   options_.connectors.item_bytes = *item;
+  if (!options_.peer_netns.empty()) {
+    if (secret_.empty()) {
+      if (Status st = resolve_hosts(); !st.ok()) return failure(st.to_string());
+    }
+    options_.connectors.peer_netns = options_.peer_netns;
+    options_.connectors.peer_host = peer_host_;
+    options_.connectors.consumer_host = consumer_host_;
+  }
   std::printf("\nconnectors: %d requests of %d x %s each, producer in its own process\n",
               options_.connectors.requests, options_.connectors.items, format_bytes(*item).c_str());
   connector_rows_ = run_connector_bench(options_.connectors, current_executable());
@@ -371,6 +418,10 @@ std::optional<EarlyExit> TransferBench::measure_connectors() {
 std::optional<EarlyExit> TransferBench::write_json() const {
   if (options_.json_path.empty()) return std::nullopt;
   json out = results_json(rows_, baselines_);
+  if (!options_.peer_netns.empty()) {
+    out["peer_netns"] = options_.peer_netns;
+    if (!auto_backend_.empty()) out["auto_backend"] = auto_backend_;
+  }
   if (!connector_rows_.empty()) out["connectors"] = connector_rows_json(connector_rows_);
   std::ofstream f(options_.json_path);
   f << out.dump(2) << "\n";
@@ -540,7 +591,7 @@ Result<Baseline> TransferBench::memcpy_baseline(uint64_t size) {
 Result<Baseline> TransferBench::socket_baseline(uint64_t size) {
   // A plain blocking TCP socket, one stream, default buffers: request, then size bytes.
   ECX_ASSIGN_OR_RETURN(
-      auto fd, transfer::connect_tcp({"127.0.0.1", baseline_port_}, Deadline::after_ms(5000)));
+      auto fd, transfer::connect_tcp({peer_host_, baseline_port_}, Deadline::after_ms(5000)));
   std::vector<std::byte> dst(size);
   ECX_ASSIGN_OR_RETURN(
       auto samples, time_iterations(options_.iters, [&]() -> Status {
@@ -557,75 +608,8 @@ Result<Baseline> TransferBench::socket_baseline(uint64_t size) {
 
 }  // namespace
 
-void add_transfer_commands(CLI::App& bench, int* exit_code) {
-  auto options = std::make_shared<TransferBenchOptions>();
-  CLI::App* t =
-      bench.add_subcommand("transfer", "Transfer engine benchmark (nixlbench-like), two processes");
-  t->add_option("--backends", options->backends, "Backends to measure: shm,tcp,ucx")
-      ->capture_default_str();
-  t->add_option("--ucx-tls", options->ucx_tls,
-                "ucx rows: one set per UCX_TLS value, e.g. --ucx-tls tcp posix,cma ('default': "
-                "UCX's choice); each against ucx_perftest with the same transports")
-      ->capture_default_str();
-  t->add_option("--ucx-library", options->ucx_library, "ucx: system, wheel or a libucp.so path")
-      ->capture_default_str();
-  t->add_option("--ucx-error-mode", options->ucx_error_mode,
-                "ucx: auto (peer over tcp, none over shared memory), peer or none")
-      ->capture_default_str();
-  t->add_option("--ucx-perftest", options->ucx_perftest, "ucx_perftest binary (baseline)")
-      ->capture_default_str();
-  t->add_option("--modes", options->modes, "Modes: pull,push,pull-2step")->capture_default_str();
-  t->add_option("--sizes", options->sizes, "Item sizes")->capture_default_str();
-  t->add_option("--batch", options->batches, "Items per request")->capture_default_str();
-  t->add_option("--iters", options->iters, "Timed iterations per case")->capture_default_str();
-  t->add_option("--json", options->json_path, "Write results as JSON to this file");
-  t->add_option("--slice-bytes", options->slice_bytes, "tcp slice size in bytes")
-      ->capture_default_str();
-  t->add_option("--streams", options->streams, "tcp data connections per peer")
-      ->capture_default_str();
-  t->add_option("--connectors", options->connectors.connectors,
-                "Also measure connectors per request: p2p:pull,p2p:pull-2step,p2p:push,disk,store");
-  t->add_option("--items", options->connectors.items, "Items per request (connectors)")
-      ->capture_default_str();
-  t->add_option("--item-size", options->item_size, "Item size (connectors)")->capture_default_str();
-  t->add_option("--requests", options->connectors.requests, "Requests per connector")
-      ->capture_default_str();
-  t->add_option("--redis", options->connectors.redis, "Redis for the store connector")
-      ->capture_default_str();
-  t->add_option("--security", options->connectors.security,
-                "Connectors with authentication and grant checks: on, off or on,off (alternated)")
-      ->capture_default_str();
-  t->add_option("--rounds", options->connectors.rounds,
-                "Repeat the connector rows this many times, alternating --security modes")
-      ->capture_default_str();
-  t->add_option("--connector-backend", options->connectors.backend, "p2p backend: auto, shm or tcp")
-      ->capture_default_str();
-  t->callback([options, exit_code] { *exit_code = TransferBench(*options).run(); });
-
-  auto peer = std::make_shared<TransferPeerOptions>();
-  CLI::App* p =
-      bench.add_subcommand("transfer-peer", "Producer process of bench transfer (internal)");
-  p->group("");  // hidden from --help
-  p->add_option("--name", peer->name);
-  p->add_option("--compat-hash", peer->compat_hash);
-  p->add_option("--region-bytes", peer->region_bytes);
-  p->add_option("--seed", peer->seed);
-  p->add_option("--slice-bytes", peer->tcp_slice_bytes);
-  p->add_option("--streams", peer->tcp_streams);
-  p->add_option("--ucx", peer->ucx, "Enable ucx with this UCX_TLS ('default': UCX's choice)");
-  p->add_option("--ucx-error-mode", peer->ucx_error_mode);
-  p->add_option("--ucx-library", peer->ucx_library);
-  p->add_option("--memory", peer->memory, "Source region memory: host or cuda")
-      ->check(CLI::IsMember({"host", "cuda"}));
-  p->add_option("--fault-stall-read-after-bytes", peer->fault_stall_read_after_bytes);
-  p->callback([peer, exit_code] { *exit_code = run_transfer_peer(*peer); });
-
-  auto connector_config = std::make_shared<std::string>();
-  CLI::App* cp = bench.add_subcommand("connector-peer", "A connector driven over stdin (internal)");
-  cp->group("");
-  cp->add_option("--config", *connector_config, "Connector config JSON")->required();
-  cp->callback(
-      [connector_config, exit_code] { *exit_code = run_connector_peer(*connector_config); });
+int run_transfer_bench(TransferBenchOptions options) {
+  return TransferBench(std::move(options)).run();
 }
 
 }  // namespace ecx::bench

@@ -13,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "ecx/common/auth.h"
 #include "ecx/common/checksum.h"
 #include "ecx/common/log.h"
 #include "ecx/transfer/agent.h"
@@ -58,11 +59,13 @@ Result<json> parse_request(std::string_view text) {
   return j;
 }
 
-transfer::AgentConfig agent_config(const TransferPeerOptions& options) {
+Result<transfer::AgentConfig> agent_config(const TransferPeerOptions& options) {
   transfer::AgentConfig config{.name = options.name,
                                .compat_hash = options.compat_hash,
+                               .tcp_host = options.tcp_host,
                                .tcp_slice_bytes = options.tcp_slice_bytes,
                                .tcp_streams = options.tcp_streams};
+  ECX_ASSIGN_OR_RETURN(config.auth_secret, load_secret("", options.auth_token_file));
   if (!options.ucx.empty()) {
     config.ucx = {.enable = true,
                   .library = options.ucx_library,
@@ -186,7 +189,9 @@ Result<std::string> answer_call(Producer& p, std::string_view body) {
 int run_transfer_peer(const TransferPeerOptions& options) {
   Producer producer;    // outlives the agent, whose handlers use it
   DeviceSource device;  // likewise: the agent deregisters it before it is freed
-  auto created = Agent::create(agent_config(options));
+  auto config = agent_config(options);
+  Result<std::unique_ptr<Agent>> created = config.status();
+  if (config.ok()) created = Agent::create(*config);
   if (!created.ok()) {
     std::cerr << "bench peer: " << created.status().to_string() << "\n";
     return 1;
@@ -220,7 +225,8 @@ int run_transfer_peer(const TransferPeerOptions& options) {
     return answer_call(producer, body);
   });
 
-  auto baseline = transfer::listen_tcp("127.0.0.1", 0);
+  const std::string host = agent->config().tcp_host;  // loopback unless it has a secret
+  auto baseline = transfer::listen_tcp(host, 0);
   if (!baseline.ok()) {
     std::cerr << "bench peer: " << baseline.status().to_string() << "\n";
     return 1;
@@ -230,11 +236,9 @@ int run_transfer_peer(const TransferPeerOptions& options) {
   if (on_gpu) src.data = pattern.data();
   std::thread baseline_thread([baseline_fd, src] { serve_baseline(baseline_fd, src); });
 
-  json ready = {{"metadata", agent->metadata().to_json()},
-                {"baseline_port", baseline->second},
-                {"seed", options.seed},
-                {"source_region", producer.source.id},
-                {"sink_region", producer.sink.id}};
+  json ready = {{"metadata", agent->metadata().to_json()}, {"host", host},
+                {"baseline_port", baseline->second},       {"seed", options.seed},
+                {"source_region", producer.source.id},     {"sink_region", producer.sink.id}};
   std::cout << ready.dump() << std::endl;
 
   // Serve until the parent closes our stdin (or dies).

@@ -1,7 +1,7 @@
 // The producer side of `ecx bench transfer` (and of the multi-process tests): a separate
 // process with an agent, a source region filled with a known pattern, a writable sink
 // region, and a plain-socket baseline server. It prints one JSON line describing itself
-// on stdout, then serves until its stdin closes.
+// on stdout ({"metadata","host","baseline_port",...}), then serves until its stdin closes.
 //
 // CALL requests it answers (JSON):
 //   {"op":"connect","metadata":"...","backend":"tcp"}      connect back to the caller
@@ -29,6 +29,10 @@ struct TransferPeerOptions {
   uint64_t seed = 42;
   uint64_t tcp_slice_bytes = 4ull << 20;
   int tcp_streams = 2;
+  // Where its agent and baseline server listen; an address other than loopback needs a
+  // deployment secret, read from `auth_token_file` (mode 600).
+  std::string tcp_host = "127.0.0.1";
+  std::string auth_token_file;
   std::string ucx;                      // "" = ucx off; else UcxConfig.tls ("tcp", ...)
   std::string ucx_error_mode = "auto";  // UcxConfig.error_mode
   std::string ucx_library = "system";   // UcxConfig.library
@@ -52,6 +56,8 @@ inline std::vector<std::string> transfer_peer_command(const std::string& exe,
   flag("--seed", std::to_string(options.seed));
   flag("--slice-bytes", std::to_string(options.tcp_slice_bytes));
   flag("--streams", std::to_string(options.tcp_streams));
+  if (options.tcp_host != "127.0.0.1") flag("--tcp-host", options.tcp_host);
+  if (!options.auth_token_file.empty()) flag("--auth-token-file", options.auth_token_file);
   if (!options.ucx.empty()) {
     flag("--ucx", options.ucx);
     flag("--ucx-error-mode", options.ucx_error_mode);

@@ -103,13 +103,18 @@ Result<AgentMetadata> AgentMetadata::parse(std::string_view text) {
   return m;
 }
 
+// Boot id, hostname and network namespace: two processes in two network namespaces
+// (the test hosts of scripts/hosts) cannot reach each other's abstract unix sockets,
+// so they are two hosts to the backends.
 std::string local_host_id() {
   std::string boot;
   std::ifstream in("/proc/sys/kernel/random/boot_id");
   std::getline(in, boot);
   char host[256] = {};
   ::gethostname(host, sizeof(host) - 1);
-  return boot + "/" + host;
+  char netns[64] = {};  // "net:[4026531840]"
+  ssize_t n = ::readlink("/proc/self/ns/net", netns, sizeof(netns) - 1);
+  return boot + "/" + host + (n > 0 ? "/" + std::string(netns, static_cast<size_t>(n)) : "");
 }
 
 std::string_view memory_kind_name(MemoryKind kind) {

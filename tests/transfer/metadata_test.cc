@@ -1,6 +1,11 @@
 #include "ecx/transfer/metadata.h"
 
 #include <gtest/gtest.h>
+#include <sched.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <string>
 
 namespace ecx::transfer {
 namespace {
@@ -64,6 +69,35 @@ TEST(AgentMetadata, BackendNames) {
   auto bad = parse_backend("rdma");
   ASSERT_FALSE(bad.ok());
   EXPECT_NE(bad.status().message().find("rdma"), std::string::npos);
+}
+
+// Two network namespaces (the test hosts of scripts/hosts) are two hosts: neither can
+// reach the other's abstract unix sockets, so `auto` must not pick shm between them.
+TEST(AgentMetadata, HostIdDiffersInAnotherNetworkNamespace) {
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    ::close(fds[0]);
+    if (::unshare(CLONE_NEWNET) != 0) ::_exit(3);
+    std::string id = local_host_id();
+    ::_exit(::write(fds[1], id.data(), id.size()) == static_cast<ssize_t>(id.size()) ? 0 : 1);
+  }
+  ::close(fds[1]);
+  std::string theirs;
+  char buf[512];
+  for (ssize_t n; (n = ::read(fds[0], buf, sizeof(buf))) > 0;) theirs.append(buf, n);
+  ::close(fds[0]);
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status));
+  if (WEXITSTATUS(status) == 3) GTEST_SKIP() << "unshare(CLONE_NEWNET) needs CAP_SYS_ADMIN";
+  ASSERT_EQ(WEXITSTATUS(status), 0);
+  std::string ours = local_host_id();
+  EXPECT_NE(theirs, ours);
+  // Same machine otherwise: the boot id and hostname part agree.
+  EXPECT_EQ(theirs.substr(0, theirs.rfind('/')), ours.substr(0, ours.rfind('/')));
 }
 
 }  // namespace

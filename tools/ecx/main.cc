@@ -15,6 +15,7 @@
 #include "gpu_bench.h"
 #include "load_bench.h"
 #include "peers_bench.h"
+#include "relay.h"
 #include "serve_bench.h"
 
 namespace {
@@ -275,6 +276,8 @@ int main(int argc, char** argv) {
   ecx::bench::add_epd_command(*bench, &exit_code);
   ecx::bench::add_peers_command(*bench, &exit_code);
   ecx::bench::add_eval_command(app, &exit_code);
+
+  ecx::relay::add_relay_command(app, &exit_code);
 
   CLI::App* serve = app.add_subcommand("serve", "Run one service: encoder, pd or proxy");
   serve->require_subcommand(1);

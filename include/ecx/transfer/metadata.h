@@ -27,7 +27,7 @@ struct AgentMetadata {
   std::string name;
   uint32_t protocol_version = 0;
   std::string compat_hash;
-  std::string host_id;       // same value <=> same host (boot id + hostname)
+  std::string host_id;       // same value <=> same host (boot id, hostname, net namespace)
   std::string shm_endpoint;  // abstract unix socket name, empty when shm is off
   std::string tcp_endpoint;  // "host:port", empty when tcp is off
   std::string ucx_address;   // UCX worker address (hex), empty when ucx is off
@@ -40,7 +40,7 @@ struct AgentMetadata {
   friend bool operator==(const AgentMetadata&, const AgentMetadata&) = default;
 };
 
-// The host id of this machine (used to decide whether shm can reach a peer).
+// The host id of this machine and network namespace (whether shm can reach a peer).
 std::string local_host_id();
 
 }  // namespace ecx::transfer

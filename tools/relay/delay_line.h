@@ -9,9 +9,9 @@
 #include <chrono>
 #include <cstddef>
 #include <deque>
+#include <memory>
 #include <optional>
 #include <span>
-#include <vector>
 
 #include "ecx/common/deadline.h"
 
@@ -27,6 +27,8 @@ class DelayLine {
   // Bytes that arrived at `arrived`, due at `arrived + delay`.
   // REQUIRES: no EOF pushed yet; `arrived` not earlier than the previous push.
   void push(std::span<const std::byte> bytes, Clock::time_point arrived);
+  // The same, taking the first `size` bytes of `buffer` without copying them.
+  void push(std::unique_ptr<std::byte[]> buffer, size_t size, Clock::time_point arrived);
   // The sender closed its side at `arrived`; due after every byte pushed before it.
   void push_eof(Clock::time_point arrived);
 
@@ -50,7 +52,8 @@ class DelayLine {
  private:
   struct Chunk {
     Clock::time_point due;
-    std::vector<std::byte> bytes;  // empty: the EOF marker
+    std::unique_ptr<std::byte[]> bytes;
+    size_t size = 0;  // 0: the EOF marker
     size_t written = 0;
   };
   std::chrono::nanoseconds delay_;

@@ -122,7 +122,8 @@ class Relay {
   std::priority_queue<Timer, std::vector<Timer>, std::greater<Timer>> timers_;
   Clock::time_point armed_ = Clock::time_point::max();
   uint64_t next_id_ = kFirstConnectionId;
-  std::vector<std::byte> scratch_ = std::vector<std::byte>(kReadChunk);
+  // Where the next read lands; a large read is handed to the line as it is (no copy).
+  std::unique_ptr<std::byte[]> scratch_ = std::make_unique_for_overwrite<std::byte[]>(kReadChunk);
   uint64_t accepted_ = 0, refused_ = 0;
 };
 
@@ -302,12 +303,18 @@ bool Relay::read_side(uint64_t id, Connection& c, int side, bool hangup) {
   Side& s = c.sides[side];
   DelayLine& line = c.lines[side];
   for (int i = 0; i < kReadsPerEvent && s.reading && (line.has_room() || hangup); ++i) {
-    ssize_t n = ::recv(s.fd.get(), scratch_.data(), scratch_.size(), 0);
+    ssize_t n = ::recv(s.fd.get(), scratch_.get(), kReadChunk, 0);
     auto now = Clock::now();
     if (n > 0) {
-      line.push(std::span<const std::byte>(scratch_.data(), static_cast<size_t>(n)), now);
+      size_t got = static_cast<size_t>(n);
+      if (got >= kReadChunk / 2) {
+        line.push(std::exchange(scratch_, std::make_unique_for_overwrite<std::byte[]>(kReadChunk)),
+                  got, now);
+      } else {
+        line.push(std::span<const std::byte>(scratch_.get(), got), now);  // small: copied
+      }
       schedule(now + options_.delay, id);
-      if (static_cast<size_t>(n) < scratch_.size()) break;
+      if (got < kReadChunk) break;
     } else if (n == 0) {
       s.reading = false;
       line.push_eof(now);

@@ -35,13 +35,34 @@ struct EpdOptions {
   std::string redis = "127.0.0.1:6379";
   std::string pool_bytes = "2GiB";
   std::string json_path;
+  int encoders = 1;
+  int pds = 1;
+  std::string hosts;     // network namespaces (scripts/hosts), comma-separated
+  std::string ec_extra;  // JSON merged into every service's connector "extra"
 };
+
+std::vector<std::string> split_commas(const std::string& text) {
+  std::vector<std::string> out;
+  std::stringstream ss(text);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    if (!item.empty()) out.push_back(item);
+  }
+  return out;
+}
+
+StackLayout layout_of(const EpdOptions& o) {
+  return StackLayout{.encoders = o.encoders,
+                     .pds = o.pds,
+                     .hosts = split_commas(o.hosts),
+                     .extra_json = o.ec_extra};
+}
 
 Result<json> run_connector(const EpdOptions& o, const std::string& connector,
                            const std::string& redis, const std::filesystem::path& dir) {
   const std::string exe = current_executable();
   StackProcs stack;
-  ECX_RETURN_IF_ERROR(start_stack(connector, o.pool_bytes, redis, dir, stack));
+  ECX_RETURN_IF_ERROR(start_stack(connector, o.pool_bytes, redis, dir, stack, layout_of(o)));
   Proc& proxy = stack.proxy;
   std::string out_path =
       (dir / ("serve-" + std::to_string(std::hash<std::string>()(connector)) + ".json")).string();
@@ -93,7 +114,8 @@ int run_epd(const EpdOptions& o) {
   // The store row needs a Redis: the one named, or one of our own.
   std::optional<RedisForBench> redis;
   if (o.connectors.find("store") != std::string::npos) {
-    auto r = RedisForBench::ensure(o.redis, dir);
+    auto hosts = split_commas(o.hosts);
+    auto r = RedisForBench::ensure(o.redis, dir, hosts.empty() ? "" : hosts[0]);
     if (r.ok() && r->started_here()) {
       std::printf("ecx bench epd: no Redis at %s: started one at %s\n", o.redis.c_str(),
                   r->address().c_str());
@@ -102,10 +124,7 @@ int run_epd(const EpdOptions& o) {
   }
   const std::string redis_address = redis ? redis->address() : o.redis;
   std::vector<json> rows;
-  std::stringstream ss(o.connectors);
-  std::string c;
-  while (std::getline(ss, c, ',')) {
-    if (c.empty()) continue;
+  for (const std::string& c : split_commas(o.connectors)) {
     std::printf("ecx bench epd: %s ...\n", c.c_str());
     std::fflush(stdout);
     auto r = run_connector(o, c, redis_address, dir);
@@ -143,7 +162,9 @@ int run_epd(const EpdOptions& o) {
   }
   if (!o.json_path.empty()) {
     std::ofstream f(o.json_path);
-    f << json{{"workload", o.workload}, {"num_prompts", o.num_prompts}, {"rows", rows}}.dump(2)
+    f << json{{"workload", o.workload}, {"num_prompts", o.num_prompts},   {"encoders", o.encoders},
+              {"pds", o.pds},           {"hosts", split_commas(o.hosts)}, {"rows", rows}}
+             .dump(2)
       << "\n";
     write_chart(o, rows);
   }
@@ -171,6 +192,18 @@ void add_epd_command(CLI::App& bench, int* exit_code) {
   s->add_option("--pool-bytes", o->pool_bytes, "Connector pool size per service")
       ->capture_default_str();
   s->add_option("--json", o->json_path, "Write all results as JSON");
+  s->add_option("--encoders", o->encoders, "E instances per stack")
+      ->check(CLI::Range(1, 64))
+      ->capture_default_str();
+  s->add_option("--pds", o->pds, "PD instances per stack")
+      ->check(CLI::Range(1, 64))
+      ->capture_default_str();
+  s->add_option("--hosts", o->hosts,
+                "Run the services in these network namespaces (scripts/hosts up N: "
+                "ecx-h1,ecx-h2,...): the proxy on the first, one E or PD per host after it");
+  s->add_option("--ec-extra", o->ec_extra,
+                "JSON merged into every service's connector config \"extra\" (e.g. "
+                "'{\"ucx\":true}')");
   s->callback([o, exit_code] { *exit_code = run_epd(*o); });
 }
 

@@ -302,7 +302,7 @@ int run_load_bench(const LoadBenchOptions& o) {
       return 1;
     }
     proxy = stack.proxy.url;
-    services = {{"proxy", stack.proxy.url}, {"encoder", stack.e.url}, {"pd", stack.pd.url}};
+    services = {{"proxy", stack.proxy.url}, {"encoder", stack.e().url}, {"pd", stack.pd().url}};
   } else {
     services = {{"proxy", proxy}};
   }

@@ -6,7 +6,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include "ecx/common/json_reader.h"
 #include "ecx/serve/services.h"
+#include "netns.h"
 #include "transfer/socket.h"
 
 namespace ecx::bench {
@@ -29,32 +31,84 @@ Status launch(Proc& proc, std::vector<std::string> argv) {
 
 }  // namespace
 
+namespace {
+
+// Where each service of a stack runs: the proxy on the first host, then one host per
+// E and PD, round robin over the others.
+class Placement {
+ public:
+  explicit Placement(const std::vector<std::string>& hosts) : hosts_(hosts) {}
+
+  struct Where {
+    std::string netns;    // empty: this namespace
+    std::string address;  // what the service binds and advertises
+  };
+  Result<Where> proxy() { return at(0); }
+  Result<Where> next() {
+    if (hosts_.size() <= 1) return at(0);
+    return at(1 + (next_++ % (hosts_.size() - 1)));
+  }
+
+ private:
+  Result<Where> at(size_t i) {
+    if (hosts_.empty()) return Where{"", "127.0.0.1"};
+    ECX_ASSIGN_OR_RETURN(std::string address, netns_address(hosts_[i]));
+    return Where{hosts_[i], address};
+  }
+  const std::vector<std::string>& hosts_;
+  size_t next_ = 0;
+};
+
+std::string join_urls(const std::vector<std::unique_ptr<Proc>>& procs) {
+  std::string out;
+  for (const auto& p : procs) out += (out.empty() ? "" : ",") + p->url;
+  return out;
+}
+
+}  // namespace
+
 Status start_stack(const std::string& connector, const std::string& pool_bytes,
-                   const std::string& redis, const std::filesystem::path& dir, StackProcs& s) {
+                   const std::string& redis, const std::filesystem::path& dir, StackProcs& s,
+                   const StackLayout& layout) {
   const std::string exe = current_executable();
   bool local = connector == "local";
   serve::use_new_stack_secret();  // each stack's E and PD share a secret of their own
   json ec = {{"connector", connector.substr(0, connector.find(':'))},
              {"extra", {{"pool_bytes", pool_bytes}}}};
+  if (!layout.extra_json.empty()) {
+    auto extra = parse_json_object(layout.extra_json, "--ec-extra");
+    if (!extra.ok()) return extra.status();
+    ec["extra"].update(*extra);
+  }
   if (connector.find(':') != std::string::npos)
     ec["extra"]["mode"] = connector.substr(connector.find(':') + 1);
   if (connector == "disk") ec["extra"]["root"] = (dir / "disk").string();
   if (connector == "store") ec["extra"]["redis"] = redis;
-  std::vector<std::string> common = {"--port",  "0",           "--ec-config",
-                                     ec.dump(), "--log-level", "error"};
-  if (!local) {
-    std::vector<std::string> argv = {exe, "serve", "encoder"};
-    argv.insert(argv.end(), common.begin(), common.end());
-    ECX_RETURN_IF_ERROR(launch(s.e, argv).with_context(connector + " encoder"));
+  Placement place(layout.hosts);
+  auto service = [&](const std::string& role, const Placement::Where& where) {
+    json config = ec;
+    config["extra"]["tcp_host"] = where.address;
+    return in_netns(where.netns, {exe, "serve", role, "--host", where.address, "--port", "0",
+                                  "--ec-config", config.dump(), "--log-level", "error"});
+  };
+  for (int i = 0; !local && i < layout.encoders; ++i) {
+    ECX_ASSIGN_OR_RETURN(auto where, place.next());
+    s.encoders.push_back(std::make_unique<Proc>());
+    ECX_RETURN_IF_ERROR(launch(*s.encoders.back(), service("encoder", where))
+                            .with_context(connector + " encoder " + std::to_string(i)));
   }
-  std::vector<std::string> pd_argv = {exe, "serve", "pd"};
-  pd_argv.insert(pd_argv.end(), common.begin(), common.end());
-  ECX_RETURN_IF_ERROR(launch(s.pd, pd_argv).with_context(connector + " pd"));
-  std::vector<std::string> proxy_argv = {exe,           "serve",       "proxy",
-                                         "--port",      "0",           "--pd",
-                                         s.pd.url,      "--connector", local ? "local" : "p2p",
-                                         "--log-level", "error"};
-  if (!local) proxy_argv.insert(proxy_argv.end(), {"--encoders", s.e.url});
+  for (int i = 0; i < layout.pds; ++i) {
+    ECX_ASSIGN_OR_RETURN(auto where, place.next());
+    s.pds.push_back(std::make_unique<Proc>());
+    ECX_RETURN_IF_ERROR(launch(*s.pds.back(), service("pd", where))
+                            .with_context(connector + " pd " + std::to_string(i)));
+  }
+  ECX_ASSIGN_OR_RETURN(auto where, place.proxy());
+  std::vector<std::string> proxy_argv =
+      in_netns(where.netns,
+               {exe, "serve", "proxy", "--host", where.address, "--port", "0", "--pd",
+                join_urls(s.pds), "--connector", local ? "local" : "p2p", "--log-level", "error"});
+  if (!local) proxy_argv.insert(proxy_argv.end(), {"--encoders", join_urls(s.encoders)});
   return launch(s.proxy, proxy_argv).with_context(connector + " proxy");
 }
 
@@ -76,9 +130,10 @@ bool redis_answers(const std::string& address, int64_t timeout_ms) {
 }
 
 Result<RedisForBench> RedisForBench::ensure(const std::string& address,
-                                            const std::filesystem::path& dir) {
+                                            const std::filesystem::path& dir,
+                                            const std::string& netns) {
   RedisForBench redis;
-  if (redis_answers(address, 1000)) {
+  if (netns.empty() && redis_answers(address, 1000)) {
     redis.address_ = address;
     return redis;
   }
@@ -94,12 +149,23 @@ Result<RedisForBench> RedisForBench::ensure(const std::string& address,
                        ", and no redis-server to start (Debian package redis-server)");
   }
   Status last = Unavailable("no redis-server started");
+  std::string host = "127.0.0.1";
+  if (!netns.empty()) {
+    ECX_ASSIGN_OR_RETURN(host, netns_address(netns));
+  }
   for (int attempt = 0; attempt < 3; ++attempt) {
-    ECX_ASSIGN_OR_RETURN(auto listener, transfer::listen_tcp("127.0.0.1", 0));
-    std::string port = std::to_string(listener.second);
-    listener.first.reset();  // free the port for redis-server (retried if taken meanwhile)
-    auto server = Subprocess::spawn({exe, "--port", port, "--bind", "127.0.0.1", "--save", "",
-                                     "--appendonly", "no", "--dir", dir.string()});
+    // A free port here; in a namespace of its own, any port is free.
+    std::string port = "6399";
+    if (netns.empty()) {
+      ECX_ASSIGN_OR_RETURN(auto listener, transfer::listen_tcp("127.0.0.1", 0));
+      port = std::to_string(listener.second);
+      listener.first.reset();  // free the port for redis-server (retried if taken meanwhile)
+    }
+    std::vector<std::string> argv = {exe, "--port",       port, "--bind", host,        "--save",
+                                     "",  "--appendonly", "no", "--dir",  dir.string()};
+    // On a test host's address Redis refuses other hosts unless told (a private link).
+    if (!netns.empty()) argv.insert(argv.end(), {"--protected-mode", "no"});
+    auto server = Subprocess::spawn(in_netns(netns, argv));
     if (!server.ok()) {
       return Unavailable("no Redis at " + address + ", and redis-server could not start: " +
                          server.status().message() + " (Debian package redis-server)");
@@ -109,7 +175,7 @@ Result<RedisForBench> RedisForBench::ensure(const std::string& address,
       auto line = server->read_line(Deadline::after_ms(10000));
       if (!line.ok()) break;
       if (line->find("Ready to accept connections") != std::string::npos) {
-        redis.address_ = "127.0.0.1:" + port;
+        redis.address_ = host + ":" + port;
         redis.server_ = std::make_unique<Subprocess>(std::move(*server));
         return redis;
       }

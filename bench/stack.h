@@ -1,5 +1,7 @@
 // What `ecx bench epd` and `ecx eval` share: a stack (proxy + E + PD; PD alone for
 // `local`) per connector, and a Redis for the store connector when none is running.
+// A stack may hold several E and PD instances, and may run in the test hosts of
+// `scripts/hosts` (network namespaces), one service per host.
 #pragma once
 
 #include <filesystem>
@@ -21,19 +23,36 @@ struct Proc {
 };
 
 struct StackProcs {
-  Proc e, pd, proxy;
+  std::vector<std::unique_ptr<Proc>> encoders, pds;
+  Proc proxy;
+  const Proc& e() const { return *encoders.at(0); }
+  const Proc& pd() const { return *pds.at(0); }
+};
+
+// How many instances, and where.
+struct StackLayout {
+  int encoders = 1;
+  int pds = 1;
+  // Network namespaces (scripts/hosts) to run in: the proxy on the first, then each E and
+  // each PD on the next host, round robin over the others. Empty: all on loopback.
+  std::vector<std::string> hosts;
+  // Merged into every service's connector config "extra" (e.g. {"ucx": true}).
+  std::string extra_json;
 };
 
 // Starts proxy + E + PD (PD alone for local) for `connector` ("p2p", "p2p:push", "disk",
-// "store", "local", ...), on free loopback ports, with a secret of their own.
+// "store", "local", ...), on free ports, with a secret of their own.
 Status start_stack(const std::string& connector, const std::string& pool_bytes,
-                   const std::string& redis, const std::filesystem::path& dir, StackProcs& s);
+                   const std::string& redis, const std::filesystem::path& dir, StackProcs& s,
+                   const StackLayout& layout = {});
 
 // A Redis for the store connector: the one at `address` if it answers PING, else a
 // redis-server of our own on a free loopback port (stopped with this object).
 class RedisForBench {
  public:
-  static Result<RedisForBench> ensure(const std::string& address, const std::filesystem::path& dir);
+  // With `netns`, a server of our own runs in that network namespace, on its address.
+  static Result<RedisForBench> ensure(const std::string& address, const std::filesystem::path& dir,
+                                      const std::string& netns = "");
   RedisForBench(RedisForBench&&) = default;
   RedisForBench& operator=(RedisForBench&&) = default;
   ~RedisForBench();

@@ -611,6 +611,7 @@ void P2pDriver::add_stats(ConnectorStats& s) const {
   s.releases_sent = releases_sent_.load();
   s.releases_received = releases_received_.load();
   s.params_rejected = params_rejected_.load();
+  if (agent() != nullptr) s.transfer_connects = agent()->stats().connects_by_backend;
   if (producer_pool_) s.producer_pool = producer_pool_->stats();
 }
 

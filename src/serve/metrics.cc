@@ -47,14 +47,24 @@ void set_pool_metrics(const std::string& prefix, const cache::PoolStats& pool, M
   metrics.set(prefix + "evictions", "", static_cast<double>(pool.evictions));
 }
 
+// Connections the agent opened to peers, by the backend chosen.
+void set_connect_metrics(const connector::ConnectorStats& stats, Metrics& metrics) {
+  for (const auto& [backend, n] : stats.transfer_connects) {
+    metrics.set("ecx_transfer_connects_total", "backend=\"" + backend + "\"",
+                static_cast<double>(n));
+  }
+}
+
 }  // namespace
 
 void set_producer_metrics(const connector::ConnectorStats& stats, Metrics& metrics) {
   if (stats.producer_pool) set_pool_metrics("ecx_pool_", *stats.producer_pool, metrics);
+  set_connect_metrics(stats, metrics);
 }
 
 void set_consumer_metrics(const connector::ConnectorStats& stats, Metrics& metrics) {
   if (stats.consumer_cache) set_pool_metrics("ecx_cache_", *stats.consumer_cache, metrics);
+  set_connect_metrics(stats, metrics);
   for (const auto& [code, n] : stats.nacks) {
     metrics.set("ecx_ec_nacks", "code=\"" + code + "\"", static_cast<double>(n));
   }

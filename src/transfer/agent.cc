@@ -91,7 +91,12 @@ class AgentImpl final : public Agent {
   Result<Notification> wait_notification(Deadline deadline) override;
   Result<RemoteView> view(const std::string& peer, uint32_t region, uint64_t offset,
                           uint64_t length, const Capability& capability) override;
-  AgentStats stats() const override { return stats_.snapshot(); }
+  AgentStats stats() const override {
+    AgentStats s = stats_.snapshot();
+    std::lock_guard lock(mu_);
+    s.connects_by_backend = connects_by_backend_;
+    return s;
+  }
   void shutdown() override;
   void set_test_faults(const TestFaults& faults) { server_->set_test_faults(faults); }
 
@@ -127,11 +132,12 @@ class AgentImpl final : public Agent {
 
   mutable std::mutex mu_;
   std::condition_variable peers_cv_;
-  std::map<std::string, PeerSlot> peers_;     // guarded by mu_
-  CallHandler call_handler_;                  // guarded by mu_
-  PeerGoneHandler peer_gone_handler_;         // guarded by mu_
-  NotificationHandler notification_handler_;  // guarded by mu_
-  bool stopped_ = false;                      // guarded by mu_
+  std::map<std::string, PeerSlot> peers_;                // guarded by mu_
+  std::map<std::string, uint64_t> connects_by_backend_;  // guarded by mu_
+  CallHandler call_handler_;                             // guarded by mu_
+  PeerGoneHandler peer_gone_handler_;                    // guarded by mu_
+  NotificationHandler notification_handler_;             // guarded by mu_
+  bool stopped_ = false;                                 // guarded by mu_
   // Peers whose connection died, waiting for the reaper thread to destroy them.
   std::vector<std::shared_ptr<Peer>> dead_peers_;  // guarded by mu_
   std::condition_variable reaper_cv_;
@@ -412,6 +418,7 @@ Result<AgentMetadata> AgentImpl::connect(const AgentMetadata& meta, ConnectOptio
     done.peer = *opened;
     done.error = Status::Ok();
     stats_.peers_connected++;
+    connects_by_backend_[std::string(backend_name(done.peer->backend))]++;
   } else {
     done.error = opened.status();
   }

@@ -122,6 +122,8 @@ struct ConnectorStats {
   uint64_t releases_received = 0;
   // ec_transfer_params ignored: unsigned, not signed by this deployment, or not the item's.
   uint64_t params_rejected = 0;
+  // p2p: connections this side's agent opened to peers, by backend ("shm", "tcp", "ucx").
+  std::map<std::string, uint64_t> transfer_connects;
   std::optional<cache::PoolStats> consumer_cache;  // consumers
   std::optional<cache::PoolStats> producer_pool;   // p2p producers
   struct Disk {

@@ -3,6 +3,7 @@
 
 #include <array>
 #include <cstdint>
+#include <map>
 #include <string>
 #include <string_view>
 
@@ -78,6 +79,8 @@ struct AgentStats {
   uint64_t peers_connected = 0;
   uint64_t peer_failures = 0;  // peers that died while connected
   uint64_t notifications_received = 0;
+  // Connections this agent opened to peers, by the backend chosen ("shm", "tcp", "ucx").
+  std::map<std::string, uint64_t> connects_by_backend;
 };
 
 }  // namespace ecx::transfer

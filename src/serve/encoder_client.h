@@ -23,8 +23,6 @@
 
 namespace ecx::serve {
 
-using UpstreamList = std::vector<std::shared_ptr<Upstream>>;
-
 // What the proxy asks an encoder for one image.
 struct EncodeCall {
   UpstreamApi api = UpstreamApi::kEcx;

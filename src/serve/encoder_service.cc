@@ -18,6 +18,7 @@
 #include "ecx/common/log.h"
 #include "ecx/engine/image.h"
 #include "serve/http_server.h"
+#include "serve/instance_registration.h"
 #include "serve/metrics.h"
 #include "serve/model_setup.h"
 #include "serve/openai_request.h"
@@ -117,6 +118,7 @@ class EncoderService {
   std::string render_metrics();
   // Lets consumers finish reading what this encoder handed out (bounded).
   void drain() { connector_->wait_for_readers(Deadline::after_ms(5000)).ignore_error(); }
+  const std::string& compat_hash() const { return connector_->compat_hash(); }
 
  private:
   explicit EncoderService(const EncoderServiceConfig& config) : config_(config) {}
@@ -312,6 +314,10 @@ std::string EncoderService::render_metrics() {
 int run_encoder_service(const EncoderServiceConfig& config) {
   block_shutdown_signals();
   set_log_level(config.common.log_level).ignore_error();
+  if (Status s = check_instance_directory(config.directory, config.common); !s.ok()) {
+    std::cerr << "ecx serve encoder: " << s.message() << "\n";
+    return 2;
+  }
   auto encoder = EncoderService::create(config);
   if (!encoder.ok()) {
     std::cerr << "ecx serve encoder: " << encoder.status().to_string() << "\n";
@@ -327,7 +333,7 @@ int run_encoder_service(const EncoderServiceConfig& config) {
   server.work("POST", "/v1/ec/release",
               [&e](const HttpRequest& req, HttpResponse& res) { e.handle_release(req, res); });
   add_common_routes(server, config.common, "encoder", [&e] { return e.render_metrics(); });
-  int rc = server.serve_until_signal();
+  int rc = serve_registered(server, config.directory, config.common, "encoder", e.compat_hash());
   e.drain();  // graceful: consumers finish reading what we handed out
   return rc;
 }

@@ -243,7 +243,7 @@ void HttpServer::stop() {
   running_.reset();
 }
 
-int HttpServer::serve_until_signal() {
+int HttpServer::serve_until_signal(const ServeHooks& hooks) {
   // Signals are taken synchronously by this thread; every other thread blocks them.
   block_shutdown_signals();
   const std::string& role = state_->role;
@@ -252,11 +252,14 @@ int HttpServer::serve_until_signal() {
     std::cerr << "ecx serve " << role << ": " << port.status().message() << "\n";
     return 1;
   }
+  // Before the listening line: who reads it may count on what the hook did.
+  if (hooks.on_listening) hooks.on_listening(*port);
   std::cout << "ecx serve " << role << " listening on http://" << host_ << ":" << *port
             << std::endl;
   spdlog::info("{} listening on {}:{}", role, host_, *port);
   int sig = wait_for_signal();
   spdlog::info("{}: signal {}, draining in-flight requests", role, sig);
+  if (hooks.on_signal) hooks.on_signal();
   stop();
   return 0;
 }

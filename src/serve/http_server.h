@@ -46,6 +46,15 @@ struct HealthReport {
 
 struct ServerState;  // serve/http_connection.h
 
+// What a service does around serve_until_signal: once it listens (on the port it got;
+// before the listening line is printed), and once a signal asks it to stop, before it
+// drains (an instance registered in etcd deregisters there, so the proxies send it
+// nothing new). Each must be bounded in time.
+struct ServeHooks {
+  std::function<void(int port)> on_listening;
+  std::function<void()> on_signal;
+};
+
 class HttpServer {
  public:
   // `config` gives the limits and threads; `role_workers` is the worker count when
@@ -59,8 +68,8 @@ class HttpServer {
   void work(const std::string& method, const std::string& path, HttpHandler handler);
 
   // Binds, prints the listening line, serves until SIGTERM/SIGINT, then stop(); returns
-  // the exit code.
-  int serve_until_signal();
+  // the exit code. `hooks` run once bound and before stop().
+  int serve_until_signal(const ServeHooks& hooks = {});
   // Binds and starts serving on the I/O and worker threads; returns the port.
   Result<int> start();
   // Stops accepting, finishes every admitted request, joins every thread. Idempotent.

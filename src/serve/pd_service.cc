@@ -10,6 +10,7 @@
 #include "ecx/common/json_reader.h"
 #include "ecx/common/log.h"
 #include "serve/http_server.h"
+#include "serve/instance_registration.h"
 #include "serve/metrics.h"
 #include "serve/model_setup.h"
 #include "serve/openai_request.h"
@@ -41,6 +42,7 @@ class PdService {
 
   void handle_chat(const HttpRequest& req, HttpResponse& res);
   std::string render_metrics();
+  const std::string& compat_hash() const { return connector_->compat_hash(); }
 
  private:
   explicit PdService(const PdServiceConfig& config) : config_(config) {}
@@ -211,6 +213,10 @@ std::string PdService::render_metrics() {
 int run_pd_service(const PdServiceConfig& config) {
   block_shutdown_signals();
   set_log_level(config.common.log_level).ignore_error();
+  if (Status s = check_instance_directory(config.directory, config.common); !s.ok()) {
+    std::cerr << "ecx serve pd: " << s.message() << "\n";
+    return 2;
+  }
   auto pd = PdService::create(config);
   if (!pd.ok()) {
     std::cerr << "ecx serve pd: " << pd.status().to_string() << "\n";
@@ -221,7 +227,7 @@ int run_pd_service(const PdServiceConfig& config) {
   server.work("POST", "/v1/chat/completions",
               [&](const HttpRequest& req, HttpResponse& res) { (*pd)->handle_chat(req, res); });
   add_common_routes(server, config.common, "pd", [&] { return (*pd)->render_metrics(); });
-  return server.serve_until_signal();
+  return serve_registered(server, config.directory, config.common, "pd", (*pd)->compat_hash());
 }
 
 }  // namespace ecx::serve

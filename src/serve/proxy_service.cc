@@ -8,6 +8,11 @@
 // the request goes to the PD without params for it and the PD encodes it itself. A PD
 // that refuses the connection is skipped for the next one. /health reads the flags only.
 //
+// Membership: the upstreams are one snapshot (serve/upstream_set.h) that each request
+// reads once. With --etcd, the encoders and PDs registered for the proxy's model join and
+// leave it as etcd says (directory/membership.h), the prober following; GET /v1/upstreams
+// lists them.
+//
 // Pins: every params an encoder issued pins its block there until the PD that reads it
 // releases it. A request abandoned before a PD took it (no PD reachable, the PD
 // answered an error, a bad image among its others) gives its params back to their
@@ -20,7 +25,9 @@
 #include <chrono>
 #include <future>
 #include <iostream>
+#include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <thread>
 
@@ -28,12 +35,15 @@
 #include "ecx/common/json_reader.h"
 #include "ecx/common/log.h"
 #include "ecx/common/mm_hash.h"
+#include "ecx/directory/membership.h"
 #include "ecx/engine/image.h"
+#include "ecx/engine/model.h"
 #include "serve/encoder_client.h"
 #include "serve/http_server.h"
 #include "serve/metrics.h"
 #include "serve/openai_request.h"
 #include "serve/upstream.h"
+#include "serve/upstream_set.h"
 
 namespace ecx::serve {
 namespace {
@@ -45,6 +55,9 @@ using Clock = std::chrono::steady_clock;
 constexpr std::chrono::milliseconds kPdConnectTimeout{3000};
 // Bounds each call that gives params back to an encoder.
 constexpr std::chrono::milliseconds kReleaseTimeout{2000};
+// Bounds each call to etcd, and how long start-up waits for the first read of members.
+constexpr std::chrono::milliseconds kEtcdTimeout{2000};
+constexpr std::chrono::milliseconds kEtcdSyncWait{3000};
 
 bool connect_failed(httplib::Error e) {
   return e == httplib::Error::Connection || e == httplib::Error::ConnectionTimeout;
@@ -100,41 +113,49 @@ class Proxy {
  public:
   Proxy(const ProxyServiceConfig& config, UpstreamList encoders, UpstreamList pds)
       : config_(config),
-        encoders_(std::move(encoders)),
-        pds_(std::move(pds)),
-        use_encoders_(config.connector != "local" && !encoders_.empty()),
+        upstreams_(std::move(encoders), std::move(pds)),
+        use_encoders_(config.connector != "local"),
         releaser_(kReleaseTimeout,
                   [this](int n) { metrics_.add("ecx_proxy_params_released_total", "", n); }) {}
 
   // The upstreams the prober watches: every PD, and the encoders when they are used.
   UpstreamList probed() const {
-    UpstreamList all = pds_;
-    if (use_encoders_) all.insert(all.end(), encoders_.begin(), encoders_.end());
+    auto members = upstreams_.snapshot();
+    UpstreamList all = members->pds;
+    if (use_encoders_) all.insert(all.end(), members->encoders.begin(), members->encoders.end());
     return all;
   }
+  // The instances registered in etcd now (all of them, each time); logged and counted.
+  // True when the members changed.
+  bool apply_membership(const std::vector<directory::Instance>& instances);
 
   void handle_chat(const HttpRequest& req, HttpResponse& res);
   HealthReport health() const;
   std::string render_metrics();
+  // GET /v1/upstreams: {"upstreams": [{url, role, source, reachable, in_flight, last_error}]}.
+  std::string upstreams_json() const;
 
  private:
-  // Encodes every image of `chat` (concurrently) and rewrites its image URLs in
-  // `forward` as data URLs. An image no encoder could encode gets no params (the PD
-  // encodes it).
-  EncodedImages encode_images(const ChatRequest& chat, json& forward);
+  // Encodes every image of `chat` (concurrently) on `encoders` and rewrites its image
+  // URLs in `forward` as data URLs. An image no encoder could encode gets no params (the
+  // PD encodes it).
+  EncodedImages encode_images(const ChatRequest& chat, const UpstreamList& encoders, json& forward);
   // Sends each distinct image of `chat` to its encoders, once.
-  std::vector<std::future<ImageEncode>> start_encodes(const ChatRequest& chat, json& forward);
+  std::vector<std::future<ImageEncode>> start_encodes(const ChatRequest& chat,
+                                                      const UpstreamList& encoders, json& forward);
   // What to ask an encoder for the image part `forward_part` (whose URL is `data_url`);
   // in vllm mode it gives the part its uuid.
   EncodeCall encode_call(const ChatRequest& chat, const ContentPart& part, std::string data_url,
                          json& forward_part) const;
   // PDs to try, in order: the reachable ones by fewest requests in flight, then the
   // others (their flag may be stale; a refused connect costs little).
-  UpstreamList pd_order() const;
-  // Each answers the client; true when a PD took the request (answered 2xx).
-  bool forward_blocking(const std::string& body, Clock::time_point t0, double encode_ms,
-                        HttpResponse& res);
-  bool forward_streaming(const std::string& body, HttpResponse& res);
+  static UpstreamList pd_order(const UpstreamList& pds);
+  // Each answers the client; true when a PD of `pds` took the request (answered 2xx).
+  bool forward_blocking(const UpstreamList& pds, const std::string& body, Clock::time_point t0,
+                        double encode_ms, HttpResponse& res);
+  bool forward_streaming(const UpstreamList& pds, const std::string& body, HttpResponse& res);
+  // No PD of `pds` took the request: 502 naming what was tried.
+  void answer_no_pd(const UpstreamList& pds, const std::string& errors, HttpResponse& res);
   // After the PD's stream ended: counts it, or answers the client the PD's failure.
   bool finish_stream(StreamRelay& relay, httplib::Error error, const Upstream& pd, double pd_ms);
   void count_answer(int http_status) {
@@ -142,14 +163,15 @@ class Proxy {
   }
 
   const ProxyServiceConfig& config_;
-  const UpstreamList encoders_;
-  const UpstreamList pds_;
-  const bool use_encoders_;
+  UpstreamSet upstreams_;
+  const bool use_encoders_;  // false with --connector local: the PDs encode
   Metrics metrics_;
   ParamsReleaser releaser_;  // counts into metrics_: declared after it
 };
 
-std::vector<std::future<ImageEncode>> Proxy::start_encodes(const ChatRequest& chat, json& forward) {
+std::vector<std::future<ImageEncode>> Proxy::start_encodes(const ChatRequest& chat,
+                                                           const UpstreamList& encoders,
+                                                           json& forward) {
   std::vector<std::future<ImageEncode>> pending;
   std::set<std::pair<uint64_t, std::string>> sent;  // each distinct image once per request
   for (size_t m = 0; m < chat.messages.size(); ++m) {
@@ -166,9 +188,9 @@ std::vector<std::future<ImageEncode>> Proxy::start_encodes(const ChatRequest& ch
       EncodeCall call = encode_call(chat, part, std::move(data_url), forward_part);
       uint64_t key = checksum64(part.image_bytes.data(), part.image_bytes.size());
       // (In vllm mode an image is its bytes and its uuid: E must see each uuid the PD does.)
-      if (!use_encoders_ || !sent.emplace(key, call.uuid).second) continue;
+      if (!use_encoders_ || encoders.empty() || !sent.emplace(key, call.uuid).second) continue;
       pending.push_back(std::async(std::launch::async,
-                                   [order = encoder_order(encoders_, key), call = std::move(call),
+                                   [order = encoder_order(encoders, key), call = std::move(call),
                                     timeout = config_.encode_timeout_ms] {
                                      return encode_with_failover(order, call, timeout);
                                    }));
@@ -191,9 +213,10 @@ EncodeCall Proxy::encode_call(const ChatRequest& chat, const ContentPart& part,
   return call;
 }
 
-EncodedImages Proxy::encode_images(const ChatRequest& chat, json& forward) {
+EncodedImages Proxy::encode_images(const ChatRequest& chat, const UpstreamList& encoders,
+                                   json& forward) {
   EncodedImages out;
-  for (auto& f : start_encodes(chat, forward)) {
+  for (auto& f : start_encodes(chat, encoders, forward)) {
     ImageEncode r = f.get();
     out.ms = std::max(out.ms, r.ms);
     if (r.failed_attempts > 0)
@@ -221,8 +244,8 @@ EncodedImages Proxy::encode_images(const ChatRequest& chat, json& forward) {
   return out;
 }
 
-UpstreamList Proxy::pd_order() const {
-  UpstreamList order = pds_;
+UpstreamList Proxy::pd_order(const UpstreamList& pds) {
+  UpstreamList order = pds;
   std::stable_sort(order.begin(), order.end(), [](const auto& a, const auto& b) {
     if (a->reachable() != b->reachable()) return a->reachable();
     return a->in_flight.load() < b->in_flight.load();
@@ -237,8 +260,10 @@ void Proxy::handle_chat(const HttpRequest& req, HttpResponse& res) {
     metrics_.add("ecx_proxy_failures_total", "reason=\"bad_request\"", 1);
     return send_error(res, *err);
   }
+  // One view of the members for the whole request.
+  std::shared_ptr<const UpstreamMembers> members = upstreams_.snapshot();
   json forward = chat.raw;
-  EncodedImages encoded = encode_images(chat, forward);
+  EncodedImages encoded = encode_images(chat, members->encoders, forward);
   if (encoded.error) {
     releaser_.release(encoded.issued);  // the images that did encode
     metrics_.add("ecx_proxy_failures_total", "reason=\"invalid_image\"", 1);
@@ -246,16 +271,24 @@ void Proxy::handle_chat(const HttpRequest& req, HttpResponse& res) {
   }
   metrics_.observe("ecx_proxy_encode_seconds", "", encoded.ms / 1000);
   std::string body = safe_dump(forward);
-  bool taken =
-      chat.stream ? forward_streaming(body, res) : forward_blocking(body, t0, encoded.ms, res);
+  bool taken = chat.stream ? forward_streaming(members->pds, body, res)
+                           : forward_blocking(members->pds, body, t0, encoded.ms, res);
   // Abandoned between E and PD: no PD will read these params.
   if (!taken) releaser_.release(encoded.issued);
 }
 
-bool Proxy::forward_blocking(const std::string& body, Clock::time_point t0, double encode_ms,
-                             HttpResponse& res) {
+void Proxy::answer_no_pd(const UpstreamList& pds, const std::string& errors, HttpResponse& res) {
+  metrics_.add("ecx_proxy_failures_total", "reason=\"no_pd\"", 1);
+  send_error(res, 502, "pd_failed",
+             pds.empty() ? std::string("no PD is known (none given, none registered in etcd)")
+                         : "no PD could be reached (" + errors + ")");
+  count_answer(res.status);
+}
+
+bool Proxy::forward_blocking(const UpstreamList& pds, const std::string& body, Clock::time_point t0,
+                             double encode_ms, HttpResponse& res) {
   std::string errors;
-  for (const auto& pd : pd_order()) {
+  for (const auto& pd : pd_order(pds)) {
     httplib::Client cli(pd->host, pd->port);
     cli.set_connection_timeout(kPdConnectTimeout);
     cli.set_read_timeout(std::chrono::milliseconds(config_.request_timeout_ms));
@@ -290,17 +323,15 @@ bool Proxy::forward_blocking(const std::string& body, Clock::time_point t0, doub
     count_answer(res.status);
     return up->status >= 200 && up->status < 300;
   }
-  metrics_.add("ecx_proxy_failures_total", "reason=\"no_pd\"", 1);
-  send_error(res, 502, "pd_failed", "no PD could be reached (" + errors + ")");
-  count_answer(res.status);
+  answer_no_pd(pds, errors, res);
   return false;
 }
 
 // Relays the PD's SSE stream chunk by chunk as it comes (no helper thread), or the PD's
 // error as it answered it.
-bool Proxy::forward_streaming(const std::string& body, HttpResponse& res) {
+bool Proxy::forward_streaming(const UpstreamList& pds, const std::string& body, HttpResponse& res) {
   std::string errors;
-  for (const auto& pd : pd_order()) {
+  for (const auto& pd : pd_order(pds)) {
     httplib::Client cli(pd->host, pd->port);
     cli.set_connection_timeout(kPdConnectTimeout);
     cli.set_read_timeout(std::chrono::milliseconds(config_.request_timeout_ms));
@@ -317,9 +348,7 @@ bool Proxy::forward_streaming(const std::string& body, HttpResponse& res) {
     }
     return finish_stream(relay, result.error(), *pd, ms_since(t_pd));
   }
-  metrics_.add("ecx_proxy_failures_total", "reason=\"no_pd\"", 1);
-  send_error(res, 502, "pd_failed", "no PD could be reached (" + errors + ")");
-  count_answer(res.status);
+  answer_no_pd(pds, errors, res);
   return false;
 }
 
@@ -353,6 +382,10 @@ bool Proxy::finish_stream(StreamRelay& relay, httplib::Error error, const Upstre
 }
 
 HealthReport Proxy::health() const {
+  auto members = upstreams_.snapshot();
+  const UpstreamList& pds = members->pds;
+  const UpstreamList& encoders = members->encoders;
+  bool use_encoders = use_encoders_ && !encoders.empty();
   json upstreams = json::array();
   int pd_up = 0, encoders_up = 0;
   std::string pd_errors;
@@ -363,26 +396,27 @@ HealthReport Proxy::health() const {
         {{"role", u.role}, {"url", u.url}, {"reachable", up}, {"last_error", error}});
     return std::make_pair(up, error);
   };
-  for (const auto& pd : pds_) {
+  for (const auto& pd : pds) {
     auto [up, error] = describe(*pd);
     pd_up += up;
     if (!up) pd_errors += (pd_errors.empty() ? "" : "; ") + pd->url + ": " + error;
   }
-  if (use_encoders_) {
-    for (const auto& e : encoders_) encoders_up += describe(*e).first;
+  if (use_encoders) {
+    for (const auto& e : encoders) encoders_up += describe(*e).first;
   }
   json body = {{"role", "proxy"},
                {"pd_reachable", pd_up},
-               {"pd_total", pds_.size()},
+               {"pd_total", pds.size()},
                {"encoders_reachable", encoders_up},
-               {"encoders_total", use_encoders_ ? encoders_.size() : 0},
+               {"encoders_total", use_encoders ? encoders.size() : 0},
                {"upstreams", upstreams}};
   if (pd_up == 0) {
     body["status"] = "unavailable";
-    body["reason"] = "no reachable PD (" + pd_errors + ")";
+    body["reason"] = pds.empty() ? std::string("no PD is known (none registered in etcd yet)")
+                                 : "no reachable PD (" + pd_errors + ")";
     return {503, body};
   }
-  if (use_encoders_ && encoders_up == 0) {
+  if (use_encoders && encoders_up == 0) {
     body["status"] = "degraded";
     body["reason"] = "no reachable encoder: PDs encode images themselves";
   } else {
@@ -391,14 +425,58 @@ HealthReport Proxy::health() const {
   return {200, body};
 }
 
-std::string Proxy::render_metrics() {
-  for (const auto& list : {&pds_, &encoders_}) {
+bool Proxy::apply_membership(const std::vector<directory::Instance>& instances) {
+  MembershipChange change = upstreams_.set_discovered(instances);
+  for (const auto& [list, what] :
+       {std::pair<const UpstreamList*, const char*>{&change.added, "added"},
+        std::pair<const UpstreamList*, const char*>{&change.removed, "removed"}}) {
     for (const auto& u : *list) {
-      metrics_.set("ecx_proxy_upstream_up", "role=\"" + u->role + "\",url=\"" + u->url + "\"",
-                   u->reachable() ? 1 : 0);
+      spdlog::info("event=upstream_{} role={} url={} source={}", what, u->role, u->url, u->source);
+      metrics_.add("ecx_proxy_membership_changes_total",
+                   "role=\"" + u->role + "\",change=\"" + what + "\"", 1);
     }
   }
-  return metrics_.render("ecx proxy");
+  if (!change.empty()) {
+    auto members = upstreams_.snapshot();
+    spdlog::info("event=membership encoders={} pds={}", members->encoders.size(),
+                 members->pds.size());
+  }
+  return !change.empty();
+}
+
+std::string Proxy::render_metrics() {
+  // The members now, rendered here (not kept in metrics_): one that left leaves no series.
+  auto members = upstreams_.snapshot();
+  std::string out = metrics_.render("ecx proxy");
+  out += "# HELP ecx_proxy_upstreams upstreams the proxy routes over now, by role\n";
+  out += "# TYPE ecx_proxy_upstreams gauge\n";
+  out += "ecx_proxy_upstreams{role=\"encoder\"} " + std::to_string(members->encoders.size()) + "\n";
+  out += "ecx_proxy_upstreams{role=\"pd\"} " + std::to_string(members->pds.size()) + "\n";
+  out += "# HELP ecx_proxy_upstream_up 1 when the upstream is reachable\n";
+  out += "# TYPE ecx_proxy_upstream_up gauge\n";
+  for (const auto* list : {&members->pds, &members->encoders}) {
+    for (const auto& u : *list) {
+      out += "ecx_proxy_upstream_up{role=\"" + u->role + "\",url=\"" + u->url + "\"} " +
+             (u->reachable() ? "1" : "0") + "\n";
+    }
+  }
+  return out;
+}
+
+std::string Proxy::upstreams_json() const {
+  auto members = upstreams_.snapshot();
+  json list = json::array();
+  for (const auto* role : {&members->encoders, &members->pds}) {
+    for (const auto& u : *role) {
+      list.push_back({{"url", u->url},
+                      {"role", u->role},
+                      {"source", u->source},
+                      {"reachable", u->reachable()},
+                      {"in_flight", u->in_flight.load()},
+                      {"last_error", u->last_error()}});
+    }
+  }
+  return safe_dump(json{{"upstreams", list}});
 }
 
 // One Upstream per URL. Shared: a streaming fetch thread may outlive the handler that
@@ -410,6 +488,38 @@ Result<UpstreamList> make_upstreams(const std::vector<std::string>& urls, const 
     out.push_back(std::make_shared<Upstream>(role, url, host_port.first, host_port.second));
   }
   return out;
+}
+
+// The instances of the proxy's model registered in etcd, followed into `proxy` and
+// `prober` from the first read on (waited for, at most kEtcdSyncWait: without etcd the
+// proxy starts with its static upstreams and takes the others when etcd answers).
+std::unique_ptr<directory::MembershipWatcher> watch_membership(const ProxyServiceConfig& config,
+                                                               directory::EtcdClient etcd,
+                                                               Proxy& proxy,
+                                                               UpstreamProber& prober) {
+  directory::MembershipOptions options;
+  options.root = config.directory.etcd_prefix;
+  options.model = config.common.model;
+  options.compat_hash = config.compat_hash;
+  if (options.compat_hash.empty()) {
+    engine::ModelConfig reference;
+    reference.model_id = config.common.model;
+    options.compat_hash = reference.compat_hash();
+  }
+  spdlog::info("event=watching prefix={} compat_hash={} etcd={}",
+               directory::instances_prefix(options.root, options.model), options.compat_hash,
+               config.directory.etcd);
+  auto watcher = std::make_unique<directory::MembershipWatcher>(
+      std::move(etcd), options, [&proxy, &prober](const std::vector<directory::Instance>& all) {
+        if (proxy.apply_membership(all)) prober.update(proxy.probed());
+      });
+  if (!watcher->wait_synced(Deadline::after(kEtcdSyncWait))) {
+    spdlog::warn(
+        "event=etcd_unreachable etcd={}: serving with the static upstreams until it "
+        "answers",
+        config.directory.etcd);
+  }
+  return watcher;
 }
 
 }  // namespace
@@ -424,19 +534,35 @@ int run_proxy_service(const ProxyServiceConfig& config) {
               << "\n";
     return 2;
   }
-  if (pds->empty()) {
-    std::cerr << "ecx serve proxy: --pd needs at least one URL\n";
+  if (pds->empty() && config.directory.etcd.empty()) {
+    std::cerr << "ecx serve proxy: --pd needs at least one URL (or --etcd, to find PDs there)\n";
     return 2;
   }
+  std::optional<directory::EtcdClient> etcd;
+  if (!config.directory.etcd.empty()) {
+    auto client = directory::EtcdClient::create(config.directory.etcd, kEtcdTimeout);
+    if (!client.ok()) {
+      std::cerr << "ecx serve proxy: --etcd: " << client.status().message() << "\n";
+      return 2;
+    }
+    etcd.emplace(std::move(*client));
+  }
   Proxy proxy(config, std::move(*encoders), std::move(*pds));
-  // Probed once before listening, so /health is right from the first request; then
-  // every 250 ms until the server has stopped (the prober is destroyed after it).
+  // Probed every 250 ms until the server has stopped (the prober is destroyed after it),
+  // following membership.
   UpstreamProber prober(proxy.probed(), UpstreamProber::Options{});
+  // Declared after what its callback uses: it stops first.
+  std::unique_ptr<directory::MembershipWatcher> watcher;
+  if (etcd) watcher = watch_membership(config, std::move(*etcd), proxy, prober);
+  // Probed once before listening, so /health is right from the first request.
   prober.wait_first_round(Deadline::after_ms(2000));
   // Workers mostly wait on E and PD: many, so the queue, not the pool, is the bound.
   HttpServer server(config.common, "proxy", 64);
   server.work("POST", "/v1/chat/completions",
               [&](const HttpRequest& req, HttpResponse& res) { proxy.handle_chat(req, res); });
+  server.fast("GET", "/v1/upstreams", [&](const HttpRequest&, HttpResponse& res) {
+    res.set_content(proxy.upstreams_json(), "application/json");
+  });
   add_common_routes(
       server, config.common, "proxy", [&] { return proxy.render_metrics(); },
       [&] { return proxy.health(); });

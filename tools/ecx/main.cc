@@ -95,6 +95,37 @@ void add_request_timeout_flag(CLI::App* app, int64_t& timeout_ms) {
       ->capture_default_str();
 }
 
+// Membership through etcd (docs/SERVING.md, "Membership (etcd)"). E and PD register
+// there; the proxy takes the ones it finds. `instance`: E or PD (the proxy accepts their
+// flags without using them, so one config file serves every role).
+void add_directory_flags(CLI::App* app, ecx::serve::DirectoryConfig& c, bool instance,
+                         std::string& unused) {
+  app->add_option("--etcd", c.etcd,
+                  instance ? "etcd endpoints (http://host:port,...): register this instance "
+                             "there under a lease"
+                           : "etcd endpoints (http://host:port,...): route to the encoders and "
+                             "PDs registered there too")
+      ->envname("ECX_ETCD");
+  app->add_option("--etcd-prefix", c.etcd_prefix,
+                  "Root of the keys: <prefix>/<model>/instances/<role>/<id>")
+      ->envname("ECX_ETCD_PREFIX")
+      ->capture_default_str();
+  if (!instance) {
+    app->add_option("--etcd-ttl,--advertise-url", unused,
+                    "Not used by this role (accepted, so one config file can serve every role)");
+    return;
+  }
+  app->add_option("--etcd-ttl", c.etcd_ttl_s,
+                  "Lease TTL in seconds: a dead instance leaves the proxies after it")
+      ->envname("ECX_ETCD_TTL")
+      ->check(CLI::Range(1, 3600))
+      ->capture_default_str();
+  app->add_option("--advertise-url", c.advertise_url,
+                  "URL registered in etcd (default: http://HOST:PORT as listening; required "
+                  "with --host 0.0.0.0)")
+      ->envname("ECX_ADVERTISE_URL");
+}
+
 std::vector<std::string> split_urls(const std::string& text) {
   std::vector<std::string> out;
   std::stringstream ss(text);
@@ -125,6 +156,8 @@ void add_encoder_command(CLI::App* serve, ServeCommands& cmds, std::string& log_
   CLI::App* s = serve->add_subcommand("encoder", "The encoder service");
   add_common_flags(s, cmds.encoder.common);
   add_engine_flags(s, cmds.encoder.engine);
+  add_directory_flags(s, cmds.encoder.directory, true, cmds.unused_text);
+  s->add_option("--compat-hash", cmds.unused_text, kUnused);
   for (const char* flag : {"--max-model-len", "--request-timeout-ms"}) {
     s->add_option(flag, cmds.unused_number, kUnused);
   }
@@ -139,6 +172,8 @@ void add_pd_command(CLI::App* serve, ServeCommands& cmds, std::string& log_level
   CLI::App* s = serve->add_subcommand("pd", "The pd service");
   add_common_flags(s, cmds.pd.common);
   add_engine_flags(s, cmds.pd.engine);
+  add_directory_flags(s, cmds.pd.directory, true, cmds.unused_text);
+  s->add_option("--compat-hash", cmds.unused_text, kUnused);
   add_max_model_len_flag(s, cmds.pd.max_model_len);
   add_request_timeout_flag(s, cmds.pd.request_timeout_ms);
   s->add_option("--log-level", log_level, "trace, debug, info, warn, error, off");
@@ -161,9 +196,14 @@ void add_proxy_command(CLI::App* serve, ServeCommands& cmds, std::string& log_le
   s->add_option("--log-level", log_level, "trace, debug, info, warn, error, off");
   s->add_option("--encoders", cmds.encoder_urls, "Encoder URLs, comma-separated")
       ->envname("ECX_ENCODERS");
-  s->add_option("--pd", cmds.pd_urls, "Prefill/decode URLs, comma-separated")
-      ->envname("ECX_PD")
-      ->required();
+  s->add_option("--pd", cmds.pd_urls,
+                "Prefill/decode URLs, comma-separated (required unless --etcd finds them)")
+      ->envname("ECX_PD");
+  add_directory_flags(s, cmds.proxy.directory, false, cmds.unused_text);
+  s->add_option("--compat-hash", cmds.proxy.compat_hash,
+                "Compatibility hash instances found in etcd must carry (default: the "
+                "reference model's for --model)")
+      ->envname("ECX_COMPAT_HASH");
   s->add_option("--encode-timeout-ms", cmds.proxy.encode_timeout_ms, "Deadline of one encode")
       ->capture_default_str();
   s->add_option("--upstream-api", cmds.upstream_api,

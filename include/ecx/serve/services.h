@@ -44,14 +44,28 @@ struct EngineConfig {
   std::string auth_token_file;
 };
 
+// Membership through etcd (docs/SERVING.md, "Membership (etcd)"): E and PD register
+// under a lease, <etcd_prefix>/<model>/instances/<role>/<id>; the proxy watches its
+// model's instances. Without `etcd`, none of it: the proxy's --encoders/--pd alone.
+struct DirectoryConfig {
+  std::string etcd;                  // "http://host:port[,...]"; empty = no etcd
+  std::string etcd_prefix = "/ecx";  // the key layout's root
+  int etcd_ttl_s = 3;                // E/PD: the lease; a dead instance is gone after it
+  // E/PD: the URL others reach this instance at; empty = http://HOST:PORT as it listens
+  // (required when HOST is 0.0.0.0 or ::).
+  std::string advertise_url;
+};
+
 struct EncoderServiceConfig {
   CommonServiceConfig common;
   EngineConfig engine;
+  DirectoryConfig directory;
 };
 
 struct PdServiceConfig {
   CommonServiceConfig common;
   EngineConfig engine;
+  DirectoryConfig directory;
   int64_t max_model_len = 16384;        // prompt + generated tokens
   int64_t request_timeout_ms = 120000;  // deadline of the EC load
 };
@@ -68,8 +82,12 @@ struct ProxyServiceConfig {
   UpstreamApi upstream_api = UpstreamApi::kEcx;
   // "local": the PDs encode images themselves and the encoders are not used.
   std::string connector = "p2p";
-  std::vector<std::string> encoders;    // E URLs
-  std::vector<std::string> pd;          // PD URLs
+  std::vector<std::string> encoders;  // E URLs (static; etcd may add more)
+  std::vector<std::string> pd;        // PD URLs (static; etcd may add more)
+  DirectoryConfig directory;          // with etcd: the encoders and PDs registered there
+  // The compatibility hash instances found through etcd must carry; empty = the
+  // reference model's for --model (what E and PD use unless --ec-config sets another).
+  std::string compat_hash;
   int64_t encode_timeout_ms = 30000;    // proxy -> E, per image
   int64_t request_timeout_ms = 120000;  // proxy -> PD
 };

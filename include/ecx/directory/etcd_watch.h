@@ -1,0 +1,72 @@
+// One streaming watch of a key prefix through etcd's JSON gateway (POST /v3/watch: an
+// HTTP answer that never ends, one JSON message per line).
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "ecx/common/status.h"
+#include "ecx/directory/etcd_client.h"
+
+namespace httplib {
+class Client;
+}
+
+namespace ecx::directory {
+
+struct WatchEvent {
+  enum Type { kPut, kDelete } type = kPut;
+  KeyValue kv;  // a delete carries the key (and its mod_revision) alone
+};
+
+// Watches every key under `prefix` from `start_revision` on. run() streams the events to
+// a callback until the stream ends; cancel() ends it from another thread. One run() per
+// object.
+class EtcdWatch {
+ public:
+  // `events(batch, revision)`: the events of one message, and the store's revision after
+  // them. Called on the thread of run().
+  using OnEvents = std::function<void(const std::vector<WatchEvent>&, int64_t revision)>;
+
+  // `idle_timeout`: a stream silent for that long ends (DeadlineExceeded); the caller
+  // re-reads and watches again, which also notices an etcd that vanished without
+  // closing the connection.
+  EtcdWatch(EtcdEndpoint endpoint, std::string prefix, int64_t start_revision,
+            std::chrono::milliseconds connect_timeout, std::chrono::milliseconds idle_timeout);
+  ~EtcdWatch();
+  EtcdWatch(const EtcdWatch&) = delete;
+  EtcdWatch& operator=(const EtcdWatch&) = delete;
+
+  // Streams until the watch ends. Returns Ok after cancel(); otherwise why it ended:
+  // Unavailable (connection lost, etcd error), DeadlineExceeded (idle), NotFound (the
+  // revision was compacted, or etcd cancelled the watch). Either way the caller re-reads.
+  Status run(const OnEvents& events);
+  // Makes run() return soon; waits (at most `wait`) until it has. Callable before run(),
+  // during it, or after it; any number of times.
+  void cancel(std::chrono::milliseconds wait = std::chrono::milliseconds(3000));
+
+ private:
+  // One line of the stream; false when the watch ends (why in `ended`).
+  bool handle_line(const std::string& line, const OnEvents& events, Status* ended);
+
+  const EtcdEndpoint endpoint_;
+  const std::string prefix_;
+  const int64_t start_revision_;
+  const std::chrono::milliseconds connect_timeout_;
+  const std::chrono::milliseconds idle_timeout_;
+
+  std::atomic<bool> cancelled_{false};
+  std::mutex mu_;
+  std::condition_variable cv_;
+  httplib::Client* client_ = nullptr;  // while run() streams; guarded by mu_
+  bool running_ = false;               // guarded by mu_
+  bool created_ = false;               // etcd confirmed the watch (run()'s thread only)
+};
+
+}  // namespace ecx::directory

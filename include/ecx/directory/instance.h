@@ -1,0 +1,39 @@
+// A serving instance (E or PD) as the directory lists it, and where it is kept in etcd:
+//   <root>/<model>/instances/<role>/<id>  ->  {"id","url","role","model","compat_hash"}
+// (root "/ecx" by default). A proxy watches <root>/<model>/instances/.
+#pragma once
+
+#include <string>
+#include <string_view>
+
+#include "ecx/common/status.h"
+
+namespace ecx::directory {
+
+struct Instance {
+  std::string id;           // unique per process: "<role>-<hex>"
+  std::string url;          // where it serves: http://host:port
+  std::string role;         // "encoder" or "pd"
+  std::string model;        // the served model name
+  std::string compat_hash;  // the connector's compatibility hash
+};
+
+// "<root>/<model>/instances/".
+std::string instances_prefix(const std::string& root, const std::string& model);
+// "<root>/<model>/instances/<role>/<id>".
+std::string instance_key(const std::string& root, const Instance& instance);
+
+// The value kept in etcd.
+std::string instance_value(const Instance& instance);
+
+// Reads the value found at `key` under `prefix`, strictly: a JSON object whose fields are
+// all strings, role encoder|pd, url http://host:port, and a key that names the same role
+// and id. Anything else is InvalidArgument, naming the key and the field.
+Result<Instance> parse_instance(std::string_view key, std::string_view value,
+                                const std::string& prefix);
+
+// Ok when `url` is http://host:port (host non-empty, port 1-65535, nothing after it
+// but an optional '/').
+Status check_http_url(const std::string& url);
+
+}  // namespace ecx::directory

@@ -1,0 +1,167 @@
+#include "ecx/directory/etcd_watch.h"
+
+#include <httplib.h>
+
+#include "directory/etcd_json.h"
+#include "ecx/common/deadline.h"
+#include "ecx/common/json_reader.h"
+
+namespace ecx::directory {
+
+using nlohmann::json;
+
+// One message of the stream is a few KiB per event; a line past this ends the watch.
+constexpr size_t kMaxLineBytes = size_t{64} << 20;
+
+EtcdWatch::EtcdWatch(EtcdEndpoint endpoint, std::string prefix, int64_t start_revision,
+                     std::chrono::milliseconds connect_timeout,
+                     std::chrono::milliseconds idle_timeout)
+    : endpoint_(std::move(endpoint)),
+      prefix_(std::move(prefix)),
+      start_revision_(start_revision),
+      connect_timeout_(connect_timeout),
+      idle_timeout_(idle_timeout) {}
+
+EtcdWatch::~EtcdWatch() { cancel(); }
+
+void EtcdWatch::cancel(std::chrono::milliseconds wait) {
+  std::unique_lock lock(mu_);
+  cancelled_ = true;
+  Deadline deadline = Deadline::after(wait);
+  // httplib's stop() shuts the socket of a request in flight; called again until run()
+  // has returned, since a request still connecting has no socket to shut yet.
+  while (running_ && !deadline.expired()) {
+    if (client_ != nullptr) client_->stop();
+    cv_.wait_for(lock, std::chrono::milliseconds(20), [&] { return !running_; });
+  }
+}
+
+bool EtcdWatch::handle_line(const std::string& line, const OnEvents& events, Status* ended) {
+  std::string what = "etcd watch on " + endpoint_.url();
+  if (line.find_first_not_of(" \r\t") == std::string::npos) return true;
+  auto doc = parse_json_object(line, what + " message", JsonLimits{kMaxLineBytes, 32});
+  if (!doc.ok()) {
+    *ended = Unavailable(doc.status().message());
+    return false;
+  }
+  auto error = doc->find("error");
+  if (error != doc->end()) {
+    *ended = Unavailable(what + ": " + safe_dump(*error).substr(0, 300));
+    return false;
+  }
+  auto result = doc->find("result");
+  if (result == doc->end() || !result->is_object()) return true;
+  auto canceled = result->find("canceled");
+  if (canceled != result->end() && canceled->is_boolean() && canceled->get<bool>()) {
+    auto compact = read_int64(*result, "compact_revision");
+    std::string reason = result->value("cancel_reason", std::string());
+    *ended = NotFound(what + ": etcd cancelled the watch (compact_revision " +
+                      std::to_string(compact.ok() ? *compact : 0) + (reason.empty() ? "" : ", ") +
+                      reason + ")");
+    return false;
+  }
+  if (result->value("created", false)) created_ = true;
+  int64_t revision = 0;
+  auto header = result->find("header");
+  if (header != result->end() && header->is_object()) {
+    auto r = read_int64(*header, "revision");
+    if (r.ok()) revision = *r;
+  }
+  auto list = result->find("events");
+  if (list == result->end() || !list->is_array() || list->empty()) return true;
+  std::vector<WatchEvent> batch;
+  for (const auto& e : *list) {
+    if (!e.is_object()) continue;
+    auto kv = e.find("kv");
+    if (kv == e.end()) continue;
+    auto parsed = read_key_value(*kv);
+    if (!parsed.ok()) {
+      *ended = Unavailable(what + ": " + parsed.status().message());
+      return false;
+    }
+    WatchEvent event;
+    event.type =
+        e.value("type", std::string()) == "DELETE" ? WatchEvent::kDelete : WatchEvent::kPut;
+    event.kv = std::move(*parsed);
+    batch.push_back(std::move(event));
+  }
+  events(batch, revision);
+  return true;
+}
+
+Status EtcdWatch::run(const OnEvents& events) {
+  httplib::Client cli(endpoint_.host, endpoint_.port);
+  cli.set_connection_timeout(connect_timeout_);
+  cli.set_read_timeout(idle_timeout_);
+  cli.set_write_timeout(connect_timeout_);
+  {
+    std::lock_guard lock(mu_);
+    if (cancelled_) return Status::Ok();
+    client_ = &cli;
+    running_ = true;
+  }
+  std::string what = "etcd watch on " + endpoint_.url();
+  json create = {{"key", base64_encode(prefix_)},
+                 {"range_end", base64_encode(prefix_range_end(prefix_))},
+                 {"start_revision", std::to_string(start_revision_)}};
+  httplib::Request req;
+  req.method = "POST";
+  req.path = "/v3/watch";
+  req.body = json{{"create_request", create}}.dump();
+  req.set_header("Content-Type", "application/json");
+
+  int http_status = 0;
+  std::string buffer;  // bytes of the line not yet complete
+  Status ended;        // set by a message that ends the watch
+  bool stopped_by_message = false;
+  auto last_data = std::chrono::steady_clock::now();
+  req.response_handler = [&](const httplib::Response& r) {
+    http_status = r.status;
+    return true;
+  };
+  req.content_receiver = [&](const char* data, size_t n, uint64_t, uint64_t) {
+    if (cancelled_) return false;
+    last_data = std::chrono::steady_clock::now();
+    buffer.append(data, n);
+    if (http_status != 200) return buffer.size() < 4096;  // the error answer, kept short
+    size_t start = 0;
+    for (size_t end; (end = buffer.find('\n', start)) != std::string::npos; start = end + 1) {
+      if (!handle_line(buffer.substr(start, end - start), events, &ended)) {
+        stopped_by_message = true;
+        return false;
+      }
+    }
+    buffer.erase(0, start);
+    if (buffer.size() > kMaxLineBytes) {
+      ended = Unavailable(what + ": a message longer than " + std::to_string(kMaxLineBytes));
+      stopped_by_message = true;
+      return false;
+    }
+    return true;
+  };
+  auto result = cli.send(req);
+  {
+    std::lock_guard lock(mu_);
+    client_ = nullptr;
+    running_ = false;
+  }
+  cv_.notify_all();
+
+  if (cancelled_) return Status::Ok();
+  if (stopped_by_message) return ended;
+  if (http_status != 0 && http_status != 200) {
+    return Unavailable(what + " answered " + std::to_string(http_status) + ": " +
+                       buffer.substr(0, 300));
+  }
+  if (!result) {
+    auto silent = std::chrono::steady_clock::now() - last_data;
+    if (created_ && silent >= idle_timeout_ * 95 / 100) {
+      return DeadlineExceeded(what + ": no message for " + std::to_string(idle_timeout_.count()) +
+                              " ms");
+    }
+    return Unavailable(what + ": " + httplib::to_string(result.error()));
+  }
+  return Unavailable(what + ": the stream ended");
+}
+
+}  // namespace ecx::directory

@@ -1,0 +1,72 @@
+#include "ecx/directory/instance.h"
+
+#include <charconv>
+#include <nlohmann/json.hpp>
+
+#include "ecx/common/json_reader.h"
+
+namespace ecx::directory {
+
+using nlohmann::json;
+
+std::string instances_prefix(const std::string& root, const std::string& model) {
+  std::string r = root;
+  while (!r.empty() && r.back() == '/') r.pop_back();
+  return r + "/" + model + "/instances/";
+}
+
+std::string instance_key(const std::string& root, const Instance& instance) {
+  return instances_prefix(root, instance.model) + instance.role + "/" + instance.id;
+}
+
+std::string instance_value(const Instance& i) {
+  return json{{"id", i.id},
+              {"url", i.url},
+              {"role", i.role},
+              {"model", i.model},
+              {"compat_hash", i.compat_hash}}
+      .dump();
+}
+
+Status check_http_url(const std::string& url) {
+  auto bad = [&] { return InvalidArgument("url '" + url + "' is not http://host:port"); };
+  if (url.rfind("http://", 0) != 0) return bad();
+  std::string rest = url.substr(7);
+  if (!rest.empty() && rest.back() == '/') rest.pop_back();
+  size_t colon = rest.rfind(':');
+  if (colon == std::string::npos || colon == 0) return bad();
+  std::string host = rest.substr(0, colon);
+  if (host.find_first_of("/?#@ \t") != std::string::npos) return bad();
+  int port = 0;
+  const char* first = rest.data() + colon + 1;
+  const char* last = rest.data() + rest.size();
+  auto [end, ec] = std::from_chars(first, last, port);
+  if (first == last || ec != std::errc() || end != last || port <= 0 || port > 65535) return bad();
+  return Status::Ok();
+}
+
+Result<Instance> parse_instance(std::string_view key, std::string_view value,
+                                const std::string& prefix) {
+  std::string where = "etcd key " + std::string(key);
+  ECX_ASSIGN_OR_RETURN(json doc, parse_json_object(value, where, JsonLimits{1 << 16, 8}));
+  JsonReader r(doc, where);
+  Instance out;
+  ECX_ASSIGN_OR_RETURN(out.id, r.string("id", Presence::kRequired, 256));
+  ECX_ASSIGN_OR_RETURN(out.url, r.string("url", Presence::kRequired, 1024));
+  ECX_ASSIGN_OR_RETURN(out.role, r.string("role", Presence::kRequired, 32));
+  ECX_ASSIGN_OR_RETURN(out.model, r.string("model", Presence::kRequired, 256));
+  ECX_ASSIGN_OR_RETURN(out.compat_hash, r.string("compat_hash", Presence::kRequired, 256));
+  if (out.role != "encoder" && out.role != "pd") {
+    return InvalidArgument(where + ": role '" + out.role + "' is neither encoder nor pd");
+  }
+  if (out.id.empty()) return InvalidArgument(where + ": empty id");
+  ECX_RETURN_IF_ERROR(check_http_url(out.url).with_context(where));
+  std::string expected = prefix + out.role + "/" + out.id;
+  if (key != expected) {
+    return InvalidArgument(where + ": the value says role " + out.role + " id " + out.id +
+                           ", which belongs at " + expected);
+  }
+  return out;
+}
+
+}  // namespace ecx::directory

@@ -551,11 +551,6 @@ int run_proxy_service(const ProxyServiceConfig& config) {
   // Probed every 250 ms until the server has stopped (the prober is destroyed after it),
   // following membership.
   UpstreamProber prober(proxy.probed(), UpstreamProber::Options{});
-  // Declared after what its callback uses: it stops first.
-  std::unique_ptr<directory::MembershipWatcher> watcher;
-  if (etcd) watcher = watch_membership(config, std::move(*etcd), proxy, prober);
-  // Probed once before listening, so /health is right from the first request.
-  prober.wait_first_round(Deadline::after_ms(2000));
   // Workers mostly wait on E and PD: many, so the queue, not the pool, is the bound.
   HttpServer server(config.common, "proxy", 64);
   server.work("POST", "/v1/chat/completions",
@@ -566,6 +561,11 @@ int run_proxy_service(const ProxyServiceConfig& config) {
   add_common_routes(
       server, config.common, "proxy", [&] { return proxy.render_metrics(); },
       [&] { return proxy.health(); });
+  // Declared after what its callback uses: it stops first.
+  std::unique_ptr<directory::MembershipWatcher> watcher;
+  if (etcd) watcher = watch_membership(config, std::move(*etcd), proxy, prober);
+  // Probed once before listening, so /health is right from the first request.
+  prober.wait_first_round(Deadline::after_ms(2000));
   return server.serve_until_signal();
 }
 

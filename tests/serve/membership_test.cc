@@ -255,7 +255,7 @@ TEST_F(MembershipThroughEtcd, ANewPdGetsRequestsADrainingOneNoneAndADeadOneLeave
     httplib::Request req;
     req.method = "POST";
     req.path = "/v1/chat/completions";
-    req.body = image_request(13, 4000, /*stream=*/true);
+    req.body = image_request(13, 2048, /*stream=*/true);  // about 1.5 s here
     req.set_header("Content-Type", "application/json");
     req.content_receiver = [&](const char* data, size_t n, uint64_t, uint64_t) {
       streamed.append(data, n);

@@ -190,7 +190,7 @@ TEST(ProxyAvailability, TheOnlyEncoderDyingUnderABurstFailsNoRequest) {
   std::vector<int> statuses(kRequests);  // each written by its own client thread
   std::vector<std::string> bodies(kRequests);
   std::vector<std::thread> clients;
-  for (int i = 0; i < kRequests; ++i) {
+  auto send = [&](int i) {
     clients.emplace_back([&, i] {
       auto res = chat(stack.proxy, image_request(100 + i));
       statuses[i] = res ? res->status : 0;
@@ -199,13 +199,16 @@ TEST(ProxyAvailability, TheOnlyEncoderDyingUnderABurstFailsNoRequest) {
       ++answered;
       cv.notify_all();
     });
-  }
+  };
+  // Half the burst is flowing when the encoder dies (one answer is back, most are not);
+  // the other half comes after, while the proxy may still think it alive.
+  for (int i = 0; i < kRequests / 2; ++i) send(i);
   {
-    // Kill the encoder once the burst is flowing: one answer is back, most are not.
     std::unique_lock lock(mu);
     cv.wait_for(lock, std::chrono::seconds(120), [&] { return answered > 0; });
   }
   stack.encoders[0].kill_now();
+  for (int i = kRequests / 2; i < kRequests; ++i) send(i);
   for (auto& t : clients) t.join();
   int recomputed = 0;
   for (int i = 0; i < kRequests; ++i) {

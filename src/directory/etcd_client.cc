@@ -59,6 +59,12 @@ Result<int64_t> read_int64(const json& object, const char* key) {
   return InvalidArgument(std::string("etcd answer: field ") + key + " is not an int64");
 }
 
+std::string read_string(const json& object, const char* key) {
+  auto it = object.find(key);
+  if (it == object.end() || !it->is_string()) return "";
+  return it->get<std::string>();
+}
+
 Result<KeyValue> read_key_value(const json& kv) {
   if (!kv.is_object()) return InvalidArgument("etcd answer: a key-value is not an object");
   JsonReader r(kv, "etcd key-value");

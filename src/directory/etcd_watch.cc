@@ -54,13 +54,14 @@ bool EtcdWatch::handle_line(const std::string& line, const OnEvents& events, Sta
   auto canceled = result->find("canceled");
   if (canceled != result->end() && canceled->is_boolean() && canceled->get<bool>()) {
     auto compact = read_int64(*result, "compact_revision");
-    std::string reason = result->value("cancel_reason", std::string());
+    std::string reason = read_string(*result, "cancel_reason");
     *ended = NotFound(what + ": etcd cancelled the watch (compact_revision " +
                       std::to_string(compact.ok() ? *compact : 0) + (reason.empty() ? "" : ", ") +
                       reason + ")");
     return false;
   }
-  if (result->value("created", false)) created_ = true;
+  auto created = result->find("created");
+  if (created != result->end() && created->is_boolean() && created->get<bool>()) created_ = true;
   int64_t revision = 0;
   auto header = result->find("header");
   if (header != result->end() && header->is_object()) {
@@ -80,8 +81,7 @@ bool EtcdWatch::handle_line(const std::string& line, const OnEvents& events, Sta
       return false;
     }
     WatchEvent event;
-    event.type =
-        e.value("type", std::string()) == "DELETE" ? WatchEvent::kDelete : WatchEvent::kPut;
+    event.type = read_string(e, "type") == "DELETE" ? WatchEvent::kDelete : WatchEvent::kPut;
     event.kv = std::move(*parsed);
     batch.push_back(std::move(event));
   }
@@ -126,7 +126,13 @@ Status EtcdWatch::run(const OnEvents& events) {
     if (http_status != 200) return buffer.size() < 4096;  // the error answer, kept short
     size_t start = 0;
     for (size_t end; (end = buffer.find('\n', start)) != std::string::npos; start = end + 1) {
-      if (!handle_line(buffer.substr(start, end - start), events, &ended)) {
+      bool go_on = false;
+      try {  // nothing a peer sends may escape httplib's receiver as an exception
+        go_on = handle_line(buffer.substr(start, end - start), events, &ended);
+      } catch (const std::exception& e) {
+        ended = Unavailable(what + ": a message ecx cannot read: " + e.what());
+      }
+      if (!go_on) {
         stopped_by_message = true;
         return false;
       }

@@ -1,7 +1,9 @@
 #include "serve/instance_registration.h"
 
 #include <algorithm>
+#include <chrono>
 #include <memory>
+#include <thread>
 
 #include "ecx/common/log.h"
 #include "ecx/directory/instance.h"
@@ -10,6 +12,9 @@
 namespace ecx::serve {
 
 namespace {
+
+// How long a deregistered instance keeps accepting before it drains (SERVING.md).
+constexpr std::chrono::milliseconds kDeregisteredGrace{500};
 
 bool wildcard(const std::string& host) {
   return host.empty() || host == "0.0.0.0" || host == "::" || host == "[::]";
@@ -77,7 +82,11 @@ int serve_registered(HttpServer& server, const DirectoryConfig& directory,
     }
   };
   hooks.on_signal = [&] {
-    if (registration) registration->deregister();
+    if (!registration) return;
+    registration->deregister();
+    // Proxies see the delete within milliseconds; until then they may still route here,
+    // so this keeps accepting for a moment before the drain closes the port.
+    std::this_thread::sleep_for(kDeregisteredGrace);
   };
   return server.serve_until_signal(hooks);
 }

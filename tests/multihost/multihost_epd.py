@@ -33,7 +33,7 @@ import urllib.request
 import zlib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TTL_S = 2
+TTL_S = 3  # leases renewed every second; a busy machine must not lose one
 HOSTS = 7  # etcd, proxy, E1, E2, PD1, PD2, the E that joins later
 
 
@@ -84,12 +84,13 @@ def http(url, body=None, timeout=10):
         return 0, f"{type(e).__name__}: {e}"
 
 
-def metric(url, name, labels=None):
-    """Sum of the series of `name` (with `labels` in their label set) in url/metrics."""
+def metric(url, name, labels=None, required=False):
+    """Sum of the series of `name` (with `labels` in their label set) in url/metrics;
+    with `required`, a metric that is not there at all fails."""
     status, text = http(url + "/metrics", timeout=5)
     if status != 200:
         fail(f"{url}/metrics answered {status}: {text[:200]}")
-    total = 0.0
+    total, found = 0.0, False
     for line in text.splitlines():
         if line.startswith("#") or not line.startswith(name):
             continue
@@ -99,6 +100,9 @@ def metric(url, name, labels=None):
         if labels and labels not in key:
             continue
         total += float(value)
+        found = True
+    if required and not found:
+        fail(f"{url}/metrics has no {name}{'{' + labels + '}' if labels else ''}")
     return total
 
 
@@ -255,9 +259,14 @@ def step_kill_under_load(stack):
         status, text, answer = chat(stack, [s, s + 1], timeout=deadline_s)
         return status, text, answer, time.monotonic() - t0
 
-    with concurrent.futures.ThreadPoolExecutor(max_workers=6) as pool:
-        futures = [pool.submit(one) for _ in range(6)]
-        time.sleep(0.5)
+    def e1_busy():
+        return any(u["url"] == stack.urls["e1"] and u["in_flight"] > 0
+                   for u in stack.upstreams())
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=12) as pool:
+        # Under load: the kill lands while the proxy has encodes in flight on e1.
+        futures = [pool.submit(one) for _ in range(12)]
+        wait_until("an encode in flight on e1", e1_busy, 30, 0.002)
         victim = stack.procs["e1"]
         victim.kill()
         killed_at = time.monotonic()
@@ -305,8 +314,10 @@ def step_join(stack, netns):
 
 def step_nothing_pinned(stack):
     def pins():
-        return {name: metric(stack.urls[name], "ecx_pool_pins") for name in ("e2", "e3")} | {
-            name: metric(stack.urls[name], "ecx_cache_pins") for name in ("pd1", "pd2")}
+        return {name: metric(stack.urls[name], "ecx_pool_pins", required=True)
+                for name in ("e2", "e3")} | {
+            name: metric(stack.urls[name], "ecx_cache_pins", required=True)
+            for name in ("pd1", "pd2")}
     left = {}
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:

@@ -190,8 +190,11 @@ int run_transfer_peer(const TransferPeerOptions& options) {
   Producer producer;    // outlives the agent, whose handlers use it
   DeviceSource device;  // likewise: the agent deregisters it before it is freed
   auto config = agent_config(options);
-  Result<std::unique_ptr<Agent>> created = config.status();
-  if (config.ok()) created = Agent::create(*config);
+  if (!config.ok()) {
+    std::cerr << "bench peer: " << config.status().to_string() << "\n";
+    return 1;
+  }
+  auto created = Agent::create(*config);
   if (!created.ok()) {
     std::cerr << "bench peer: " << created.status().to_string() << "\n";
     return 1;

@@ -4,6 +4,10 @@
 
 #include <chrono>
 #include <cstdio>
+#include <thread>
+#include <vector>
+
+#include <httplib.h>
 
 #include "directory/etcd_json.h"
 #include "ecx/directory/etcd_client.h"
@@ -201,6 +205,50 @@ TEST(EtcdUnreachable, CallsFailWithinTheirTimeoutAndARegistrationNeverBlocks) {
   EXPECT_FALSE(registration.wait_registered(Deadline::after_ms(500)));
   registration.deregister();
   EXPECT_LT(seconds_since(t0, Clock::now()), 5.0);
+}
+
+// A watch stream whose messages have fields of the wrong type (a peer that is not etcd,
+// or a broken one): the watch reads what it can, ends with an error, and nothing throws.
+TEST(EtcdWatchInput, FieldsOfTheWrongTypeEndTheWatchWithAStatusNotACrash) {
+  httplib::Server fake;
+  const std::string key = base64_encode("/ecx/m/instances/pd/pd-1");
+  const std::string value = base64_encode("{}");
+  fake.Post("/v3/watch", [&](const httplib::Request&, httplib::Response& res) {
+    std::string body = R"({"result":{"header":{"revision":"5"},"created":1}})"
+                       "\n"
+                       R"({"result":{"header":{"revision":[]},"events":[{"type":7,"kv":{"key":")" +
+                       key + R"(","value":")" + value +
+                       R"(","mod_revision":"6"}},{"type":"DELETE"}]}})"
+                       "\n"
+                       R"({"result":{"canceled":true,"cancel_reason":5,"compact_revision":{}}})"
+                       "\n";
+    res.set_content(body, "application/json");
+  });
+  int port = fake.bind_to_any_port("127.0.0.1");
+  ASSERT_GT(port, 0);
+  std::thread server([&] { fake.listen_after_bind(); });
+  for (int i = 0; i < 500 && !fake.is_running(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_TRUE(fake.is_running());
+  std::vector<WatchEvent> seen;
+  Status ended;
+  {
+    EtcdWatch watch({"127.0.0.1", port}, "/ecx/m/instances/", 1, std::chrono::milliseconds(1000),
+                    std::chrono::milliseconds(3000));
+    ended = watch.run([&](const std::vector<WatchEvent>& batch, int64_t) {
+      seen.insert(seen.end(), batch.begin(), batch.end());
+    });
+  }
+  fake.stop();
+  server.join();
+  // The event with a numeric type is a put; the one without a kv is skipped; the
+  // cancellation with a numeric reason and an object revision still ends the watch.
+  ASSERT_EQ(seen.size(), 1u);
+  EXPECT_EQ(seen[0].type, WatchEvent::kPut);
+  EXPECT_EQ(seen[0].kv.key, "/ecx/m/instances/pd/pd-1");
+  EXPECT_FALSE(ended.ok());
+  EXPECT_NE(ended.message().find("etcd watch"), std::string::npos) << ended.message();
 }
 
 }  // namespace

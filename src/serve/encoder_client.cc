@@ -18,10 +18,6 @@ double ms_since(Clock::time_point t) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
 }
 
-bool connect_failed(httplib::Error e) {
-  return e == httplib::Error::Connection || e == httplib::Error::ConnectionTimeout;
-}
-
 bool is_client_error(int http_status) {
   return http_status == 400 || http_status == 413 || http_status == 422;
 }
@@ -117,34 +113,35 @@ std::string error_message(const std::string& body) {
 
 }  // namespace
 
-EncodeResult call_encoder(Upstream& e, const EncodeCall& call, int64_t timeout_ms) {
+void call_encoder(HttpClient& client, std::shared_ptr<Upstream> e, const EncodeCall& call,
+                  int64_t timeout_ms, std::function<void(EncodeResult)> done) {
   bool vllm = call.api == UpstreamApi::kVllm;
-  EncodeResult r;
-  auto t0 = Clock::now();
-  httplib::Client cli(e.host, e.port);
-  cli.set_connection_timeout(std::chrono::milliseconds(std::min<int64_t>(timeout_ms, 5000)));
-  cli.set_read_timeout(std::chrono::milliseconds(timeout_ms));
-  cli.set_write_timeout(std::chrono::milliseconds(timeout_ms));
-  e.in_flight++;
-  auto res =
-      vllm ? cli.Post("/v1/chat/completions", chat_body(call), "application/json")
-           : cli.Post("/v1/encode", json{{"image", call.data_url}}.dump(), "application/json");
-  e.in_flight--;
-  if (!res) {
-    r.transport = res.error();
-    r.timed_out = ms_since(t0) >= static_cast<double>(timeout_ms) * 0.95;
-    r.error = "encoder " + e.url + ": " + httplib::to_string(res.error());
-    if (connect_failed(r.transport)) e.mark_down(httplib::to_string(r.transport));
-    return r;
-  }
-  r.http_status = res->status;
-  if (res->status == 200) {
-    vllm ? read_chat_answer(res->body, r, e.url) : read_encode_answer(res->body, r, e.url);
-  } else {
-    r.error = "encoder " + e.url + " answered " + std::to_string(res->status) + ": " +
-              error_message(res->body);
-  }
-  return r;
+  ClientRequest request;
+  request.target = vllm ? "/v1/chat/completions" : "/v1/encode";
+  request.body = vllm ? chat_body(call) : safe_dump(json{{"image", call.data_url}});
+  request.connect_timeout = std::chrono::milliseconds(std::min<int64_t>(timeout_ms, 5000));
+  request.timeout = std::chrono::milliseconds(timeout_ms);
+  e->in_flight++;
+  client.send(
+      e->host, e->port, std::move(request), [e, vllm, done = std::move(done)](ClientResult res) {
+        e->in_flight--;
+        EncodeResult r;
+        if (!res.ok()) {
+          r.transport = res.error;
+          r.timed_out = res.error == ClientError::kTimeout;
+          r.error = "encoder " + e->url + ": " + res.message;
+          if (res.error == ClientError::kConnect) e->mark_down(res.message);
+          return done(std::move(r));
+        }
+        r.http_status = res.status;
+        if (res.status == 200) {
+          vllm ? read_chat_answer(res.body, r, e->url) : read_encode_answer(res.body, r, e->url);
+        } else {
+          r.error = "encoder " + e->url + " answered " + std::to_string(res.status) + ": " +
+                    error_message(res.body);
+        }
+        done(std::move(r));
+      });
 }
 
 UpstreamList encoder_order(const UpstreamList& encoders, uint64_t key) {
@@ -161,103 +158,110 @@ UpstreamList encoder_order(const UpstreamList& encoders, uint64_t key) {
   return order;
 }
 
-ImageEncode encode_with_failover(const UpstreamList& order, const EncodeCall& call,
-                                 int64_t timeout_ms) {
-  ImageEncode out;
-  auto t0 = Clock::now();
-  Deadline deadline = Deadline::after_ms(timeout_ms);
-  out.why = "no reachable encoder";
-  out.reason_label = "no_live_encoder";
-  for (const auto& e : order) {
+namespace {
+
+// One image's way through its encoders, one call at a time.
+struct Failover : std::enable_shared_from_this<Failover> {
+  Failover(HttpClient& c, UpstreamList o, EncodeCall ca, int64_t timeout_ms,
+           std::function<void(ImageEncode)> d)
+      : client(c),
+        order(std::move(o)),
+        call(std::move(ca)),
+        deadline(Deadline::after_ms(timeout_ms)),
+        done(std::move(d)) {
+    out.why = "no reachable encoder";
+    out.reason_label = "no_live_encoder";
+  }
+
+  void next() {
+    if (index >= order.size()) return end();
     int64_t left =
         std::chrono::duration_cast<std::chrono::milliseconds>(deadline.remaining()).count();
     if (left <= 0) {
       out.reason_label = "timeout";
-      break;
+      return end();
     }
-    EncodeResult r = call_encoder(*e, call, left);
+    std::shared_ptr<Upstream> e = order[index++];
+    call_encoder(client, e, call, left, [self = shared_from_this(), e](EncodeResult r) {
+      self->on_answer(e, std::move(r));
+    });
+  }
+
+  void on_answer(const std::shared_ptr<Upstream>& e, EncodeResult r) {
     if (r.encoded) {
       out.outcome = ImageEncode::kEncoded;
       out.result = std::move(r);
       out.encoder = e;
-      break;
+      return end();
     }
     if (is_client_error(r.http_status)) {
       out.outcome = ImageEncode::kClientError;
       out.result = std::move(r);
-      break;
+      return end();
     }
     out.failed_attempts++;
     out.why = r.error.empty() ? "encoder " + e->url + ": malformed answer" : r.error;
     out.reason_label = r.timed_out ? "timeout" : "encoder_failed";
+    next();
   }
-  out.ms = ms_since(t0);
-  return out;
+
+  void end() {
+    out.ms = ms_since(t0);
+    done(std::move(out));
+  }
+
+  HttpClient& client;
+  const UpstreamList order;
+  const EncodeCall call;
+  const Deadline deadline;
+  const Clock::time_point t0 = Clock::now();
+  std::function<void(ImageEncode)> done;
+  size_t index = 0;
+  ImageEncode out;
+};
+
+}  // namespace
+
+void encode_with_failover(HttpClient& client, UpstreamList order, EncodeCall call,
+                          int64_t timeout_ms, std::function<void(ImageEncode)> done) {
+  std::make_shared<Failover>(client, std::move(order), std::move(call), timeout_ms, std::move(done))
+      ->next();
 }
 
-ParamsReleaser::ParamsReleaser(std::chrono::milliseconds timeout,
+ParamsReleaser::ParamsReleaser(HttpClient& client, std::chrono::milliseconds timeout,
                                std::function<void(int)> on_released)
-    : timeout_(timeout), on_released_(std::move(on_released)) {
-  thread_ = std::thread([this] { run(); });
-}
-
-ParamsReleaser::~ParamsReleaser() {
-  {
-    std::lock_guard lock(mu_);
-    stop_ = true;
-    if (!queue_.empty()) {
-      spdlog::info("event=release_skipped encoders={}: left to the lease", queue_.size());
-    }
-  }
-  cv_.notify_all();
-  thread_.join();
-}
+    : client_(client), timeout_(timeout), on_released_(std::move(on_released)) {}
 
 void ParamsReleaser::release(const IssuedParams& issued) {
-  {
-    std::lock_guard lock(mu_);
-    for (const auto& [encoder, params] : issued) {
-      queue_.push_back({encoder, safe_dump(json{{"ec_transfer_params", params}})});
-    }
+  for (const auto& [encoder, params] : issued) {
+    ClientRequest request;
+    request.target = "/v1/ec/release";
+    request.body = safe_dump(json{{"ec_transfer_params", params}});
+    request.connect_timeout = timeout_;
+    request.timeout = timeout_;
+    client_.send(
+        encoder->host, encoder->port, std::move(request),
+        [encoder, on_released = on_released_](ClientResult res) {
+          if (res.ok() && res.status == 404) {
+            spdlog::debug(
+                "event=release_skipped encoder={}: no release endpoint (a vLLM "
+                "encoder)",
+                encoder->url);
+            return;
+          }
+          if (!res.ok() || res.status != 200) {
+            spdlog::warn("event=release_failed encoder={} error=\"{}\"", encoder->url,
+                         res.ok() ? std::to_string(res.status) + ": " + error_message(res.body)
+                                  : res.message);
+            return;
+          }
+          auto doc = parse_json_object(res.body, "release answer");
+          if (!doc.ok()) return;
+          auto released =
+              JsonReader(*doc, "release answer").u64("released", Presence::kRequired, 1 << 20);
+          if (released.ok() && *released > 0) on_released(static_cast<int>(*released));
+        });
   }
-  cv_.notify_all();
-}
-
-void ParamsReleaser::run() {
-  std::unique_lock lock(mu_);
-  while (true) {
-    cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
-    if (stop_) return;
-    Release next = std::move(queue_.front());
-    queue_.pop_front();
-    lock.unlock();
-    int released = post(next);
-    if (released > 0) on_released_(released);
-    lock.lock();
-  }
-}
-
-int ParamsReleaser::post(const Release& release) const {
-  httplib::Client cli(release.encoder->host, release.encoder->port);
-  cli.set_connection_timeout(timeout_);
-  cli.set_read_timeout(timeout_);
-  cli.set_write_timeout(timeout_);
-  auto res = cli.Post("/v1/ec/release", release.body, "application/json");
-  if (res && res->status == 404) {
-    spdlog::debug("event=release_skipped encoder={}: no release endpoint (a vLLM encoder)",
-                  release.encoder->url);
-    return 0;
-  }
-  if (!res || res->status != 200) {
-    spdlog::warn("event=release_failed encoder={} error=\"{}\"", release.encoder->url,
-                 res ? std::to_string(res->status) + ": " + error_message(res->body)
-                     : httplib::to_string(res.error()));
-    return 0;
-  }
-  auto doc = parse_json_object(res->body, "release answer");
-  if (!doc.ok()) return 0;
-  auto released = JsonReader(*doc, "release answer").u64("released", Presence::kRequired, 1 << 20);
-  return released.ok() ? static_cast<int>(*released) : 0;
 }
 
 }  // namespace ecx::serve

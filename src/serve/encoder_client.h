@@ -1,24 +1,20 @@
 // The proxy's side of its encoders: encoding an image on the best live encoder, with
 // failover, and giving back the params of a request abandoned before a PD read them.
 // Encoders speak ecx's API (POST /v1/encode) or vLLM's (a chat completion holding the
-// image, answered with ec_transfer_params), as the proxy's --upstream-api says.
+// image, answered with ec_transfer_params), as the proxy's --upstream-api says. Every
+// call is asynchronous, on the proxy's pooled HTTP client (serve/http_client.h).
 #pragma once
 
-#include <httplib.h>
-
 #include <chrono>
-#include <condition_variable>
-#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <nlohmann/json.hpp>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "ecx/serve/services.h"
+#include "serve/http_client.h"
 #include "serve/upstream.h"
 
 namespace ecx::serve {
@@ -36,7 +32,7 @@ struct EncodeCall {
 // One encode call: POST /v1/encode (ecx) or POST /v1/chat/completions (vllm).
 struct EncodeResult {
   int http_status = 0;  // 200 on success; 0 = no HTTP answer (see transport)
-  httplib::Error transport = httplib::Error::Success;
+  ClientError transport = ClientError::kNone;
   bool timed_out = false;
   // A 200 with a well-formed answer: the image's mm_hash and E's ec_transfer_params for
   // it. A vLLM encoder whose connector hands nothing over (shared storage) answers no
@@ -46,7 +42,9 @@ struct EncodeResult {
   nlohmann::json params;
   std::string error;  // why not encoded
 };
-EncodeResult call_encoder(Upstream& encoder, const EncodeCall& call, int64_t timeout_ms);
+// Calls `done` once, on a client thread.
+void call_encoder(HttpClient& client, std::shared_ptr<Upstream> encoder, const EncodeCall& call,
+                  int64_t timeout_ms, std::function<void(EncodeResult)> done);
 
 // What encoding one image came to.
 struct ImageEncode {
@@ -64,46 +62,31 @@ struct ImageEncode {
 UpstreamList encoder_order(const UpstreamList& encoders, uint64_t key);
 
 // Tries the encoders of `order` until one encodes the image, all within one encode
-// deadline. A client error (bad image) ends the search: another encoder would say the
-// same.
-ImageEncode encode_with_failover(const UpstreamList& order, const EncodeCall& call,
-                                 int64_t timeout_ms);
+// deadline, and calls `done` once with the outcome. A client error (bad image) ends the
+// search: another encoder would say the same.
+void encode_with_failover(HttpClient& client, UpstreamList order, EncodeCall call,
+                          int64_t timeout_ms, std::function<void(ImageEncode)> done);
 
 // The ec_transfer_params a request got from its encoders, per encoder: {mm_hash: params}.
 using IssuedParams = std::map<std::shared_ptr<Upstream>, nlohmann::json>;
 
 // Gives the params of abandoned requests back to the encoders that issued them
 // (POST /v1/ec/release), so their pins end now rather than when their lease runs out.
-// Runs on a thread of its own (no answer waits for it); each call is bounded by
-// `timeout`. Best effort: an encoder that cannot be reached keeps its pins until the
-// lease ends them. An encoder without that endpoint (404: vLLM's) has nothing to release.
+// Nothing waits for it; each call is bounded by `timeout`. Best effort: an encoder that
+// cannot be reached keeps its pins until the lease ends them. An encoder without that
+// endpoint (404: vLLM's) has nothing to release.
 class ParamsReleaser {
  public:
-  // `on_released(n)`: an encoder confirmed n released params.
-  ParamsReleaser(std::chrono::milliseconds timeout, std::function<void(int)> on_released);
-  // Stops after the release in progress; what is still queued is left to the leases.
-  ~ParamsReleaser();
-  ParamsReleaser(const ParamsReleaser&) = delete;
-  ParamsReleaser& operator=(const ParamsReleaser&) = delete;
+  // `on_released(n)`: an encoder confirmed n released params (on a client thread).
+  ParamsReleaser(HttpClient& client, std::chrono::milliseconds timeout,
+                 std::function<void(int)> on_released);
 
   void release(const IssuedParams& issued);
 
  private:
-  struct Release {
-    std::shared_ptr<Upstream> encoder;
-    std::string body;  // {"ec_transfer_params": {...}}
-  };
-  void run();
-  // One POST; the number of params the encoder released (0 on failure).
-  int post(const Release& release) const;
-
+  HttpClient& client_;
   const std::chrono::milliseconds timeout_;
   const std::function<void(int)> on_released_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<Release> queue_;  // guarded by mu_
-  bool stop_ = false;          // guarded by mu_
-  std::thread thread_;         // started last
 };
 
 }  // namespace ecx::serve

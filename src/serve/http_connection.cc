@@ -80,14 +80,21 @@ void log_request(const std::string& method, const std::string& path, int status,
 
 class Connection;
 
-// A streamed answer's body between the worker (write, finish) and the connection's
-// strand (pump). The worker blocks while `stream_buffer_bytes` are waiting.
-class ChunkStream final : public StreamWriter {
+// A streamed answer's body between its producer and the connection's strand (pump). A
+// worker thread writes (blocking while `stream_buffer_bytes` are waiting); an async
+// route pushes (never blocking) and is told when there is room again.
+class ChunkStream final : public StreamWriter, public AsyncStreamWriter {
  public:
   ChunkStream(size_t limit, std::chrono::seconds write_timeout)
       : limit_(limit), write_timeout_(write_timeout) {}
 
   bool write(std::string_view chunk) override;
+  bool push(std::string_view chunk) override;
+  bool has_room() const override {
+    std::lock_guard lock(mu_);
+    return gone_ || pending_.size() < limit_;
+  }
+  void when_room(std::function<void()> ready) override;
   bool client_gone() const override {
     std::lock_guard lock(mu_);
     return gone_;
@@ -96,11 +103,7 @@ class ChunkStream final : public StreamWriter {
   // true when nothing more will come: the worker finished, or the client is gone.
   // Returns false (and clears `sending_`) when there is nothing to do yet.
   bool take(std::string* chunks, bool* ended, bool* gone);
-  void mark_gone() {
-    std::lock_guard lock(mu_);
-    gone_ = true;
-    space_cv_.notify_all();
-  }
+  void mark_gone();
   size_t bytes_written() const {
     std::lock_guard lock(mu_);
     return total_;
@@ -108,10 +111,13 @@ class ChunkStream final : public StreamWriter {
 
   // Set by the connection: schedules a pump on its strand.
   std::function<void()> wake;
-  // The worker: the handler returned.
+  // The producer: the answer is complete.
   void finish();
 
  private:
+  // Appends `chunk` (mu_ held via `lock`); wakes the strand unless a pump is scheduled.
+  void append(std::unique_lock<std::mutex>& lock, std::string_view chunk);
+
   const size_t limit_;
   const std::chrono::seconds write_timeout_;
   mutable std::mutex mu_;
@@ -121,6 +127,7 @@ class ChunkStream final : public StreamWriter {
   bool sending_ = true;    // guarded by mu_; a pump is scheduled or running (headers first)
   bool finished_ = false;  // guarded by mu_
   bool gone_ = false;      // guarded by mu_
+  std::function<void()> room_waiter_;  // guarded by mu_; when_room's, not yet called
 };
 
 bool ChunkStream::write(std::string_view chunk) {
@@ -129,13 +136,47 @@ bool ChunkStream::write(std::string_view chunk) {
       space_cv_.wait_for(lock, write_timeout_, [&] { return gone_ || pending_.size() < limit_; });
   if (!room) gone_ = true;  // the client stopped reading
   if (gone_) return false;
+  append(lock, chunk);
+  return true;
+}
+
+bool ChunkStream::push(std::string_view chunk) {
+  std::unique_lock lock(mu_);
+  if (gone_) return false;
+  append(lock, chunk);
+  return true;
+}
+
+void ChunkStream::append(std::unique_lock<std::mutex>& lock, std::string_view chunk) {
   pending_.append(chunk);
   total_ += chunk.size();
-  if (sending_) return true;
+  if (sending_) return;
   sending_ = true;
   lock.unlock();
   wake();
-  return true;
+}
+
+void ChunkStream::when_room(std::function<void()> ready) {
+  {
+    std::lock_guard lock(mu_);
+    if (!gone_ && pending_.size() >= limit_) {
+      room_waiter_ = std::move(ready);
+      return;
+    }
+  }
+  ready();
+}
+
+void ChunkStream::mark_gone() {
+  std::function<void()> ready;
+  {
+    std::lock_guard lock(mu_);
+    gone_ = true;
+    ready = std::move(room_waiter_);
+    room_waiter_ = nullptr;
+    space_cv_.notify_all();
+  }
+  if (ready) ready();
 }
 
 void ChunkStream::finish() {
@@ -148,20 +189,26 @@ void ChunkStream::finish() {
 }
 
 bool ChunkStream::take(std::string* chunks, bool* ended, bool* gone) {
-  std::lock_guard lock(mu_);
-  *gone = gone_;
-  *ended = finished_;
-  if (gone_ && !finished_) {  // nothing more to send; finish() wakes us for the end
-    sending_ = false;
-    return false;
+  std::function<void()> ready;
+  {
+    std::lock_guard lock(mu_);
+    *gone = gone_;
+    *ended = finished_;
+    if (gone_ && !finished_) {  // nothing more to send; finish() wakes us for the end
+      sending_ = false;
+      return false;
+    }
+    if (pending_.empty() && !finished_) {
+      sending_ = false;
+      return false;
+    }
+    chunks->swap(pending_);
+    pending_.clear();
+    space_cv_.notify_all();
+    ready = std::move(room_waiter_);
+    room_waiter_ = nullptr;
   }
-  if (pending_.empty() && !finished_) {
-    sending_ = false;
-    return false;
-  }
-  chunks->swap(pending_);
-  pending_.clear();
-  space_cv_.notify_all();
+  if (ready) ready();
   return true;
 }
 
@@ -176,11 +223,26 @@ class Connection : public std::enable_shared_from_this<Connection> {
     net::dispatch(stream_.get_executor(), [self = shared_from_this()] { self->read_request(); });
   }
 
+  // For an async route's reply, from any thread: sends `res` on the strand.
+  void post_send(HttpResponse res, const HttpRequest& req) {
+    net::post(stream_.get_executor(),
+              [self = shared_from_this(), res = std::move(res), method = req.method,
+               path = req.path, n = req.body.size()]() mutable {
+                self->send(std::move(res), std::move(method), std::move(path), n, true);
+              });
+  }
+  // Sends head's status and headers, then the chunks of the returned stream until it
+  // finishes. From a worker or an async reply.
+  std::shared_ptr<ChunkStream> open_stream(const HttpResponse& head, const std::string& type);
+
  private:
   void read_request();
   void on_read(beast::error_code ec);
   void route(HttpRequest req);
   void queue_work(const HttpHandler& handler, HttpRequest req);
+  void queue_async(const AsyncHandler& handler, HttpRequest req);
+  // 503: the service's FIFO is full.
+  void reject_busy(const HttpRequest& req, size_t max_queued);
   void run_work(const HttpHandler& handler, const HttpRequest& req);
   // On the strand: writes `res`, then reads the next request or closes.
   void send(HttpResponse res, std::string method, std::string path, size_t bytes_in, bool counted);
@@ -252,6 +314,7 @@ void Connection::route(HttpRequest req) {
                                "no route " + req.method + " " + req.path),
                 req.method, req.path, req.body.size(), false);
   }
+  if (it->second.async) return queue_async(it->second.async, std::move(req));
   if (!it->second.fast) return queue_work(it->second.handler, std::move(req));
   HttpResponse res;
   res.set_stream_starter([](HttpResponse&, const std::string&) -> StreamWriter& {
@@ -275,15 +338,77 @@ void Connection::queue_work(const HttpHandler& handler, HttpRequest req) {
   auto shared = std::make_shared<HttpRequest>(std::move(req));
   bool admitted = state_.queue->push(
       [self = shared_from_this(), &handler, shared] { self->run_work(handler, *shared); });
-  if (admitted) return;
+  if (!admitted) reject_busy(*shared, state_.queue->max_queued());
+}
+
+void Connection::reject_busy(const HttpRequest& req, size_t max_queued) {
   state_.end_request();
   state_.rejected++;
-  HttpResponse res = error_response(
-      503, "server_busy",
-      state_.role + " is at capacity: " + std::to_string(state_.queue->max_queued()) +
-          " requests are waiting (--max-queued); retry later");
+  HttpResponse res = error_response(503, "server_busy",
+                                    state_.role + " is at capacity: " + std::to_string(max_queued) +
+                                        " requests are waiting (--max-queued); retry later");
   res.set_header("Retry-After", "1");
-  send(std::move(res), shared->method, shared->path, shared->body.size(), false);
+  send(std::move(res), req.method, req.path, req.body.size(), false);
+}
+
+// How an async route answers on this connection; the slot it holds is freed once it has
+// answered (or ended its stream).
+class ConnectionReply final : public AsyncReply {
+ public:
+  ConnectionReply(std::shared_ptr<Connection> conn, SlotQueue::Done done,
+                  std::shared_ptr<const HttpRequest> req)
+      : conn_(std::move(conn)), done_(std::move(done)), req_(std::move(req)) {}
+  ~ConnectionReply() override {
+    if (stream_) {
+      end_stream();
+    } else {
+      respond(error_response(500, "internal_error", "the request ended without an answer"));
+    }
+  }
+
+  void respond(HttpResponse res) override {
+    if (answered_.exchange(true)) return;
+    conn_->post_send(std::move(res), *req_);
+    done_();
+  }
+  AsyncStreamWriter& start_stream(const HttpResponse& head, const std::string& type) override {
+    answered_ = true;
+    stream_ = conn_->open_stream(head, type);
+    return *stream_;
+  }
+  void end_stream() override {
+    if (!stream_ || ended_.exchange(true)) return;
+    stream_->finish();
+    done_();
+  }
+
+ private:
+  std::shared_ptr<Connection> conn_;
+  SlotQueue::Done done_;
+  std::shared_ptr<const HttpRequest> req_;
+  std::shared_ptr<ChunkStream> stream_;
+  std::atomic<bool> answered_{false};
+  std::atomic<bool> ended_{false};
+};
+
+void Connection::queue_async(const AsyncHandler& handler, HttpRequest req) {
+  if (state_.stopping) {
+    keep_alive_ = false;
+    return send(error_response(503, "unavailable", state_.role + " is shutting down"), req.method,
+                req.path, req.body.size(), false);
+  }
+  state_.begin_request();
+  auto shared = std::make_shared<const HttpRequest>(std::move(req));
+  bool admitted =
+      state_.slots->push([self = shared_from_this(), &handler, shared](SlotQueue::Done done) {
+        auto reply = std::make_shared<ConnectionReply>(self, std::move(done), shared);
+        try {
+          handler(shared, reply);
+        } catch (const std::exception& e) {
+          reply->respond(error_response(500, "internal_error", e.what()));
+        }
+      });
+  if (!admitted) reject_busy(*shared, state_.slots->max_queued());
 }
 
 // On a worker thread.
@@ -334,6 +459,11 @@ void Connection::close() {
 // On the worker: the headers go out on the strand; chunks wait until they have.
 StreamWriter& Connection::start_stream(HttpResponse& res, const std::string& type) {
   res.mark_streaming();
+  return *open_stream(res, type);
+}
+
+std::shared_ptr<ChunkStream> Connection::open_stream(const HttpResponse& res,
+                                                     const std::string& type) {
   auto chunks = std::make_shared<ChunkStream>(state_.stream_buffer_bytes, state_.write_timeout);
   chunks->wake = [weak = std::weak_ptr<Connection>(shared_from_this())] {
     if (auto self = weak.lock()) {
@@ -362,7 +492,7 @@ StreamWriter& Connection::start_stream(HttpResponse& res, const std::string& typ
                                self->pump(chunks);
                              });
   });
-  return *chunks;
+  return chunks;
 }
 
 // A client that closes its connection mid-stream makes the socket readable (EOF).

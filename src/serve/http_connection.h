@@ -23,6 +23,7 @@ namespace ecx::serve {
 struct HttpRoute {
   bool fast = false;  // answered on the I/O thread
   HttpHandler handler;
+  AsyncHandler async;  // set for an async route (handler is then empty)
 };
 
 // Settings and figures of one server; connections hold a reference (the server
@@ -38,7 +39,10 @@ struct ServerState {
   const std::chrono::seconds write_timeout{60};  // a client that stops reading
   const size_t stream_buffer_bytes = 1 << 20;    // per streamed answer, before write blocks
   std::map<std::pair<std::string, std::string>, HttpRoute> routes;  // set before serving
-  std::unique_ptr<RequestQueue> queue;                              // made when serving starts
+  // Made when serving starts: the worker threads (when there are work routes) and the
+  // slots of async routes (when there are async routes).
+  std::unique_ptr<RequestQueue> queue;
+  std::unique_ptr<SlotQueue> slots;
 
   std::atomic<bool> stopping{false};
   std::atomic<uint64_t> rejected{0};  // 503 for a full queue

@@ -84,11 +84,16 @@ HttpServer::HttpServer(const CommonServiceConfig& config, std::string role, int 
 HttpServer::~HttpServer() { stop(); }
 
 void HttpServer::fast(const std::string& method, const std::string& path, HttpHandler handler) {
-  state_->routes[{method, path}] = HttpRoute{true, std::move(handler)};
+  state_->routes[{method, path}] = HttpRoute{true, std::move(handler), {}};
 }
 
 void HttpServer::work(const std::string& method, const std::string& path, HttpHandler handler) {
-  state_->routes[{method, path}] = HttpRoute{false, std::move(handler)};
+  state_->routes[{method, path}] = HttpRoute{false, std::move(handler), {}};
+}
+
+void HttpServer::async_work(const std::string& method, const std::string& path,
+                            AsyncHandler handler) {
+  state_->routes[{method, path}] = HttpRoute{false, {}, std::move(handler)};
 }
 
 namespace {
@@ -117,13 +122,16 @@ std::string HttpServer::render_metrics() const {
   metric_line(out, "ecx_http_rejected_total", "counter",
               "requests refused with 503 because the queue was full (--max-queued)",
               static_cast<double>(s.rejected.load()));
+  size_t waiting = (s.queue ? s.queue->waiting() : 0) + (s.slots ? s.slots->waiting() : 0);
+  size_t running = (s.queue ? s.queue->running() : 0) + (s.slots ? s.slots->running() : 0);
   metric_line(out, "ecx_http_queue_depth", "gauge", "requests waiting for a worker",
-              s.queue ? static_cast<double>(s.queue->waiting()) : 0);
+              static_cast<double>(waiting));
   metric_line(out, "ecx_http_requests_running", "gauge", "requests on a worker now",
-              s.queue ? static_cast<double>(s.queue->running()) : 0);
+              static_cast<double>(running));
   metric_line(out, "ecx_http_max_queued", "gauge", "the queue bound (--max-queued)",
               static_cast<double>(max_queued_));
-  metric_line(out, "ecx_http_workers", "gauge", "worker threads (--workers)", s.workers);
+  metric_line(out, "ecx_http_workers", "gauge",
+              "worker threads, or async requests run at once (--workers)", s.workers);
   metric_line(out, "ecx_http_io_threads", "gauge", "I/O threads (--io-threads)", s.io_threads);
   metric_line(out, "ecx_http_open_connections", "gauge", "open client connections",
               static_cast<double>(s.open_connections.load()));
@@ -217,7 +225,17 @@ Result<int> HttpServer::start() {
     running_.reset();
     return Unavailable("cannot listen on " + host_ + ":" + std::to_string(port_));
   }
-  s.queue = std::make_unique<RequestQueue>(s.workers, max_queued_);
+  bool blocking = false, async = false;
+  for (const auto& [key, route] : s.routes) {
+    blocking |= static_cast<bool>(route.handler) && !route.fast;
+    async |= static_cast<bool>(route.async);
+  }
+  if (blocking) s.queue = std::make_unique<RequestQueue>(s.workers, max_queued_);
+  if (async) {
+    s.slots = std::make_unique<SlotQueue>(
+        s.workers, max_queued_,
+        [ioc = &running_->ioc](std::function<void()> job) { net::post(*ioc, std::move(job)); });
+  }
   accept_next(running_->acceptor, s);
   for (int i = 0; i < s.io_threads; ++i) {
     running_->io.emplace_back([ioc = &running_->ioc] { ioc->run(); });
@@ -234,12 +252,17 @@ void HttpServer::stop() {
     boost::system::error_code ignored;
     acceptor->close(ignored);
   });
-  if (!s.wait_idle(Deadline::after(std::chrono::minutes(10)))) {
-    spdlog::warn("{}: requests still in flight after 10 minutes; stopping anyway", s.role);
-  }
+  bool idle = s.wait_idle(Deadline::after(std::chrono::minutes(10)));
   running_->ioc.stop();
   for (auto& t : running_->io) t.join();
-  s.queue->stop();
+  if (s.queue) s.queue->stop();
+  if (!idle) {
+    // What is still in flight may yet post to the I/O context (an async answer from
+    // another thread): it stays, stopped, until the process exits.
+    spdlog::warn("{}: requests still in flight after 10 minutes; stopping anyway", s.role);
+    static_cast<void>(running_.release());
+    return;
+  }
   running_.reset();
 }
 

@@ -8,6 +8,9 @@
 //         /v1/models): the handler must not block.
 //   work  queued in the service's one FIFO (serve/request_queue.h) and run by a worker
 //         thread; past --max-queued waiting requests, an immediate 503 with Retry-After.
+//   async queued the same way, but run on an I/O thread without blocking it: the handler
+//         answers later through an AsyncReply (the proxy's, which waits on the network).
+//         At most `workers` run at once; they hold no thread while they wait.
 #pragma once
 
 #include <functional>
@@ -66,6 +69,7 @@ class HttpServer {
 
   void fast(const std::string& method, const std::string& path, HttpHandler handler);
   void work(const std::string& method, const std::string& path, HttpHandler handler);
+  void async_work(const std::string& method, const std::string& path, AsyncHandler handler);
 
   // Binds, prints the listening line, serves until SIGTERM/SIGINT, then stop(); returns
   // the exit code. `hooks` run once bound and before stop().

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <functional>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -69,5 +70,39 @@ class HttpResponse {
 // A route's handler. Work routes run on the service's worker threads; fast routes on an
 // I/O thread, so they must not block.
 using HttpHandler = std::function<void(const HttpRequest&, HttpResponse&)>;
+
+// The body of a streamed answer of an async route. Never blocks: the producer pauses
+// while the buffer is full and is told when there is room again.
+class AsyncStreamWriter {
+ public:
+  virtual ~AsyncStreamWriter() = default;
+  // Queues `chunk` for the client. False once the client has gone (closed its connection,
+  // or stopped reading past the write timeout): stop producing.
+  virtual bool push(std::string_view chunk) = 0;
+  // True while less than the stream's buffer waits to go out.
+  virtual bool has_room() const = 0;
+  // Calls `ready` once, from any thread (or at once), when there is room or the client
+  // has gone.
+  virtual void when_room(std::function<void()> ready) = 0;
+  virtual bool client_gone() const = 0;
+};
+
+// How an async route answers, once, from any thread: respond(), or start_stream() and
+// later end_stream(). Dropped without an answer, it answers 500 (or ends the stream).
+class AsyncReply {
+ public:
+  virtual ~AsyncReply() = default;
+  virtual void respond(HttpResponse res) = 0;
+  // Sends head.status and head.headers and returns the writer of a chunked body of
+  // `type`.
+  virtual AsyncStreamWriter& start_stream(const HttpResponse& head, const std::string& type) = 0;
+  // The streamed answer is complete: the last chunk goes out, then the connection closes.
+  virtual void end_stream() = 0;
+};
+
+// An async route's handler: runs on an I/O thread, must not block, and answers through
+// `reply` whenever it is ready (typically from a callback of asynchronous I/O).
+using AsyncHandler =
+    std::function<void(std::shared_ptr<const HttpRequest> req, std::shared_ptr<AsyncReply> reply)>;
 
 }  // namespace ecx::serve

@@ -18,18 +18,23 @@
 // answered an error, a bad image among its others) gives its params back to their
 // encoders (encoder_client.h).
 //
+// Threads: none per request. A request runs on an I/O thread until it has sent its images
+// to their encoders; every call upstream (encode, forward to a PD, release) goes through
+// one asynchronous HTTP client with a pool of keep-alive connections per upstream
+// (serve/http_client.h), and each answer continues the request on a client thread. A
+// streamed answer is relayed piece by piece; while the client's buffer is full, the PD's
+// connection is not read.
+//
 // --upstream-api vllm: each image goes to its encoder as the chat completion vLLM's EPD
 // proxy sends, keyed by a uuid the PD's copy of the image carries too; the entries of the
 // answer's ec_transfer_params travel to the PD unchanged. Everything else is the same.
 #include <algorithm>
 #include <chrono>
-#include <future>
 #include <iostream>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <set>
-#include <thread>
 
 #include "ecx/common/checksum.h"
 #include "ecx/common/json_reader.h"
@@ -39,6 +44,7 @@
 #include "ecx/engine/image.h"
 #include "ecx/engine/model.h"
 #include "serve/encoder_client.h"
+#include "serve/http_client.h"
 #include "serve/http_server.h"
 #include "serve/metrics.h"
 #include "serve/openai_request.h"
@@ -59,46 +65,8 @@ constexpr std::chrono::milliseconds kReleaseTimeout{2000};
 constexpr std::chrono::milliseconds kEtcdTimeout{2000};
 constexpr std::chrono::milliseconds kEtcdSyncWait{3000};
 
-bool connect_failed(httplib::Error e) {
-  return e == httplib::Error::Connection || e == httplib::Error::ConnectionTimeout;
-}
-
 double ms_since(Clock::time_point t) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
-}
-
-// A streamed answer on its way from a PD to the client, on one proxy worker: the PD's
-// status decides whether the client gets a stream (200) or the PD's error as is.
-struct StreamRelay {
-  HttpResponse& res;
-  int status = 0;                  // the PD's
-  StreamWriter* writer = nullptr;  // once the PD answered 200
-  std::string error_body;          // the PD's answer when it was not 200
-  bool client_gone = false;        // the client closed its connection mid-stream
-};
-
-// A streamed POST of `body` whose answer goes through `relay`.
-httplib::Request stream_request(StreamRelay& relay, const std::string& body) {
-  httplib::Request r;
-  r.method = "POST";
-  r.path = "/v1/chat/completions";
-  r.body = body;
-  r.set_header("Content-Type", "application/json");
-  r.response_handler = [&relay](const httplib::Response& resp) {
-    relay.status = resp.status;
-    if (resp.status == 200) relay.writer = &relay.res.start_stream("text/event-stream");
-    return true;
-  };
-  r.content_receiver = [&relay](const char* data, size_t n, uint64_t, uint64_t) {
-    if (relay.writer == nullptr) {
-      relay.error_body.append(data, n);
-      return true;
-    }
-    // A client gone: stop reading, which closes the PD's connection and so stops it too.
-    relay.client_gone = !relay.writer->write(std::string_view(data, n));
-    return !relay.client_gone;
-  };
-  return r;
 }
 
 // What encoding a request's images came to.
@@ -109,13 +77,50 @@ struct EncodedImages {
   double ms = 0;                      // the slowest image
 };
 
+// One image to encode: the encoders to try, best first, and the call.
+struct ImageJob {
+  UpstreamList order;
+  EncodeCall call;
+};
+
+// One chat completion on its way through the proxy. Shared by the callbacks that carry
+// it on; the phases run one after another (encodes, then the PDs in turn).
+struct ChatCall {
+  ChatCall(std::shared_ptr<AsyncReply> r, std::shared_ptr<const HttpRequest> q)
+      : reply(std::move(r)), req(std::move(q)) {}
+
+  std::shared_ptr<AsyncReply> reply;
+  std::shared_ptr<const HttpRequest> req;
+  Clock::time_point t0 = Clock::now();
+  ChatRequest chat;
+  std::shared_ptr<const UpstreamMembers> members;  // one view of the members throughout
+  json forward;                                    // the request as the PD gets it
+
+  // Encoding: the answers, in the order the images were sent.
+  std::mutex mu;
+  std::vector<ImageEncode> encodes;  // guarded by mu
+  size_t encodes_left = 0;           // guarded by mu
+  EncodedImages encoded;
+
+  // Forwarding: the PDs to try, in order, and what failed so far.
+  std::string body;
+  UpstreamList pds;
+  size_t next_pd = 0;
+  std::string pd_errors;
+
+  // A streamed answer, once the PD answered 200 (on the PD connection's strand).
+  AsyncStreamWriter* writer = nullptr;
+  bool client_gone = false;
+};
+
 class Proxy {
  public:
   Proxy(const ProxyServiceConfig& config, UpstreamList encoders, UpstreamList pds)
       : config_(config),
         upstreams_(std::move(encoders), std::move(pds)),
         use_encoders_(config.connector != "local"),
-        releaser_(kReleaseTimeout,
+        client_(HttpClient::Options{}),
+        releaser_(client_, kReleaseTimeout,
                   [this](int n) { metrics_.add("ecx_proxy_params_released_total", "", n); }) {}
 
   // The upstreams the prober watches: every PD, and the encoders when they are used.
@@ -129,35 +134,40 @@ class Proxy {
   // True when the members changed.
   bool apply_membership(const std::vector<directory::Instance>& instances);
 
-  void handle_chat(const HttpRequest& req, HttpResponse& res);
+  // POST /v1/chat/completions (an async route): answers through `reply`.
+  void handle_chat(std::shared_ptr<const HttpRequest> req, std::shared_ptr<AsyncReply> reply);
   HealthReport health() const;
   std::string render_metrics();
   // GET /v1/upstreams: {"upstreams": [{url, role, source, reachable, in_flight, last_error}]}.
   std::string upstreams_json() const;
 
  private:
-  // Encodes every image of `chat` (concurrently) on `encoders` and rewrites its image
-  // URLs in `forward` as data URLs. An image no encoder could encode gets no params (the
-  // PD encodes it).
-  EncodedImages encode_images(const ChatRequest& chat, const UpstreamList& encoders, json& forward);
-  // Sends each distinct image of `chat` to its encoders, once.
-  std::vector<std::future<ImageEncode>> start_encodes(const ChatRequest& chat,
-                                                      const UpstreamList& encoders, json& forward);
+  using Call = std::shared_ptr<ChatCall>;
+
+  // Rewrites the image URLs of `call.forward` as data URLs and lists the distinct images
+  // to send to the encoders (each once per request).
+  std::vector<ImageJob> image_jobs(ChatCall& call) const;
   // What to ask an encoder for the image part `forward_part` (whose URL is `data_url`);
   // in vllm mode it gives the part its uuid.
   EncodeCall encode_call(const ChatRequest& chat, const ContentPart& part, std::string data_url,
                          json& forward_part) const;
+  // Every image has an outcome: merges the params into the request (an image no encoder
+  // could encode gets none: the PD encodes it), then forwards it.
+  void encodes_done(const Call& call);
   // PDs to try, in order: the reachable ones by fewest requests in flight, then the
   // others (their flag may be stale; a refused connect costs little).
   static UpstreamList pd_order(const UpstreamList& pds);
-  // Each answers the client; true when a PD of `pds` took the request (answered 2xx).
-  bool forward_blocking(const UpstreamList& pds, const std::string& body, Clock::time_point t0,
-                        double encode_ms, HttpResponse& res);
-  bool forward_streaming(const UpstreamList& pds, const std::string& body, HttpResponse& res);
-  // No PD of `pds` took the request: 502 naming what was tried.
-  void answer_no_pd(const UpstreamList& pds, const std::string& errors, HttpResponse& res);
-  // After the PD's stream ended: counts it, or answers the client the PD's failure.
-  bool finish_stream(StreamRelay& relay, httplib::Error error, const Upstream& pd, double pd_ms);
+  // Sends the request to the next PD of call.pds; one that cannot be connected to is
+  // skipped for the next. Every path answers the client once.
+  void forward(const Call& call);
+  void on_pd_answer(const Call& call, const std::shared_ptr<Upstream>& pd, ClientResult result);
+  ClientStreaming relay_stream(const Call& call);
+  void finish_stream(const Call& call, const Upstream& pd, const ClientResult& result);
+  // The PD did not take the request: gives the params back, counts and sends `res`.
+  void answer_not_taken(const Call& call, HttpResponse res);
+  // No PD of call.pds took the request: 502 naming what was tried.
+  void answer_no_pd(const Call& call);
+  void answer_pd_failure(const Call& call, const Upstream& pd, const ClientResult& result);
   void count_answer(int http_status) {
     metrics_.add("ecx_proxy_requests_total", "status=\"" + std::to_string(http_status) + "\"", 1);
   }
@@ -166,16 +176,17 @@ class Proxy {
   UpstreamSet upstreams_;
   const bool use_encoders_;  // false with --connector local: the PDs encode
   Metrics metrics_;
-  ParamsReleaser releaser_;  // counts into metrics_: declared after it
+  // Declared after what its callbacks use, so its threads stop first.
+  HttpClient client_;
+  ParamsReleaser releaser_;  // sends through client_
 };
 
-std::vector<std::future<ImageEncode>> Proxy::start_encodes(const ChatRequest& chat,
-                                                           const UpstreamList& encoders,
-                                                           json& forward) {
-  std::vector<std::future<ImageEncode>> pending;
+std::vector<ImageJob> Proxy::image_jobs(ChatCall& call) const {
+  std::vector<ImageJob> jobs;
+  const UpstreamList& encoders = call.members->encoders;
   std::set<std::pair<uint64_t, std::string>> sent;  // each distinct image once per request
-  for (size_t m = 0; m < chat.messages.size(); ++m) {
-    const auto& parts = chat.messages[m].parts;
+  for (size_t m = 0; m < call.chat.messages.size(); ++m) {
+    const auto& parts = call.chat.messages[m].parts;
     for (size_t p = 0; p < parts.size(); ++p) {
       const ContentPart& part = parts[p];
       if (part.kind != ContentPart::kImage) continue;
@@ -183,20 +194,16 @@ std::vector<std::future<ImageEncode>> Proxy::start_encodes(const ChatRequest& ch
       std::string data_url = part.image_url.rfind("data:", 0) == 0
                                  ? part.image_url
                                  : engine::make_data_url(part.image_bytes, "image/png");
-      json& forward_part = forward["messages"][m]["content"][p];
+      json& forward_part = call.forward["messages"][m]["content"][p];
       forward_part["image_url"] = {{"url", data_url}};
-      EncodeCall call = encode_call(chat, part, std::move(data_url), forward_part);
+      EncodeCall encode = encode_call(call.chat, part, std::move(data_url), forward_part);
       uint64_t key = checksum64(part.image_bytes.data(), part.image_bytes.size());
       // (In vllm mode an image is its bytes and its uuid: E must see each uuid the PD does.)
-      if (!use_encoders_ || encoders.empty() || !sent.emplace(key, call.uuid).second) continue;
-      pending.push_back(std::async(std::launch::async,
-                                   [order = encoder_order(encoders, key), call = std::move(call),
-                                    timeout = config_.encode_timeout_ms] {
-                                     return encode_with_failover(order, call, timeout);
-                                   }));
+      if (!use_encoders_ || encoders.empty() || !sent.emplace(key, encode.uuid).second) continue;
+      jobs.push_back({encoder_order(encoders, key), std::move(encode)});
     }
   }
-  return pending;
+  return jobs;
 }
 
 EncodeCall Proxy::encode_call(const ChatRequest& chat, const ContentPart& part,
@@ -213,11 +220,9 @@ EncodeCall Proxy::encode_call(const ChatRequest& chat, const ContentPart& part,
   return call;
 }
 
-EncodedImages Proxy::encode_images(const ChatRequest& chat, const UpstreamList& encoders,
-                                   json& forward) {
-  EncodedImages out;
-  for (auto& f : start_encodes(chat, encoders, forward)) {
-    ImageEncode r = f.get();
+void Proxy::encodes_done(const Call& call) {
+  EncodedImages& out = call->encoded;
+  for (ImageEncode& r : call->encodes) {
     out.ms = std::max(out.ms, r.ms);
     if (r.failed_attempts > 0)
       metrics_.add("ecx_proxy_encoder_errors_total", "", r.failed_attempts);
@@ -239,9 +244,20 @@ EncodedImages Proxy::encode_images(const ChatRequest& chat, const UpstreamList& 
         break;
     }
   }
+  if (out.error) {
+    releaser_.release(out.issued);  // the images that did encode
+    metrics_.add("ecx_proxy_failures_total", "reason=\"invalid_image\"", 1);
+    HttpResponse res;
+    send_error(res, *out.error);
+    return call->reply->respond(std::move(res));
+  }
+  metrics_.observe("ecx_proxy_encode_seconds", "", out.ms / 1000);
   // Only params from our encoders travel on: a client must not choose what PD reads.
-  forward["ec_transfer_params"] = out.params;
-  return out;
+  call->forward["ec_transfer_params"] = out.params;
+  call->body = safe_dump(call->forward);
+  call->forward = json();  // no longer needed: the body holds it
+  call->pds = pd_order(call->members->pds);
+  forward(call);
 }
 
 UpstreamList Proxy::pd_order(const UpstreamList& pds) {
@@ -253,132 +269,146 @@ UpstreamList Proxy::pd_order(const UpstreamList& pds) {
   return order;
 }
 
-void Proxy::handle_chat(const HttpRequest& req, HttpResponse& res) {
-  auto t0 = Clock::now();
-  ChatRequest chat;
-  if (auto err = parse_chat_request(req.body, config_.common, &chat)) {
+void Proxy::handle_chat(std::shared_ptr<const HttpRequest> req, std::shared_ptr<AsyncReply> reply) {
+  auto call = std::make_shared<ChatCall>(std::move(reply), std::move(req));
+  if (auto err = parse_chat_request(call->req->body, config_.common, &call->chat)) {
     metrics_.add("ecx_proxy_failures_total", "reason=\"bad_request\"", 1);
-    return send_error(res, *err);
+    HttpResponse res;
+    send_error(res, *err);
+    return call->reply->respond(std::move(res));
   }
-  // One view of the members for the whole request.
-  std::shared_ptr<const UpstreamMembers> members = upstreams_.snapshot();
-  json forward = chat.raw;
-  EncodedImages encoded = encode_images(chat, members->encoders, forward);
-  if (encoded.error) {
-    releaser_.release(encoded.issued);  // the images that did encode
-    metrics_.add("ecx_proxy_failures_total", "reason=\"invalid_image\"", 1);
-    return send_error(res, *encoded.error);
+  call->members = upstreams_.snapshot();
+  call->forward = call->chat.raw;
+  std::vector<ImageJob> jobs = image_jobs(*call);
+  if (jobs.empty()) return encodes_done(call);
+  {
+    std::lock_guard lock(call->mu);
+    call->encodes.resize(jobs.size());
+    call->encodes_left = jobs.size();
   }
-  metrics_.observe("ecx_proxy_encode_seconds", "", encoded.ms / 1000);
-  std::string body = safe_dump(forward);
-  bool taken = chat.stream ? forward_streaming(members->pds, body, res)
-                           : forward_blocking(members->pds, body, t0, encoded.ms, res);
-  // Abandoned between E and PD: no PD will read these params.
-  if (!taken) releaser_.release(encoded.issued);
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    encode_with_failover(client_, std::move(jobs[i].order), std::move(jobs[i].call),
+                         config_.encode_timeout_ms, [this, call, i](ImageEncode r) {
+                           bool last;
+                           {
+                             std::lock_guard lock(call->mu);
+                             call->encodes[i] = std::move(r);
+                             last = --call->encodes_left == 0;
+                           }
+                           if (last) encodes_done(call);
+                         });
+  }
 }
 
-void Proxy::answer_no_pd(const UpstreamList& pds, const std::string& errors, HttpResponse& res) {
-  metrics_.add("ecx_proxy_failures_total", "reason=\"no_pd\"", 1);
-  send_error(res, 502, "pd_failed",
-             pds.empty() ? std::string("no PD is known (none given, none registered in etcd)")
-                         : "no PD could be reached (" + errors + ")");
+void Proxy::forward(const Call& call) {
+  if (call->next_pd >= call->pds.size()) return answer_no_pd(call);
+  std::shared_ptr<Upstream> pd = call->pds[call->next_pd++];
+  ClientRequest request;
+  request.target = "/v1/chat/completions";
+  request.body = call->body;
+  request.connect_timeout = kPdConnectTimeout;
+  request.timeout = std::chrono::milliseconds(config_.request_timeout_ms);
+  pd->in_flight++;
+  client_.send(
+      pd->host, pd->port, std::move(request),
+      [this, call, pd](ClientResult result) {
+        pd->in_flight--;
+        on_pd_answer(call, pd, std::move(result));
+      },
+      call->chat.stream ? relay_stream(call) : ClientStreaming{});
+}
+
+void Proxy::on_pd_answer(const Call& call, const std::shared_ptr<Upstream>& pd,
+                         ClientResult result) {
+  if (result.error == ClientError::kConnect) {
+    pd->mark_down(result.message);
+    call->pd_errors += (call->pd_errors.empty() ? "" : "; ") + pd->url + ": " + result.message;
+    return forward(call);  // nothing was sent: the next PD may take it
+  }
+  if (call->chat.stream) return finish_stream(call, *pd, result);
+  if (!result.ok()) return answer_pd_failure(call, *pd, result);
+  HttpResponse res;
+  auto out = parse_json_object(result.body, "pd answer");
+  if (result.status == 200 && out.ok()) {
+    (*out)["ecx_timings"]["proxy_encode_ms"] = call->encoded.ms;
+    (*out)["ecx_timings"]["proxy_total_ms"] = ms_since(call->t0);
+    res.set_content(safe_dump(*out), "application/json");
+  } else {
+    res.status = result.status;
+    res.set_content(std::move(result.body), "application/json");
+  }
+  if (res.status < 200 || res.status >= 300) return answer_not_taken(call, std::move(res));
   count_answer(res.status);
+  call->reply->respond(std::move(res));
 }
 
-bool Proxy::forward_blocking(const UpstreamList& pds, const std::string& body, Clock::time_point t0,
-                             double encode_ms, HttpResponse& res) {
-  std::string errors;
-  for (const auto& pd : pd_order(pds)) {
-    httplib::Client cli(pd->host, pd->port);
-    cli.set_connection_timeout(kPdConnectTimeout);
-    cli.set_read_timeout(std::chrono::milliseconds(config_.request_timeout_ms));
-    cli.set_write_timeout(std::chrono::milliseconds(config_.request_timeout_ms));
-    auto t_pd = Clock::now();
-    pd->in_flight++;
-    auto up = cli.Post("/v1/chat/completions", body, "application/json");
-    pd->in_flight--;
-    if (!up && connect_failed(up.error())) {
-      pd->mark_down(httplib::to_string(up.error()));
-      errors += (errors.empty() ? "" : "; ") + pd->url + ": " + httplib::to_string(up.error());
-      continue;  // nothing was sent: the next PD may take it
+// The PD's stream, relayed piece by piece as it comes; the PD's error answer (not 200)
+// is collected and answered as it is.
+ClientStreaming Proxy::relay_stream(const Call& call) {
+  ClientStreaming relay;
+  relay.on_headers = [call](int status) {
+    if (status != 200) return false;
+    HttpResponse head;
+    call->writer = &call->reply->start_stream(head, "text/event-stream");
+    return true;
+  };
+  relay.on_body = [call](std::string_view piece, std::function<void()> resume) {
+    // A client gone: stop reading, which closes the PD's connection and so stops it too.
+    if (!call->writer->push(piece)) {
+      call->client_gone = true;
+      return BodyFlow::kStop;
     }
-    if (!up) {
-      bool timeout = ms_since(t_pd) >= static_cast<double>(config_.request_timeout_ms) * 0.95;
-      metrics_.add("ecx_proxy_failures_total", "reason=\"pd\"", 1);
-      send_error(res, timeout ? 504 : 502, timeout ? "pd_timeout" : "pd_failed",
-                 "pd " + pd->url + ": " + httplib::to_string(up.error()));
-      count_answer(res.status);
-      return false;
-    }
-    auto out = parse_json_object(up->body, "pd answer");
-    if (up->status == 200 && out.ok()) {
-      (*out)["ecx_timings"]["proxy_encode_ms"] = encode_ms;
-      (*out)["ecx_timings"]["proxy_total_ms"] = ms_since(t0);
-      res.status = 200;  // set here, not by the library after we return: the metric needs it
-      res.set_content(safe_dump(*out), "application/json");
-    } else {
-      res.status = up->status;
-      res.set_content(up->body, "application/json");
-    }
-    count_answer(res.status);
-    return up->status >= 200 && up->status < 300;
-  }
-  answer_no_pd(pds, errors, res);
-  return false;
+    if (call->writer->has_room()) return BodyFlow::kContinue;
+    call->writer->when_room(std::move(resume));
+    return BodyFlow::kPause;
+  };
+  return relay;
 }
 
-// Relays the PD's SSE stream chunk by chunk as it comes (no helper thread), or the PD's
-// error as it answered it.
-bool Proxy::forward_streaming(const UpstreamList& pds, const std::string& body, HttpResponse& res) {
-  std::string errors;
-  for (const auto& pd : pd_order(pds)) {
-    httplib::Client cli(pd->host, pd->port);
-    cli.set_connection_timeout(kPdConnectTimeout);
-    cli.set_read_timeout(std::chrono::milliseconds(config_.request_timeout_ms));
-    cli.set_write_timeout(std::chrono::milliseconds(config_.request_timeout_ms));
-    StreamRelay relay{res};
-    auto t_pd = Clock::now();
-    pd->in_flight++;
-    auto result = cli.send(stream_request(relay, body));
-    pd->in_flight--;
-    if (!result && relay.status == 0 && connect_failed(result.error())) {
-      pd->mark_down(httplib::to_string(result.error()));
-      errors += (errors.empty() ? "" : "; ") + pd->url + ": " + httplib::to_string(result.error());
-      continue;  // nothing was sent: the next PD may take it
-    }
-    return finish_stream(relay, result.error(), *pd, ms_since(t_pd));
-  }
-  answer_no_pd(pds, errors, res);
-  return false;
-}
-
-bool Proxy::finish_stream(StreamRelay& relay, httplib::Error error, const Upstream& pd,
-                          double pd_ms) {
-  if (relay.writer != nullptr) {  // the client has its stream
+void Proxy::finish_stream(const Call& call, const Upstream& pd, const ClientResult& result) {
+  if (call->writer != nullptr) {  // the client has its stream
     count_answer(200);
-    if (relay.client_gone) {
+    if (call->client_gone) {
       metrics_.add("ecx_proxy_client_disconnects_total", "", 1);
-    } else if (error != httplib::Error::Success) {
+    } else if (!result.ok()) {
       // PD failed mid-stream: say so instead of ending as if complete.
-      std::string message = "pd " + pd.url + ": " + httplib::to_string(error);
-      relay.writer->write(
+      std::string message = "pd " + pd.url + ": " + result.message;
+      call->writer->push(
           "data: " + safe_dump(json{{"error", {{"message", message}, {"type", "pd_failed"}}}}) +
           "\n\n");
     }
-    return true;
+    return call->reply->end_stream();
   }
-  if (relay.status != 0 && error == httplib::Error::Success) {  // the PD's own error answer
-    relay.res.status = relay.status;
-    relay.res.set_content(relay.error_body, "application/json");
-    count_answer(relay.status);
-    return false;
-  }
-  bool timeout = pd_ms >= static_cast<double>(config_.request_timeout_ms) * 0.95;
+  if (!result.ok()) return answer_pd_failure(call, pd, result);
+  HttpResponse res;  // the PD's own error answer
+  res.status = result.status;
+  res.set_content(result.body, "application/json");
+  answer_not_taken(call, std::move(res));
+}
+
+void Proxy::answer_not_taken(const Call& call, HttpResponse res) {
+  // Abandoned between E and PD: no PD will read these params.
+  releaser_.release(call->encoded.issued);
+  count_answer(res.status);
+  call->reply->respond(std::move(res));
+}
+
+void Proxy::answer_no_pd(const Call& call) {
+  metrics_.add("ecx_proxy_failures_total", "reason=\"no_pd\"", 1);
+  HttpResponse res;
+  send_error(res, 502, "pd_failed",
+             call->pds.empty() ? std::string("no PD is known (none given, none registered in etcd)")
+                               : "no PD could be reached (" + call->pd_errors + ")");
+  answer_not_taken(call, std::move(res));
+}
+
+void Proxy::answer_pd_failure(const Call& call, const Upstream& pd, const ClientResult& result) {
+  bool timeout = result.error == ClientError::kTimeout;
   metrics_.add("ecx_proxy_failures_total", "reason=\"pd\"", 1);
-  send_error(relay.res, timeout ? 504 : 502, timeout ? "pd_timeout" : "pd_failed",
-             "pd " + pd.url + ": " + httplib::to_string(error));
-  count_answer(relay.res.status);
-  return false;
+  HttpResponse res;
+  send_error(res, timeout ? 504 : 502, timeout ? "pd_timeout" : "pd_failed",
+             "pd " + pd.url + ": " + result.message);
+  answer_not_taken(call, std::move(res));
 }
 
 HealthReport Proxy::health() const {
@@ -551,10 +581,12 @@ int run_proxy_service(const ProxyServiceConfig& config) {
   // Probed every 250 ms until the server has stopped (the prober is destroyed after it),
   // following membership.
   UpstreamProber prober(proxy.probed(), UpstreamProber::Options{});
-  // Workers mostly wait on E and PD: many, so the queue, not the pool, is the bound.
+  // Requests run at once (each waits on E and PD without a thread); the rest queue.
   HttpServer server(config.common, "proxy", 64);
-  server.work("POST", "/v1/chat/completions",
-              [&](const HttpRequest& req, HttpResponse& res) { proxy.handle_chat(req, res); });
+  server.async_work("POST", "/v1/chat/completions",
+                    [&](std::shared_ptr<const HttpRequest> req, std::shared_ptr<AsyncReply> reply) {
+                      proxy.handle_chat(std::move(req), std::move(reply));
+                    });
   server.fast("GET", "/v1/upstreams", [&](const HttpRequest&, HttpResponse& res) {
     res.set_content(proxy.upstreams_json(), "application/json");
   });

@@ -1,6 +1,8 @@
 #include "serve/request_queue.h"
 
 #include <algorithm>
+#include <atomic>
+#include <memory>
 
 namespace ecx::serve {
 
@@ -57,6 +59,56 @@ void RequestQueue::work() {
     lock.lock();
     --running_;
   }
+}
+
+SlotQueue::SlotQueue(size_t slots, size_t max_queued,
+                     std::function<void(std::function<void()>)> post)
+    : slots_(std::max<size_t>(1, slots)), max_queued_(max_queued), post_(std::move(post)) {}
+
+bool SlotQueue::push(Job job) {
+  {
+    std::lock_guard lock(mu_);
+    if (running_ >= slots_) {
+      if (jobs_.size() >= max_queued_) return false;
+      jobs_.push_back(std::move(job));
+      return true;
+    }
+    ++running_;
+  }
+  job(make_done());
+  return true;
+}
+
+SlotQueue::Done SlotQueue::make_done() {
+  // Called at most once, even when a copy of it is called again.
+  auto called = std::make_shared<std::atomic<bool>>(false);
+  return [this, called] {
+    if (!called->exchange(true)) release();
+  };
+}
+
+void SlotQueue::release() {
+  Job next;
+  {
+    std::lock_guard lock(mu_);
+    if (jobs_.empty()) {
+      --running_;
+      return;
+    }
+    next = std::move(jobs_.front());  // the slot passes to it
+    jobs_.pop_front();
+  }
+  post_([this, next = std::move(next)] { next(make_done()); });
+}
+
+size_t SlotQueue::waiting() const {
+  std::lock_guard lock(mu_);
+  return jobs_.size();
+}
+
+size_t SlotQueue::running() const {
+  std::lock_guard lock(mu_);
+  return running_;
 }
 
 }  // namespace ecx::serve

@@ -1,7 +1,10 @@
-// One FIFO of admitted requests per service, served by a fixed pool of worker threads:
-// with N requests waiting and a throughput of X, each waits about N / X, whichever
-// connection it came on. Past `max_queued` waiting requests, push() refuses at once
-// (the server answers 503) and nothing already admitted is touched.
+// One FIFO of admitted requests per service: with N requests waiting and a throughput
+// of X, each waits about N / X, whichever connection it came on. Past `max_queued`
+// waiting requests, push() refuses at once (the server answers 503) and nothing already
+// admitted is touched.
+//   RequestQueue  work that blocks (encoding, generating): a fixed pool of worker threads.
+//   SlotQueue     work that waits on the network without a thread (the proxy's): at most
+//                 `slots` requests run at once, each until it calls its Done.
 #pragma once
 
 #include <condition_variable>
@@ -44,6 +47,37 @@ class RequestQueue {
   size_t running_ = 0;                      // guarded by mu_
   bool stopping_ = false;                   // guarded by mu_
   std::vector<std::thread> threads_;        // set in the constructor, joined by stop()
+};
+
+class SlotQueue {
+ public:
+  using Done = std::function<void()>;     // call once, when the request has been answered
+  using Job = std::function<void(Done)>;  // must not block
+  // `post` runs a job that waited on an I/O thread (a freed slot is handed on from the
+  // thread that frees it, which must not run the next job itself).
+  SlotQueue(size_t slots, size_t max_queued, std::function<void(std::function<void()>)> post);
+  SlotQueue(const SlotQueue&) = delete;
+  SlotQueue& operator=(const SlotQueue&) = delete;
+
+  // Runs `job` now, in the caller, when a slot is free; else queues it. False (and `job`
+  // dropped) when `max_queued` jobs are already waiting.
+  bool push(Job job);
+
+  size_t waiting() const;
+  size_t running() const;
+  size_t slots() const { return slots_; }
+  size_t max_queued() const { return max_queued_; }
+
+ private:
+  Done make_done();
+  void release();  // a slot is free: the next waiting job gets it
+
+  const size_t slots_;
+  const size_t max_queued_;
+  const std::function<void(std::function<void()>)> post_;
+  mutable std::mutex mu_;
+  std::deque<Job> jobs_;  // guarded by mu_
+  size_t running_ = 0;    // guarded by mu_
 };
 
 }  // namespace ecx::serve

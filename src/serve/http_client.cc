@@ -1,0 +1,335 @@
+#include "serve/http_client.h"
+
+#include <sys/socket.h>
+
+#include <array>
+#include <atomic>
+#include <boost/asio/executor_work_guard.hpp>
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/post.hpp>
+#include <boost/asio/strand.hpp>
+#include <boost/beast/core.hpp>
+#include <boost/beast/http.hpp>
+#include <cerrno>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <thread>
+#include <vector>
+
+namespace ecx::serve {
+
+namespace beast = boost::beast;
+namespace http = beast::http;
+namespace net = boost::asio;
+using tcp = net::ip::tcp;
+using Clock = std::chrono::steady_clock;
+
+const char* client_error_name(ClientError error) {
+  switch (error) {
+    case ClientError::kNone:
+      return "none";
+    case ClientError::kConnect:
+      return "connect";
+    case ClientError::kTimeout:
+      return "timeout";
+    case ClientError::kTransport:
+      return "transport";
+    case ClientError::kTooLarge:
+      return "too_large";
+    case ClientError::kStopped:
+      return "stopped";
+  }
+  return "unknown";
+}
+
+namespace {
+
+// One connection to an upstream, on a strand of the client's io_context.
+struct PooledConnection {
+  explicit PooledConnection(const net::any_io_executor& executor) : stream(executor) {}
+  beast::tcp_stream stream;
+  beast::flat_buffer buffer;
+  Clock::time_point idle_since;
+};
+
+// An idle connection is still usable when there is nothing to read on it: no EOF (the
+// upstream closed it), no stray bytes.
+bool still_open(PooledConnection& c) {
+  if (!c.stream.socket().is_open()) return false;
+  char byte;
+  ssize_t n = ::recv(c.stream.socket().native_handle(), &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+  return n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK);
+}
+
+ClientError classify(const beast::error_code& ec) {
+  if (ec == beast::error::timeout) return ClientError::kTimeout;
+  if (ec == http::error::body_limit) return ClientError::kTooLarge;
+  return ClientError::kTransport;
+}
+
+}  // namespace
+
+struct HttpClient::Impl {
+  explicit Impl(const Options& o) : options(o), work(net::make_work_guard(ioc)) {}
+
+  // A pooled connection to `key` that is still open, newest first; null when none.
+  std::unique_ptr<PooledConnection> take(const std::string& key) {
+    std::lock_guard lock(mu);
+    auto it = idle.find(key);
+    if (it == idle.end()) return nullptr;
+    auto& list = it->second;
+    while (!list.empty()) {
+      std::unique_ptr<PooledConnection> c = std::move(list.back());
+      list.pop_back();
+      if (Clock::now() - c->idle_since < options.keep_idle && still_open(*c)) return c;
+    }
+    return nullptr;
+  }
+
+  // Keeps `c` for the next call to `key`, unless enough are kept already.
+  void give_back(const std::string& key, std::unique_ptr<PooledConnection> c) {
+    c->idle_since = Clock::now();
+    c->stream.expires_never();
+    std::lock_guard lock(mu);
+    auto& list = idle[key];  // oldest first
+    while (!list.empty() && c->idle_since - list.front()->idle_since >= options.keep_idle) {
+      list.erase(list.begin());
+    }
+    if (list.size() < options.max_idle_per_upstream) list.push_back(std::move(c));
+  }
+
+  const Options options;
+  net::io_context ioc;
+  net::executor_work_guard<net::io_context::executor_type> work;
+  std::vector<std::thread> threads;
+  mutable std::mutex mu;
+  std::map<std::string, std::vector<std::unique_ptr<PooledConnection>>> idle;  // guarded by mu
+  std::atomic<uint64_t> connects{0};
+  std::atomic<uint64_t> reuses{0};
+};
+
+namespace {
+
+// One call: a connection (pooled or new), the request written, the answer read. Every
+// handler runs on the connection's strand.
+class Exchange : public std::enable_shared_from_this<Exchange> {
+ public:
+  Exchange(HttpClient::Impl& impl, const std::string& host, int port, ClientRequest request,
+           HttpClient::Done done, ClientStreaming streaming)
+      : impl_(impl),
+        host_(host),
+        port_(port),
+        where_(host + ":" + std::to_string(port)),
+        request_(std::move(request)),
+        done_(std::move(done)),
+        streaming_(std::move(streaming)),
+        deadline_(Clock::now() + request_.timeout) {
+    msg_.method_string(request_.method);
+    msg_.target(request_.target);
+    msg_.version(11);
+    msg_.set(http::field::host, where_);
+    if (!request_.body.empty() || request_.method == "POST") {
+      msg_.set(http::field::content_type, request_.content_type);
+    }
+    msg_.keep_alive(true);
+    msg_.body() = std::move(request_.body);
+    msg_.prepare_payload();
+  }
+
+  void start() {
+    conn_ = impl_.take(where_);
+    if (conn_) {
+      reused_ = true;
+      impl_.reuses++;
+      conn_executor_ = conn_->stream.get_executor();
+      net::post(conn_executor_, [self = shared_from_this()] { self->write(); });
+      return;
+    }
+    conn_executor_ = net::make_strand(impl_.ioc);
+    conn_ = std::make_unique<PooledConnection>(conn_executor_);
+    net::post(conn_executor_, [self = shared_from_this()] { self->connect(); });
+  }
+
+ private:
+  void connect() {
+    reused_ = false;
+    impl_.connects++;
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline_ - Clock::now());
+    conn_->stream.expires_after(
+        std::max(std::chrono::milliseconds(1), std::min(request_.connect_timeout, left)));
+    beast::error_code ec;
+    auto address = net::ip::make_address(host_, ec);
+    if (!ec) {
+      conn_->stream.async_connect(
+          tcp::endpoint(address, static_cast<uint16_t>(port_)),
+          [self = shared_from_this()](beast::error_code e) { self->on_connected(e); });
+      return;
+    }
+    resolver_.emplace(conn_->stream.get_executor());
+    resolver_->async_resolve(
+        host_, std::to_string(port_),
+        [self = shared_from_this()](beast::error_code e, tcp::resolver::results_type results) {
+          if (e) return self->fail(ClientError::kConnect, "resolve " + self->where_, e);
+          self->conn_->stream.async_connect(
+              results,
+              [self](beast::error_code e2, const tcp::endpoint&) { self->on_connected(e2); });
+        });
+  }
+
+  void on_connected(beast::error_code ec) {
+    if (ec) return fail(ClientError::kConnect, "connect to " + where_, ec);
+    conn_->stream.socket().set_option(tcp::no_delay(true), ec);
+    write();
+  }
+
+  void write() {
+    conn_->stream.expires_at(deadline_);
+    http::async_write(
+        conn_->stream, msg_,
+        [self = shared_from_this()](beast::error_code ec, size_t) { self->on_written(ec); });
+  }
+
+  void on_written(beast::error_code ec) {
+    if (ec) {
+      // A pooled connection the upstream had closed: it read none of it. Once more, new.
+      if (reused_ && !retried_ && ec != beast::error::timeout) {
+        retried_ = true;
+        close();
+        conn_ = std::make_unique<PooledConnection>(conn_executor_);
+        return connect();
+      }
+      return fail(classify(ec), "send to " + where_, ec);
+    }
+    parser_.emplace();
+    parser_->body_limit(impl_.options.max_body_bytes);
+    http::async_read_header(
+        conn_->stream, conn_->buffer, *parser_,
+        [self = shared_from_this()](beast::error_code e, size_t) { self->on_header(e); });
+  }
+
+  void on_header(beast::error_code ec) {
+    // (A length over the limit fails here, once the headers are in.)
+    if (parser_->is_header_done()) result_.status = static_cast<int>(parser_->get().result_int());
+    if (ec) return fail(classify(ec), "answer from " + where_, ec);
+    bool stream = static_cast<bool>(streaming_.on_body);
+    if (streaming_.on_headers) stream = streaming_.on_headers(result_.status) && stream;
+    streaming_body_ = stream;
+    read_body();
+  }
+
+  void read_body() {
+    if (parser_->is_done()) return finish(true);
+    auto& body = parser_->get().body();
+    body.data = piece_.data();
+    body.size = piece_.size();
+    // Streamed: each piece has the whole timeout (a long answer may take longer in all).
+    if (streaming_body_) conn_->stream.expires_after(request_.timeout);
+    http::async_read_some(
+        conn_->stream, conn_->buffer, *parser_,
+        [self = shared_from_this()](beast::error_code ec, size_t) { self->on_body(ec); });
+  }
+
+  void on_body(beast::error_code ec) {
+    if (ec == http::error::need_buffer) ec = {};
+    if (ec) return fail(classify(ec), "answer from " + where_, ec);
+    size_t got = piece_.size() - parser_->get().body().size;
+    if (!streaming_body_ || got == 0) {
+      result_.body.append(piece_.data(), got);
+      return read_body();
+    }
+    auto resume = [self = shared_from_this()] {
+      net::post(self->conn_executor_, [self] { self->read_body(); });
+    };
+    switch (streaming_.on_body(std::string_view(piece_.data(), got), resume)) {
+      case BodyFlow::kContinue:
+        return read_body();
+      case BodyFlow::kPause:
+        return;  // resume() reads on
+      case BodyFlow::kStop:
+        return fail(ClientError::kStopped, "stopped by the receiver", {});
+    }
+  }
+
+  void fail(ClientError error, const std::string& what, beast::error_code ec) {
+    result_.error = error;
+    result_.message = ec ? what + ": " + ec.message() : what;
+    finish(false);
+  }
+
+  // Calls done once; a connection whose answer was read to its end (and that the
+  // upstream keeps open) goes back to the pool first.
+  void finish(bool reusable) {
+    HttpClient::Done done = std::move(done_);
+    done_ = nullptr;
+    if (!done) return;
+    reusable = reusable && parser_ && parser_->is_done() && parser_->get().keep_alive() &&
+               conn_->buffer.size() == 0;
+    if (reusable) {
+      impl_.give_back(where_, std::move(conn_));
+    } else {
+      close();
+    }
+    done(std::move(result_));
+  }
+
+  void close() {
+    if (!conn_) return;
+    beast::error_code ignored;
+    conn_->stream.socket().shutdown(tcp::socket::shutdown_both, ignored);
+    conn_->stream.close();
+  }
+
+  HttpClient::Impl& impl_;
+  const std::string host_;
+  const int port_;
+  const std::string where_;  // "host:port", the pool's key
+  ClientRequest request_;
+  HttpClient::Done done_;
+  ClientStreaming streaming_;
+  const Clock::time_point deadline_;
+  std::unique_ptr<PooledConnection> conn_;
+  // The strand every handler runs on: the connection's, kept when a retry replaces it.
+  net::any_io_executor conn_executor_;
+  std::optional<tcp::resolver> resolver_;
+  bool reused_ = false;
+  bool retried_ = false;
+  bool streaming_body_ = false;
+  http::request<http::string_body> msg_;
+  std::optional<http::response_parser<http::buffer_body>> parser_;
+  std::array<char, 64 * 1024> piece_{};
+  ClientResult result_;
+};
+
+}  // namespace
+
+HttpClient::HttpClient(Options options) : impl_(std::make_unique<Impl>(options)) {
+  for (int i = 0; i < std::max(1, options.threads); ++i) {
+    impl_->threads.emplace_back([ioc = &impl_->ioc] { ioc->run(); });
+  }
+}
+
+HttpClient::~HttpClient() {
+  impl_->work.reset();
+  impl_->ioc.stop();
+  for (auto& t : impl_->threads) t.join();
+}
+
+void HttpClient::send(const std::string& host, int port, ClientRequest request, Done done,
+                      ClientStreaming streaming) {
+  auto exchange = std::make_shared<Exchange>(*impl_, host, port, std::move(request),
+                                             std::move(done), std::move(streaming));
+  exchange->start();
+}
+
+HttpClient::Counts HttpClient::counts() const {
+  Counts c;
+  c.connects = impl_->connects.load();
+  c.reuses = impl_->reuses.load();
+  std::lock_guard lock(impl_->mu);
+  for (const auto& [key, list] : impl_->idle) c.idle += list.size();
+  return c;
+}
+
+}  // namespace ecx::serve

@@ -366,9 +366,13 @@ class ConnectionReply final : public AsyncReply {
     }
   }
 
+  // Once answered, the reply lets go of the connection at once: the answer posted to its
+  // strand keeps it alive, and the server, once idle, may tear down its I/O context while
+  // whoever answered still holds this reply.
   void respond(HttpResponse res) override {
     if (answered_.exchange(true)) return;
     conn_->post_send(std::move(res), *req_);
+    conn_.reset();
     done_();
   }
   AsyncStreamWriter& start_stream(const HttpResponse& head, const std::string& type) override {
@@ -378,7 +382,8 @@ class ConnectionReply final : public AsyncReply {
   }
   void end_stream() override {
     if (!stream_ || ended_.exchange(true)) return;
-    stream_->finish();
+    stream_->finish();  // while conn_ keeps the connection alive: it posts the end
+    conn_.reset();
     done_();
   }
 

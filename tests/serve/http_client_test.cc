@@ -206,8 +206,8 @@ TEST(HttpClientTest, ARefusedConnectIsAConnectErrorAndASilentUpstreamTimesOut) {
   EXPECT_EQ(refused.status, 0);
   EXPECT_NE(refused.message.find("connect to 127.0.0.1:"), std::string::npos) << refused.message;
 
-  Upstream up;
   Gate gate;
+  Upstream up;
   up.server->work("POST", "/slow", [&](const HttpRequest&, HttpResponse& res) {
     gate.wait();
     res.set_content("{}", "application/json");
@@ -334,8 +334,8 @@ TEST(HttpClientTest, AnErrorAnswerToAStreamedCallIsCollected) {
 }
 
 TEST(HttpClientTest, AReceiverThatStopsEndsTheCallAndTheUpstreamSeesItGo) {
-  Upstream up;
   std::atomic<bool> client_left{false};
+  Upstream up;
   add_counting_stream(up, 100'000'000, &client_left);
   up.start();
   HttpClient client(HttpClient::Options{});
@@ -383,11 +383,11 @@ TEST(HttpClientTest, ManyCallsAtOnceShareAFewConnections) {
 // The server's async routes.
 
 TEST(AsyncRouteTest, SlotsRunInArrivalOrderPastThemA503AndHealthAnswers) {
-  Upstream up(/*idle_timeout_s=*/60, /*workers=*/1, /*max_queued=*/3);
   std::mutex mu;
   std::vector<std::string> order;
   std::shared_ptr<AsyncReply> held;
   std::promise<void> first_started;
+  Upstream up(/*idle_timeout_s=*/60, /*workers=*/1, /*max_queued=*/3);
   up.server->async_work(
       "POST", "/work",
       [&](std::shared_ptr<const HttpRequest> req, std::shared_ptr<AsyncReply> reply) {
@@ -443,7 +443,10 @@ TEST(AsyncRouteTest, SlotsRunInArrivalOrderPastThemA503AndHealthAnswers) {
   }
   for (auto& c : clients) c.join();
   EXPECT_EQ(statuses, std::vector<int>({200, 200, 200, 200}));
-  EXPECT_EQ(order, std::vector<std::string>({"first", "r1", "r2", "r3"}));
+  {
+    std::lock_guard lock(mu);
+    EXPECT_EQ(order, std::vector<std::string>({"first", "r1", "r2", "r3"}));
+  }
   EXPECT_EQ(metric(up.server->render_metrics(), "ecx_http_requests_running"), 0);
 }
 
@@ -465,8 +468,8 @@ TEST(AsyncRouteTest, AReplyDroppedWithoutAnAnswerGivesAJson500AndFreesItsSlot) {
 }
 
 TEST(AsyncRouteTest, AnAsyncStreamWaitsForRoomAndLearnsTheClientLeft) {
-  Upstream up(/*idle_timeout_s=*/60, /*workers=*/1);
   std::promise<bool> gone;
+  Upstream up(/*idle_timeout_s=*/60, /*workers=*/1);
   // Pushes until the buffer is full, then waits for room, until the client has gone.
   struct Producer : std::enable_shared_from_this<Producer> {
     std::shared_ptr<AsyncReply> reply;

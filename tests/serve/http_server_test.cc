@@ -113,9 +113,9 @@ void expect_json_error(const httplib::Result& res, int status) {
 }
 
 TEST(HttpServerTest, HealthAnswersAndOverflowGets503WhileTheQueueIsFull) {
-  TestServer t(/*workers=*/1, /*max_queued=*/2);
-  Gate gate;
+  Gate gate;  // (declared before the server, which uses them until it stops)
   Counter started;
+  TestServer t(/*workers=*/1, /*max_queued=*/2);
   t.server->work("POST", "/work", [&](const HttpRequest&, HttpResponse& res) {
     started.add();
     gate.wait();
@@ -149,11 +149,11 @@ TEST(HttpServerTest, HealthAnswersAndOverflowGets503WhileTheQueueIsFull) {
 }
 
 TEST(HttpServerTest, QueuedRequestsRunInArrivalOrder) {
-  TestServer t(/*workers=*/1, /*max_queued=*/100);
   Gate gate;
   Counter started;
   std::mutex mu;
   std::vector<std::string> order;
+  TestServer t(/*workers=*/1, /*max_queued=*/100);
   t.server->work("POST", "/work", [&](const HttpRequest& req, HttpResponse& res) {
     if (req.body == "first") {
       started.add();
@@ -176,12 +176,13 @@ TEST(HttpServerTest, QueuedRequestsRunInArrivalOrder) {
   }
   gate.open();
   for (auto& c : clients) c.join();
+  std::lock_guard lock(mu);
   EXPECT_EQ(order, want);
 }
 
 TEST(HttpServerTest, AStreamNoticesTheClientLeaving) {
-  TestServer t(/*workers=*/1, /*max_queued=*/10);
   Counter gone;
+  TestServer t(/*workers=*/1, /*max_queued=*/10);
   t.server->work("POST", "/stream", [&](const HttpRequest&, HttpResponse& res) {
     StreamWriter& w = res.start_stream("text/event-stream");
     // Writes until the client has gone; a client that never leaves fails the test by

@@ -323,6 +323,8 @@ void HttpClient::send(const std::string& host, int port, ClientRequest request, 
   exchange->start();
 }
 
+void HttpClient::post(std::function<void()> work) { net::post(impl_->ioc, std::move(work)); }
+
 HttpClient::Counts HttpClient::counts() const {
   Counts c;
   c.connects = impl_->connects.load();

@@ -87,6 +87,10 @@ class HttpClient {
   void send(const std::string& host, int port, ClientRequest request, Done done,
             ClientStreaming streaming = {});
 
+  // Runs `work` on a client thread (the proxy's request handling: JSON and images, kept
+  // off the server's I/O threads so that /health never waits behind it).
+  void post(std::function<void()> work);
+
   Counts counts() const;
 
   struct Impl;

@@ -18,8 +18,9 @@
 // answered an error, a bad image among its others) gives its params back to their
 // encoders (encoder_client.h).
 //
-// Threads: none per request. A request runs on an I/O thread until it has sent its images
-// to their encoders; every call upstream (encode, forward to a PD, release) goes through
+// Threads: none per request. A request is parsed on a thread of the proxy's HTTP client
+// (not the server's I/O threads, which keep answering /health) until it has sent its
+// images to their encoders; every call upstream (encode, forward to a PD, release) goes through
 // one asynchronous HTTP client with a pool of keep-alive connections per upstream
 // (serve/http_client.h), and each answer continues the request on a client thread. A
 // streamed answer is relayed piece by piece; while the client's buffer is full, the PD's
@@ -143,6 +144,9 @@ class Proxy {
 
  private:
   using Call = std::shared_ptr<ChatCall>;
+
+  // Parses the request and sends its images to their encoders (on a client thread).
+  void start_chat(const Call& call);
 
   // Rewrites the image URLs of `call.forward` as data URLs and lists the distinct images
   // to send to the encoders (each once per request).
@@ -270,7 +274,14 @@ UpstreamList Proxy::pd_order(const UpstreamList& pds) {
 }
 
 void Proxy::handle_chat(std::shared_ptr<const HttpRequest> req, std::shared_ptr<AsyncReply> reply) {
-  auto call = std::make_shared<ChatCall>(std::move(reply), std::move(req));
+  // Parsing and re-encoding the request (images included) runs on a client thread: the
+  // server's I/O threads stay free for reading, writing and /health.
+  client_.post([this, call = std::make_shared<ChatCall>(std::move(reply), std::move(req))] {
+    start_chat(call);
+  });
+}
+
+void Proxy::start_chat(const Call& call) {
   if (auto err = parse_chat_request(call->req->body, config_.common, &call->chat)) {
     metrics_.add("ecx_proxy_failures_total", "reason=\"bad_request\"", 1);
     HttpResponse res;

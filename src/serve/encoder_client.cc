@@ -233,7 +233,9 @@ ParamsReleaser::ParamsReleaser(HttpClient& client, std::chrono::milliseconds tim
     : client_(client), timeout_(timeout), on_released_(std::move(on_released)) {}
 
 void ParamsReleaser::release(const IssuedParams& issued) {
-  for (const auto& [encoder, params] : issued) {
+  for (const auto& entry : issued) {
+    const auto& encoder = entry.first;  // not a structured binding: clang 14 cannot capture one
+    const auto& params = entry.second;
     ClientRequest request;
     request.target = "/v1/ec/release";
     request.body = safe_dump(json{{"ec_transfer_params", params}});

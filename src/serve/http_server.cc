@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <boost/asio/executor_work_guard.hpp>
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/post.hpp>
@@ -211,8 +212,12 @@ int wait_for_signal() {
 
 // The I/O side while serving.
 struct HttpServer::Running {
-  explicit Running(int threads) : ioc(threads), acceptor(ioc) {}
+  explicit Running(int threads) : ioc(threads), work(net::make_work_guard(ioc)), acceptor(ioc) {}
   net::io_context ioc;
+  // Keeps the I/O threads running while no socket operation is pending (every connection
+  // waiting on a worker, the acceptor closed by stop()): a worker's answer is posted to
+  // them. Released by stop() once everything admitted has been answered.
+  net::executor_work_guard<net::io_context::executor_type> work;
   tcp::acceptor acceptor;
   std::vector<std::thread> io;
 };
@@ -253,6 +258,7 @@ void HttpServer::stop() {
     acceptor->close(ignored);
   });
   bool idle = s.wait_idle(Deadline::after(std::chrono::minutes(10)));
+  running_->work.reset();
   running_->ioc.stop();
   for (auto& t : running_->io) t.join();
   if (s.queue) s.queue->stop();

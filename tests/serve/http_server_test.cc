@@ -1,8 +1,8 @@
 // The services' HTTP layer (serve/http_server.h) in-process, over real loopback HTTP:
 // health answers while the work queue is full, admission control, FIFO order, a client
-// that leaves mid-stream is noticed, bad requests get JSON 4xx, and idle keep-alive
-// connections do not block a new request. Work handlers wait on the test's gates, so
-// nothing here depends on timing.
+// that leaves mid-stream is noticed, stop() still answers what it admitted, bad requests get JSON
+// 4xx, and idle keep-alive connections do not block a new request. Work handlers wait on the test's
+// gates, so nothing here depends on timing.
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <httplib.h>
@@ -11,35 +11,21 @@
 #include <unistd.h>
 
 #include <condition_variable>
+#include <future>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <thread>
 
 #include "serve/http_server.h"
+#include "support/gate.h"
+#include "support/service_metrics.h"
 
 namespace ecx::serve {
 namespace {
 
 using nlohmann::json;
-
-// A flag a handler waits on (with a deadline) and the test opens.
-class Gate {
- public:
-  void open() {
-    std::lock_guard lock(mu_);
-    open_ = true;
-    cv_.notify_all();
-  }
-  bool wait(std::chrono::seconds timeout = std::chrono::seconds(60)) {
-    std::unique_lock lock(mu_);
-    return cv_.wait_for(lock, timeout, [&] { return open_; });
-  }
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool open_ = false;
-};
+using testing::Gate;
+using testing::metric_in;
 
 // A counter the test can wait on.
 class Counter {
@@ -59,15 +45,6 @@ class Counter {
   std::condition_variable cv_;
   int n_ = 0;
 };
-
-double metric(const std::string& text, const std::string& name) {
-  std::istringstream lines(text);
-  std::string line;
-  while (std::getline(lines, line)) {
-    if (line.rfind(name + " ", 0) == 0) return std::stod(line.substr(name.size() + 1));
-  }
-  return -1;
-}
 
 struct TestServer {
   explicit TestServer(int workers, uint64_t max_queued, uint64_t max_body = 1 << 20) {
@@ -91,7 +68,7 @@ struct TestServer {
   // Waits until `n` requests wait in the queue (the server has no event for it).
   bool queued(double n) {
     for (int i = 0; i < 1200; ++i) {
-      if (metric(server->render_metrics(), "ecx_http_queue_depth") == n) return true;
+      if (metric_in(server->render_metrics(), "ecx_http_queue_depth") == n) return true;
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
     return false;
@@ -141,7 +118,7 @@ TEST(HttpServerTest, HealthAnswersAndOverflowGets503WhileTheQueueIsFull) {
   EXPECT_EQ(health->status, 200);
   auto metrics = t.client().Get("/metrics");
   ASSERT_TRUE(metrics);
-  EXPECT_EQ(metric(metrics->body, "ecx_http_rejected_total"), 1);
+  EXPECT_EQ(metric_in(metrics->body, "ecx_http_rejected_total"), 1);
   // Nothing admitted is harmed.
   gate.open();
   for (auto& c : clients) c.join();
@@ -178,6 +155,38 @@ TEST(HttpServerTest, QueuedRequestsRunInArrivalOrder) {
   for (auto& c : clients) c.join();
   std::lock_guard lock(mu);
   EXPECT_EQ(order, want);
+}
+
+// stop() closes the listener at once but answers what it admitted: a request whose
+// worker is still busy gets its answer (its connection has no socket operation pending
+// meanwhile, so nothing else keeps the I/O threads serving).
+TEST(HttpServerTest, StopStillAnswersARequestItsWorkerIsServing) {
+  Gate gate;
+  Counter started;
+  TestServer t(/*workers=*/1, /*max_queued=*/10);
+  t.server->work("POST", "/work", [&](const HttpRequest&, HttpResponse& res) {
+    started.add();
+    gate.wait();
+    res.set_content("{\"done\":true}", "application/json");
+  });
+  t.start();
+  auto answer = std::async(std::launch::async, [&] {
+    auto res = t.client().Post("/work", "{}", "application/json");
+    return res ? res->status : -static_cast<int>(res.error());
+  });
+  ASSERT_TRUE(started.wait_for(1));
+  auto stopped = std::async(std::launch::async, [&] { t.server->stop(); });
+  // Stopping has begun once the listener refuses new connections.
+  bool refused = false;
+  for (int i = 0; i < 1200 && !refused; ++i) {
+    refused = !t.client().Get("/health");
+    if (!refused) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_TRUE(refused);
+  gate.open();
+  ASSERT_EQ(answer.wait_for(std::chrono::seconds(60)), std::future_status::ready);
+  EXPECT_EQ(answer.get(), 200);
+  EXPECT_EQ(stopped.wait_for(std::chrono::seconds(60)), std::future_status::ready);
 }
 
 TEST(HttpServerTest, AStreamNoticesTheClientLeaving) {
@@ -247,7 +256,7 @@ TEST(HttpServerTest, ManyIdleConnectionsDoNotBlockANewRequest) {
   EXPECT_EQ(res->status, 200);
   auto metrics = t.client().Get("/metrics");
   ASSERT_TRUE(metrics);
-  EXPECT_GE(metric(metrics->body, "ecx_http_open_connections"), 500);
+  EXPECT_GE(metric_in(metrics->body, "ecx_http_open_connections"), 500);
   for (int fd : idle) ::close(fd);
 }
 

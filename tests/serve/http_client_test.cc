@@ -20,40 +20,16 @@
 
 #include "serve/http_client.h"
 #include "serve/http_server.h"
+#include "support/gate.h"
+#include "support/service_metrics.h"
 
 namespace ecx::serve {
 namespace {
 
 using nlohmann::json;
 using std::chrono::milliseconds;
-
-// A flag a handler waits on (with a deadline) and the test opens.
-class Gate {
- public:
-  void open() {
-    std::lock_guard lock(mu_);
-    open_ = true;
-    cv_.notify_all();
-  }
-  bool wait(std::chrono::seconds timeout = std::chrono::seconds(60)) {
-    std::unique_lock lock(mu_);
-    return cv_.wait_for(lock, timeout, [&] { return open_; });
-  }
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool open_ = false;
-};
-
-double metric(const std::string& text, const std::string& name) {
-  std::istringstream lines(text);
-  std::string line;
-  while (std::getline(lines, line)) {
-    if (line.rfind(name + " ", 0) == 0) return std::stod(line.substr(name.size() + 1));
-  }
-  return -1;
-}
+using testing::Gate;
+using testing::metric_in;
 
 // A service on a free loopback port.
 struct Upstream {
@@ -72,7 +48,7 @@ struct Upstream {
     port = *p;
   }
   double open_connections() const {
-    return metric(server->render_metrics(), "ecx_http_open_connections");
+    return metric_in(server->render_metrics(), "ecx_http_open_connections");
   }
 
   CommonServiceConfig config;
@@ -421,7 +397,7 @@ TEST(AsyncRouteTest, SlotsRunInArrivalOrderPastThemA503AndHealthAnswers) {
     // Arrived (and queued) before the next one is sent.
     bool queued = false;
     for (int k = 0; k < 1200 && !queued; ++k) {
-      queued = metric(up.server->render_metrics(), "ecx_http_queue_depth") == i;
+      queued = metric_in(up.server->render_metrics(), "ecx_http_queue_depth") == i;
       if (!queued) std::this_thread::sleep_for(milliseconds(50));
     }
     ASSERT_TRUE(queued) << "request " << i << " was not queued";
@@ -433,7 +409,7 @@ TEST(AsyncRouteTest, SlotsRunInArrivalOrderPastThemA503AndHealthAnswers) {
   auto health = client().Get("/health");
   ASSERT_TRUE(health);
   EXPECT_EQ(health->status, 200);
-  EXPECT_EQ(metric(up.server->render_metrics(), "ecx_http_requests_running"), 1);
+  EXPECT_EQ(metric_in(up.server->render_metrics(), "ecx_http_requests_running"), 1);
   {
     std::lock_guard lock(mu);
     HttpResponse res;
@@ -447,7 +423,7 @@ TEST(AsyncRouteTest, SlotsRunInArrivalOrderPastThemA503AndHealthAnswers) {
     std::lock_guard lock(mu);
     EXPECT_EQ(order, std::vector<std::string>({"first", "r1", "r2", "r3"}));
   }
-  EXPECT_EQ(metric(up.server->render_metrics(), "ecx_http_requests_running"), 0);
+  EXPECT_EQ(metric_in(up.server->render_metrics(), "ecx_http_requests_running"), 0);
 }
 
 TEST(AsyncRouteTest, AReplyDroppedWithoutAnAnswerGivesAJson500AndFreesItsSlot) {

@@ -7,15 +7,19 @@
 
 namespace ecx::testing {
 
-double metric(const std::string& url, const std::string& name) {
-  auto res = httplib::Client(url).Get("/metrics");
-  if (!res || res->status != 200) return -1;
-  std::istringstream lines(res->body);
+double metric_in(const std::string& text, const std::string& name) {
+  std::istringstream lines(text);
   std::string line;
   while (std::getline(lines, line)) {
     if (line.rfind(name + " ", 0) == 0) return std::stod(line.substr(name.size() + 1));
   }
   return -1;
+}
+
+double metric(const std::string& url, const std::string& name) {
+  auto res = httplib::Client(url).Get("/metrics");
+  if (!res || res->status != 200) return -1;
+  return metric_in(res->body, name);
 }
 
 bool metric_reaches(const std::string& url, const std::string& name, double want, Deadline deadline,

@@ -7,6 +7,9 @@
 
 namespace ecx::testing {
 
+// A gauge or counter (no labels) in a /metrics text; -1 when absent.
+double metric_in(const std::string& text, const std::string& name);
+
 // A gauge or counter from a service's /metrics (no labels); -1 when absent or unreachable.
 double metric(const std::string& url, const std::string& name);
 

@@ -5,8 +5,10 @@
 // Every call ends exactly once, on a client thread, with the answer or the reason none
 // came: it could not connect (nothing was sent, so another upstream may take it), it ran
 // past its deadline, or the connection failed mid-way. A pooled connection the upstream
-// closed while it sat idle is noticed before it is used, and a call that finds it closed
-// on its first write or read is sent once more on a new connection.
+// closed while it sat idle is noticed before it is used (and idle ones are dropped well
+// before the services' --idle-timeout), and a call whose write fails on a pooled
+// connection is sent once more on a new one. A call that fails after its request was
+// written is not repeated: the upstream may have acted on it.
 #pragma once
 
 #include <chrono>

@@ -214,9 +214,10 @@ bool ChunkStream::take(std::string* chunks, bool* ended, bool* gone) {
 
 class Connection : public std::enable_shared_from_this<Connection> {
  public:
-  Connection(ServerState& state, tcp::socket socket) : state_(state), stream_(std::move(socket)) {
-    state_.open_connections++;
-  }
+  Connection(ServerState& state, tcp::socket socket)
+      : state_(state),
+        stream_(std::move(socket)),
+        over_capacity_(++state_.open_connections > state_.max_connections) {}
   ~Connection() { state_.open_connections--; }
 
   void start() {
@@ -243,6 +244,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void queue_async(const AsyncHandler& handler, HttpRequest req);
   // 503: the service's FIFO is full.
   void reject_busy(const HttpRequest& req, size_t max_queued);
+  // 503: this connection is past --max-connections.
+  void refuse_work(const HttpRequest& req);
   void run_work(const HttpHandler& handler, const HttpRequest& req);
   // On the strand: writes `res`, then reads the next request or closes.
   void send(HttpResponse res, std::string method, std::string path, size_t bytes_in, bool counted);
@@ -265,13 +268,18 @@ class Connection : public std::enable_shared_from_this<Connection> {
   size_t bytes_in_ = 0;
   int stream_status_ = 200;
   std::shared_ptr<ChunkStream> chunks_;  // the streamed answer, once started
+  // Opened past --max-connections: one request (work refused), then closed.
+  const bool over_capacity_;
 };
+
+// How long a connection opened past --max-connections may take to send its request.
+constexpr std::chrono::seconds kOverCapacityRequestWait{5};
 
 void Connection::read_request() {
   parser_.emplace();
   parser_->body_limit(state_.max_body_bytes);
   parser_->header_limit(64 * 1024);
-  stream_.expires_after(state_.idle_timeout);
+  stream_.expires_after(over_capacity_ ? kOverCapacityRequestWait : state_.idle_timeout);
   http::async_read(
       stream_, buffer_, *parser_,
       [self = shared_from_this()](beast::error_code ec, size_t) { self->on_read(ec); });
@@ -297,7 +305,7 @@ void Connection::on_read(beast::error_code ec) {
   }
   auto msg = parser_->release();
   version_ = msg.version();
-  keep_alive_ = msg.keep_alive();
+  keep_alive_ = msg.keep_alive() && !over_capacity_;
   route(to_request(std::move(msg)));
 }
 
@@ -314,6 +322,7 @@ void Connection::route(HttpRequest req) {
                                "no route " + req.method + " " + req.path),
                 req.method, req.path, req.body.size(), false);
   }
+  if (over_capacity_ && !it->second.fast) return refuse_work(req);
   if (it->second.async) return queue_async(it->second.async, std::move(req));
   if (!it->second.fast) return queue_work(it->second.handler, std::move(req));
   HttpResponse res;
@@ -347,6 +356,16 @@ void Connection::reject_busy(const HttpRequest& req, size_t max_queued) {
   HttpResponse res = error_response(503, "server_busy",
                                     state_.role + " is at capacity: " + std::to_string(max_queued) +
                                         " requests are waiting (--max-queued); retry later");
+  res.set_header("Retry-After", "1");
+  send(std::move(res), req.method, req.path, req.body.size(), false);
+}
+
+void Connection::refuse_work(const HttpRequest& req) {
+  state_.connections_refused++;
+  HttpResponse res = error_response(
+      503, "server_busy",
+      state_.role + " holds " + std::to_string(state_.max_connections) +
+          " connections, its limit (--max-connections, or the open-files limit); retry later");
   res.set_header("Retry-After", "1");
   send(std::move(res), req.method, req.path, req.body.size(), false);
 }

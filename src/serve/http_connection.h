@@ -44,9 +44,15 @@ struct ServerState {
   std::unique_ptr<RequestQueue> queue;
   std::unique_ptr<SlotQueue> slots;
 
+  // Client connections held at once before new ones are refused work (set by start():
+  // --max-connections, lowered to what the open-files limit leaves).
+  int64_t max_connections = 0;
+
   std::atomic<bool> stopping{false};
   std::atomic<uint64_t> rejected{0};  // 503 for a full queue
   std::atomic<int64_t> open_connections{0};
+  std::atomic<uint64_t> connections_refused{0};  // work refused: too many connections
+  std::atomic<uint64_t> accept_errors{0};        // accept() failed (out of file descriptors)
 
   // Admitted work routes not yet answered (queued, running or streaming).
   void begin_request();
@@ -61,7 +67,8 @@ struct ServerState {
 };
 
 // Serves `socket` (whose executor is its own strand) until the client goes, the idle
-// timeout passes or the server stops.
+// timeout passes or the server stops. Past state.max_connections the connection answers
+// one request, within a few seconds, and closes: a fast route as usual, work with 503.
 void serve_connection(ServerState& state, boost::asio::ip::tcp::socket socket);
 
 }  // namespace ecx::serve

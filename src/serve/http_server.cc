@@ -1,6 +1,7 @@
 #include "serve/http_server.h"
 
 #include <signal.h>
+#include <sys/resource.h>
 
 #include <algorithm>
 #include <atomic>
@@ -8,6 +9,7 @@
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/post.hpp>
+#include <boost/asio/steady_timer.hpp>
 #include <boost/asio/strand.hpp>
 #include <cstdio>
 #include <fstream>
@@ -78,6 +80,7 @@ HttpServer::HttpServer(const CommonServiceConfig& config, std::string role, int 
     : state_(std::make_unique<ServerState>(config, std::move(role),
                                            config.workers > 0 ? config.workers : role_workers)) {
   max_queued_ = config.max_queued;
+  max_connections_ = config.max_connections;
   host_ = config.host;
   port_ = config.port;
 }
@@ -136,6 +139,15 @@ std::string HttpServer::render_metrics() const {
   metric_line(out, "ecx_http_io_threads", "gauge", "I/O threads (--io-threads)", s.io_threads);
   metric_line(out, "ecx_http_open_connections", "gauge", "open client connections",
               static_cast<double>(s.open_connections.load()));
+  metric_line(out, "ecx_http_max_connections", "gauge",
+              "connections held before work is refused (--max-connections, open-files limit)",
+              static_cast<double>(s.max_connections));
+  metric_line(out, "ecx_http_connections_refused_total", "counter",
+              "requests refused with 503 on a connection past the connection limit",
+              static_cast<double>(s.connections_refused.load()));
+  metric_line(out, "ecx_http_accept_errors_total", "counter",
+              "connections the server could not accept (out of file descriptors, say)",
+              static_cast<double>(s.accept_errors.load()));
   metric_line(out, "ecx_process_threads", "gauge", "threads of this process", process_threads());
   return out.str();
 }
@@ -171,14 +183,75 @@ void block_shutdown_signals() {
 
 namespace {
 
+// How long accepting pauses when the process is out of file descriptors (or memory):
+// the listening socket stays readable, so retrying at once would spin.
+constexpr std::chrono::milliseconds kAcceptRetry{50};
+
+bool out_of_resources(const boost::system::error_code& ec) {
+  return ec == net::error::no_descriptors || ec == net::error::no_buffer_space ||
+         ec == net::error::no_memory || ec == boost::system::errc::too_many_files_open_in_system;
+}
+
 // Accepts connections until the acceptor closes; each gets its own strand.
-void accept_next(tcp::acceptor& acceptor, ServerState& state) {
-  acceptor.async_accept(net::make_strand(acceptor.get_executor()),
-                        [&acceptor, &state](boost::system::error_code ec, tcp::socket socket) {
-                          if (ec == net::error::operation_aborted || !acceptor.is_open()) return;
-                          if (!ec) serve_connection(state, std::move(socket));
-                          accept_next(acceptor, state);
-                        });
+class AcceptLoop : public std::enable_shared_from_this<AcceptLoop> {
+ public:
+  AcceptLoop(tcp::acceptor& acceptor, ServerState& state)
+      : acceptor_(acceptor), state_(state), retry_(acceptor.get_executor()) {}
+
+  void next() {
+    acceptor_.async_accept(
+        net::make_strand(acceptor_.get_executor()),
+        [self = shared_from_this()](boost::system::error_code ec, tcp::socket socket) {
+          self->on_accept(ec, std::move(socket));
+        });
+  }
+
+ private:
+  void on_accept(boost::system::error_code ec, tcp::socket socket) {
+    if (ec == net::error::operation_aborted || !acceptor_.is_open()) return;
+    if (!ec) {
+      serve_connection(state_, std::move(socket));
+      return next();
+    }
+    state_.accept_errors++;
+    if (!out_of_resources(ec)) return next();  // (a client that left before its accept)
+    auto now = std::chrono::steady_clock::now();
+    if (now - last_warning_ >= std::chrono::seconds(10)) {
+      last_warning_ = now;
+      spdlog::warn(
+          "event=accept_failed error=\"{}\" open_connections={}: new connections wait "
+          "(raise the open-files limit, or lower --max-connections)",
+          ec.message(), state_.open_connections.load());
+    }
+    retry_.expires_after(kAcceptRetry);
+    retry_.async_wait([self = shared_from_this()](boost::system::error_code e) {
+      if (!e) self->next();
+    });
+  }
+
+  tcp::acceptor& acceptor_;
+  ServerState& state_;
+  // The accept chain has one handler at a time: these are touched by it alone.
+  net::steady_timer retry_;
+  std::chrono::steady_clock::time_point last_warning_{};
+};
+
+// --max-connections, lowered so that the connections leave file descriptors for the rest
+// (upstream connections, peers, files): a quarter of the open-files limit, at most 1024.
+int64_t connection_limit(uint64_t configured, const std::string& role) {
+  int64_t wanted = configured == 0
+                       ? INT64_MAX  // 0: what the open-files limit leaves
+                       : static_cast<int64_t>(std::min<uint64_t>(configured, INT64_MAX));
+  rlimit limit{};
+  if (getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY) return wanted;
+  auto open_files = static_cast<int64_t>(limit.rlim_cur);
+  int64_t room = std::max<int64_t>(1, open_files - std::min<int64_t>(1024, open_files / 4));
+  if (room >= wanted) return wanted;
+  spdlog::warn(
+      "{}: --max-connections {} lowered to {}: the open-files limit is {} (ulimit -n); past "
+      "it, work requests get 503",
+      role, configured, room, open_files);
+  return room;
 }
 
 // Binds host:port (0 = any free port) with a deep backlog. Returns the port, or 0.
@@ -196,6 +269,18 @@ int bind_listener(tcp::acceptor& acceptor, const std::string& host, int port) {
   if (!ec) acceptor.listen(4096, ec);
   if (ec) return 0;
   return acceptor.local_endpoint().port();
+}
+
+// A service holds a connection per client: the soft open-files limit (often 1024) goes up
+// to the hard one, as nginx's worker_rlimit_nofile or Go's runtime do.
+void raise_open_files_limit() {
+  rlimit limit{};
+  if (getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_cur >= limit.rlim_max) return;
+  rlim_t before = limit.rlim_cur;
+  limit.rlim_cur = limit.rlim_max;
+  if (setrlimit(RLIMIT_NOFILE, &limit) == 0) {
+    spdlog::info("event=open_files_limit from={} to={}", before, limit.rlim_cur);
+  }
 }
 
 int wait_for_signal() {
@@ -241,7 +326,8 @@ Result<int> HttpServer::start() {
         s.workers, max_queued_,
         [ioc = &running_->ioc](std::function<void()> job) { net::post(*ioc, std::move(job)); });
   }
-  accept_next(running_->acceptor, s);
+  s.max_connections = connection_limit(max_connections_, s.role);
+  std::make_shared<AcceptLoop>(running_->acceptor, s)->next();
   for (int i = 0; i < s.io_threads; ++i) {
     running_->io.emplace_back([ioc = &running_->ioc] { ioc->run(); });
   }
@@ -275,6 +361,7 @@ void HttpServer::stop() {
 int HttpServer::serve_until_signal(const ServeHooks& hooks) {
   // Signals are taken synchronously by this thread; every other thread blocks them.
   block_shutdown_signals();
+  raise_open_files_limit();
   const std::string& role = state_->role;
   auto port = start();
   if (!port.ok()) {

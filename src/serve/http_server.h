@@ -87,6 +87,7 @@ class HttpServer {
   std::unique_ptr<ServerState> state_;
   std::unique_ptr<Running> running_;  // while serving
   uint64_t max_queued_ = 0;
+  uint64_t max_connections_ = 0;  // as configured; start() applies the open-files limit
   std::string host_;
   int port_ = 0;
 };

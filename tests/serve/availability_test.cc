@@ -4,13 +4,16 @@
 #include <gtest/gtest.h>
 #include <httplib.h>
 #include <signal.h>
+#include <sys/resource.h>
 
 #include <atomic>
 #include <condition_variable>
+#include <fstream>
 #include <functional>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <sstream>
 #include <thread>
 
 #include "ecx/engine/image.h"
@@ -250,6 +253,55 @@ TEST(ProxyAvailability, AnotherEncoderTakesOverWhenOneDies) {
       text.find("ecx_proxy_upstream_up{role=\"encoder\",url=\"" + stack.encoders[1].url + "\"} 1"),
       std::string::npos)
       << text;
+}
+
+// The soft and hard "Max open files" of process `pid`, from /proc/PID/limits.
+std::pair<std::string, std::string> open_files_limits(pid_t pid) {
+  std::ifstream limits("/proc/" + std::to_string(pid) + "/limits");
+  std::string line;
+  while (std::getline(limits, line)) {
+    if (line.rfind("Max open files", 0) != 0) continue;
+    std::istringstream fields(line.substr(14));
+    std::string soft, hard;
+    fields >> soft >> hard;
+    return {soft, hard};
+  }
+  return {"", ""};
+}
+
+// A service started with a low soft open-files limit raises it to the hard one; past
+// --max-connections it still answers /health but refuses work with a JSON 503.
+TEST(ServiceLimits, PastItsConnectionLimitAnEncoderAnswersHealthAndRefusesWork) {
+  rlimit mine{};
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &mine), 0);
+  rlimit low = mine;
+  low.rlim_cur = std::min<rlim_t>(mine.rlim_cur, 512);
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &low), 0);  // inherited by the service
+  Service encoder;
+  std::vector<std::string> flags = service_flags("p2p");
+  flags.insert(flags.end(), {"--max-connections", "3"});
+  Status started = start(encoder, "encoder", flags);
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &mine), 0);
+  ASSERT_TRUE(started.ok()) << started.to_string();
+  auto [soft, hard] = open_files_limits(encoder.process->pid());
+  EXPECT_FALSE(hard.empty());
+  EXPECT_EQ(soft, hard);
+  std::vector<httplib::Client> held;
+  for (int i = 0; i < 3; ++i) {
+    held.push_back(encoder.client(5));
+    held.back().set_keep_alive(true);
+    ASSERT_TRUE(held.back().Get("/v1/models"));
+  }
+  auto refused = encoder.client(5).Post("/v1/encode", "{}", "application/json");
+  ASSERT_TRUE(refused);
+  EXPECT_EQ(refused->status, 503);
+  EXPECT_EQ(refused->get_header_value("Retry-After"), "1");
+  auto body = json::parse(refused->body, nullptr, false);
+  EXPECT_EQ(body["error"]["type"], "server_busy") << refused->body;
+  EXPECT_NE(refused->body.find("--max-connections"), std::string::npos) << refused->body;
+  auto [status, report] = health(encoder);
+  EXPECT_EQ(status, 200) << report;
+  EXPECT_NE(metrics(encoder).find("ecx_http_connections_refused_total 1"), std::string::npos);
 }
 
 }  // namespace

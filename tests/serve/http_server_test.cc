@@ -1,16 +1,20 @@
 // The services' HTTP layer (serve/http_server.h) in-process, over real loopback HTTP:
 // health answers while the work queue is full, admission control, FIFO order, a client
-// that leaves mid-stream is noticed, stop() still answers what it admitted, bad requests get JSON
-// 4xx, and idle keep-alive connections do not block a new request. Work handlers wait on the test's
-// gates, so nothing here depends on timing.
+// that leaves mid-stream is noticed, stop() still answers what it admitted, connections
+// past --max-connections get /health but 503 for work, running out of file descriptors
+// pauses accepting instead of spinning, bad requests get JSON 4xx, and idle keep-alive
+// connections do not block a new request. Work handlers wait on the test's gates, so
+// nothing here depends on timing.
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <httplib.h>
 #include <netinet/in.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <condition_variable>
+#include <functional>
 #include <future>
 #include <mutex>
 #include <nlohmann/json.hpp>
@@ -47,11 +51,13 @@ class Counter {
 };
 
 struct TestServer {
-  explicit TestServer(int workers, uint64_t max_queued, uint64_t max_body = 1 << 20) {
+  explicit TestServer(int workers, uint64_t max_queued, uint64_t max_body = 1 << 20,
+                      uint64_t max_connections = 10000) {
     config.port = 0;
     config.workers = workers;
     config.max_queued = max_queued;
     config.max_body_bytes = max_body;
+    config.max_connections = max_connections;
     server = std::make_unique<HttpServer>(config, "test", workers);
     add_common_routes(*server, config, "test", [] { return std::string(); });
   }
@@ -65,19 +71,39 @@ struct TestServer {
     cli.set_read_timeout(std::chrono::seconds(60));
     return cli;
   }
-  // Waits until `n` requests wait in the queue (the server has no event for it).
-  bool queued(double n) {
+  // Waits until the server's metric `name` satisfies `wanted` (the server has no event
+  // for it), at most a minute.
+  bool wait_metric(const std::string& name, const std::function<bool(double)>& wanted) {
     for (int i = 0; i < 1200; ++i) {
-      if (metric_in(server->render_metrics(), "ecx_http_queue_depth") == n) return true;
+      if (wanted(metric_in(server->render_metrics(), name))) return true;
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
     return false;
   }
+  bool metric_reads(const std::string& name, double n) {
+    return wait_metric(name, [n](double v) { return v == n; });
+  }
+  bool queued(double n) { return metric_reads("ecx_http_queue_depth", n); }
 
   CommonServiceConfig config;
   std::unique_ptr<HttpServer> server;
   int port = 0;
 };
+
+// A blocking TCP connection to the server on loopback; -1 when it cannot connect.
+int connect_loopback(int port) {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return -1;
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
 
 void expect_json_error(const httplib::Result& res, int status) {
   ASSERT_TRUE(res) << httplib::to_string(res.error());
@@ -242,13 +268,8 @@ TEST(HttpServerTest, ManyIdleConnectionsDoNotBlockANewRequest) {
   t.start();
   std::vector<int> idle;
   for (int i = 0; i < 500; ++i) {
-    int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    int fd = connect_loopback(t.port);
     ASSERT_GE(fd, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_port = htons(static_cast<uint16_t>(t.port));
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
     idle.push_back(fd);
   }
   auto res = t.client().Post("/work", "{}", "application/json");
@@ -258,6 +279,101 @@ TEST(HttpServerTest, ManyIdleConnectionsDoNotBlockANewRequest) {
   ASSERT_TRUE(metrics);
   EXPECT_GE(metric_in(metrics->body, "ecx_http_open_connections"), 500);
   for (int fd : idle) ::close(fd);
+}
+
+// Past --max-connections a new connection still gets /health (a load balancer keeps the
+// instance), but work gets a JSON 503 with Retry-After, and the connection closes; once
+// a held connection goes, work is admitted again.
+TEST(HttpServerTest, PastTheConnectionLimitHealthAnswersAndWorkGets503) {
+  TestServer t(/*workers=*/1, /*max_queued=*/10, /*max_body=*/1 << 20, /*max_connections=*/4);
+  t.server->work("POST", "/work", [](const HttpRequest&, HttpResponse& res) {
+    res.set_content("{}", "application/json");
+  });
+  t.start();
+  std::vector<int> held;
+  for (int i = 0; i < 4; ++i) {
+    held.push_back(connect_loopback(t.port));
+    ASSERT_GE(held.back(), 0);
+  }
+  ASSERT_TRUE(t.metric_reads("ecx_http_open_connections", 4));
+  auto refused = t.client().Post("/work", "{}", "application/json");
+  expect_json_error(refused, 503);
+  ASSERT_TRUE(refused);
+  EXPECT_EQ(refused->get_header_value("Retry-After"), "1");
+  EXPECT_EQ(refused->get_header_value("Connection"), "close");
+  EXPECT_NE(refused->body.find("--max-connections"), std::string::npos) << refused->body;
+  auto health = t.client().Get("/health");
+  ASSERT_TRUE(health);
+  EXPECT_EQ(health->status, 200);
+  EXPECT_EQ(metric_in(t.server->render_metrics(), "ecx_http_connections_refused_total"), 1);
+  EXPECT_EQ(metric_in(t.server->render_metrics(), "ecx_http_max_connections"), 4);
+  ::close(held.back());
+  held.pop_back();
+  ASSERT_TRUE(t.metric_reads("ecx_http_open_connections", 3));
+  auto admitted = t.client().Post("/work", "{}", "application/json");
+  ASSERT_TRUE(admitted);
+  EXPECT_EQ(admitted->status, 200);
+  for (int fd : held) ::close(fd);
+}
+
+// Out of file descriptors, accept() fails while the listening socket stays readable:
+// the server retries every 50 ms instead of spinning, keeps serving the connections it
+// has, and accepts the waiting client once descriptors are free again.
+TEST(HttpServerTest, OutOfFileDescriptorsTheServerWaitsThenAcceptsTheClient) {
+  TestServer t(/*workers=*/1, /*max_queued=*/10);
+  t.server->work("POST", "/work", [](const HttpRequest&, HttpResponse& res) {
+    res.set_content("{\"served\":true}", "application/json");
+  });
+  t.start();
+  httplib::Client held = t.client();  // a keep-alive connection, opened now
+  held.set_keep_alive(true);
+  ASSERT_TRUE(held.Get("/health"));
+  int waiting = ::socket(AF_INET, SOCK_STREAM, 0);  // the client's descriptor, made now
+  ASSERT_GE(waiting, 0);
+  timeval read_timeout{30, 0};
+  ::setsockopt(waiting, SOL_SOCKET, SO_RCVTIMEO, &read_timeout, sizeof(read_timeout));
+  rlimit before{};
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &before), 0);
+  // The lowest free descriptor; every one below it is open, so with the soft limit there
+  // the process can open none.
+  int lowest_free = ::dup(0);
+  ASSERT_GE(lowest_free, 0);
+  ::close(lowest_free);
+  rlimit none = before;
+  none.rlim_cur = static_cast<rlim_t>(lowest_free);
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &none), 0);
+  auto t0 = std::chrono::steady_clock::now();
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(t.port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bool connected = ::connect(waiting, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+  std::string request = "POST /work HTTP/1.1\r\nHost: t\r\nContent-Length: 2\r\n\r\n{}";
+  bool sent = connected && ::send(waiting, request.data(), request.size(), 0) ==
+                               static_cast<ssize_t>(request.size());
+  bool failing = t.wait_metric("ecx_http_accept_errors_total", [](double v) { return v >= 3; });
+  auto health = held.Get("/health");  // the connection it has is still served
+  double errors = metric_in(t.server->render_metrics(), "ecx_http_accept_errors_total");
+  double elapsed_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &before), 0);
+  ASSERT_TRUE(connected);
+  ASSERT_TRUE(sent);
+  EXPECT_TRUE(failing);
+  ASSERT_TRUE(health);
+  EXPECT_EQ(health->status, 200);
+  // Each retry waits 50 ms first: no more errors than that allows (a spin makes millions).
+  EXPECT_LE(errors, elapsed_ms / 50 + 2) << elapsed_ms << " ms";
+  std::string answer;
+  char buf[4096];
+  while (answer.find("served") == std::string::npos) {
+    ssize_t n = ::recv(waiting, buf, sizeof(buf), 0);
+    if (n <= 0) break;
+    answer.append(buf, static_cast<size_t>(n));
+  }
+  ::close(waiting);
+  EXPECT_EQ(answer.rfind("HTTP/1.1 200", 0), 0u) << answer;
+  EXPECT_NE(answer.find("{\"served\":true}"), std::string::npos) << answer;
 }
 
 }  // namespace

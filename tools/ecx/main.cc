@@ -47,6 +47,13 @@ void add_common_flags(CLI::App* app, ecx::serve::CommonServiceConfig& c) {
                   "Requests that may wait for a worker; past it, 503 with Retry-After")
       ->envname("ECX_MAX_QUEUED")
       ->capture_default_str();
+  app->add_option(
+         "--max-connections", c.max_connections,
+         "Client connections held at once (capped by the open-files limit, raised to "
+         "its hard limit; 0 = what that limit leaves); past it, work requests get 503 and the "
+         "connection closes")
+      ->envname("ECX_MAX_CONNECTIONS")
+      ->capture_default_str();
   app->add_option("--idle-timeout", c.idle_timeout_s,
                   "Seconds a keep-alive connection may stay idle before it is closed")
       ->envname("ECX_IDLE_TIMEOUT")

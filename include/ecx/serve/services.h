@@ -24,7 +24,11 @@ struct CommonServiceConfig {
   int workers = 0;                    // threads running queued work; 0 = the role's default
   int io_threads = 2;                 // threads holding every connection (Asio)
   uint64_t max_queued = 1024;         // waiting requests past which new ones get 503
-  int idle_timeout_s = 60;            // a keep-alive connection with no request is closed
+  // Client connections held at once; past it (or past what the open-files limit leaves),
+  // a new connection gets /health, /metrics and /v1/models but 503 for work, then closes.
+  // 0 = as many as the open-files limit leaves.
+  uint64_t max_connections = 10000;
+  int idle_timeout_s = 60;  // a keep-alive connection with no request is closed
   uint64_t max_body_bytes = 64ull << 20;
   int max_images = 8;  // per chat request
   uint64_t max_image_bytes = 20ull << 20;

@@ -320,6 +320,12 @@ TEST(HttpServerTest, PastTheConnectionLimitHealthAnswersAndWorkGets503) {
 // the server retries every 50 ms instead of spinning, keeps serving the connections it
 // has, and accepts the waiting client once descriptors are free again.
 TEST(HttpServerTest, OutOfFileDescriptorsTheServerWaitsThenAcceptsTheClient) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  // The sanitizer runtimes open descriptors of their own (UBSan's vptr check makes a pipe
+  // to probe memory): with none left they report errors that are not there. The release
+  // tree runs this test.
+  GTEST_SKIP() << "needs a process without a sanitizer runtime (it exhausts descriptors)";
+#endif
   TestServer t(/*workers=*/1, /*max_queued=*/10);
   t.server->work("POST", "/work", [](const HttpRequest&, HttpResponse& res) {
     res.set_content("{\"served\":true}", "application/json");

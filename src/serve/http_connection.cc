@@ -5,6 +5,9 @@
 // sent the socket is watched, so the worker learns at once when the client has gone.
 #include "serve/http_connection.h"
 
+#include <unistd.h>
+
+#include <array>
 #include <boost/asio/dispatch.hpp>
 #include <boost/asio/post.hpp>
 #include <boost/asio/write.hpp>
@@ -23,12 +26,36 @@ namespace net = boost::asio;
 using tcp = net::ip::tcp;
 using nlohmann::json;
 
+namespace {
+
+// A quarter of physical memory (4 GiB when unknown): the default budget of request bodies.
+uint64_t quarter_of_memory() {
+  long pages = ::sysconf(_SC_PHYS_PAGES);
+  long page = ::sysconf(_SC_PAGESIZE);
+  if (pages <= 0 || page <= 0) return 4ull << 30;
+  return static_cast<uint64_t>(pages) * static_cast<uint64_t>(page) / 4;
+}
+
+}  // namespace
+
 ServerState::ServerState(const CommonServiceConfig& config, std::string role_name, int n_workers)
     : role(std::move(role_name)),
       io_threads(std::max(1, config.io_threads)),
       workers(std::max(1, n_workers)),
       max_body_bytes(config.max_body_bytes),
+      max_buffered_bytes(config.max_buffered_bytes > 0 ? config.max_buffered_bytes
+                                                       : quarter_of_memory()),
       idle_timeout(std::max(1, config.idle_timeout_s)) {}
+
+bool ServerState::reserve_body(uint64_t bytes) {
+  uint64_t held = buffered_bytes_.load();
+  do {
+    if (held > max_buffered_bytes || bytes > max_buffered_bytes - held) return false;
+  } while (!buffered_bytes_.compare_exchange_weak(held, held + bytes));
+  return true;
+}
+
+void ServerState::release_body(uint64_t bytes) { buffered_bytes_ -= bytes; }
 
 void ServerState::begin_request() {
   std::lock_guard lock(mu_);
@@ -218,7 +245,10 @@ class Connection : public std::enable_shared_from_this<Connection> {
       : state_(state),
         stream_(std::move(socket)),
         over_capacity_(++state_.open_connections > state_.max_connections) {}
-  ~Connection() { state_.open_connections--; }
+  ~Connection() {
+    release_body();
+    state_.open_connections--;
+  }
 
   void start() {
     net::dispatch(stream_.get_executor(), [self = shared_from_this()] { self->read_request(); });
@@ -237,8 +267,24 @@ class Connection : public std::enable_shared_from_this<Connection> {
   std::shared_ptr<ChunkStream> open_stream(const HttpResponse& head, const std::string& type);
 
  private:
+  // A request: its headers, then (within the body budget) its body.
   void read_request();
+  void on_header(beast::error_code ec);
+  void read_body();
   void on_read(beast::error_code ec);
+  // The read failed: a client that left or went quiet is closed; bad HTTP gets 400/413.
+  void read_failed(beast::error_code ec);
+  // 503: the body would pass --max-buffered-bytes (it is not read).
+  void refuse_body(uint64_t bytes);
+  // Gives back the request's share of the body budget (strand; once answered).
+  void release_body() {
+    if (reserved_ > 0) state_.release_body(reserved_);
+    reserved_ = 0;
+  }
+  // Closes after refusing a body that was not read: drops what the client still sends
+  // for a while first, so it reads the answer instead of a reset.
+  void linger();
+  void discard_some(const std::shared_ptr<std::array<char, 16384>>& sink);
   void route(HttpRequest req);
   void queue_work(const HttpHandler& handler, HttpRequest req);
   void queue_async(const AsyncHandler& handler, HttpRequest req);
@@ -270,7 +316,12 @@ class Connection : public std::enable_shared_from_this<Connection> {
   std::shared_ptr<ChunkStream> chunks_;  // the streamed answer, once started
   // Opened past --max-connections: one request (work refused), then closed.
   const bool over_capacity_;
+  uint64_t reserved_ = 0;  // of the body budget, for the request being answered
+  bool linger_ = false;    // its body was refused unread: linger() once answered
 };
+
+// How long a connection whose body was refused unread drops what still comes.
+constexpr std::chrono::seconds kLinger{2};
 
 // How long a connection opened past --max-connections may take to send its request.
 constexpr std::chrono::seconds kOverCapacityRequestWait{5};
@@ -280,33 +331,90 @@ void Connection::read_request() {
   parser_->body_limit(state_.max_body_bytes);
   parser_->header_limit(64 * 1024);
   stream_.expires_after(over_capacity_ ? kOverCapacityRequestWait : state_.idle_timeout);
+  http::async_read_header(
+      stream_, buffer_, *parser_,
+      [self = shared_from_this()](beast::error_code ec, size_t) { self->on_header(ec); });
+}
+
+void Connection::on_header(beast::error_code ec) {
+  if (ec) return read_failed(ec);
+  // A length over --max-body-bytes has failed above; a chunked body may be up to it.
+  uint64_t bytes =
+      parser_->content_length().value_or(parser_->chunked() ? state_.max_body_bytes : 0);
+  if (bytes > 0 && !state_.reserve_body(bytes)) return refuse_body(bytes);
+  reserved_ = bytes;
+  const auto& head = parser_->get();
+  if (bytes == 0 || !beast::iequals(head[http::field::expect], "100-continue")) return read_body();
+  // The client waits for a go-ahead before it sends the body (curl does past 1 MiB).
+  auto go_ahead =
+      std::make_shared<http::response<http::empty_body>>(http::status::continue_, head.version());
+  http::async_write(stream_, *go_ahead,
+                    [self = shared_from_this(), go_ahead](beast::error_code e, size_t) {
+                      if (e) return self->close();
+                      self->read_body();
+                    });
+}
+
+void Connection::read_body() {
   http::async_read(
       stream_, buffer_, *parser_,
       [self = shared_from_this()](beast::error_code ec, size_t) { self->on_read(ec); });
 }
 
+void Connection::refuse_body(uint64_t bytes) {
+  state_.buffered_rejected++;
+  const auto& head = parser_->get();
+  version_ = head.version();
+  keep_alive_ = false;
+  linger_ = true;
+  HttpResponse res = error_response(
+      503, "server_busy",
+      state_.role + " holds " + std::to_string(state_.buffered_bytes()) +
+          " bytes of request bodies; this one's " + std::to_string(bytes) + " would pass " +
+          std::to_string(state_.max_buffered_bytes) + " (--max-buffered-bytes); retry later");
+  res.set_header("Retry-After", "1");
+  send(std::move(res), std::string(head.method_string()), std::string(head.target()), 0, false);
+}
+
+void Connection::linger() {
+  beast::error_code ignored;
+  stream_.socket().shutdown(tcp::socket::shutdown_send, ignored);
+  stream_.expires_after(kLinger);
+  discard_some(std::make_shared<std::array<char, 16384>>());
+}
+
+void Connection::discard_some(const std::shared_ptr<std::array<char, 16384>>& sink) {
+  stream_.async_read_some(net::buffer(*sink),
+                          [self = shared_from_this(), sink](beast::error_code ec, size_t) {
+                            if (ec) return self->close();
+                            self->discard_some(sink);
+                          });
+}
+
 void Connection::on_read(beast::error_code ec) {
+  if (ec) return read_failed(ec);
+  auto msg = parser_->release();
+  version_ = msg.version();
+  keep_alive_ = msg.keep_alive() && !over_capacity_;
+  route(to_request(std::move(msg)));
+}
+
+void Connection::read_failed(beast::error_code ec) {
   if (ec == http::error::end_of_stream || ec == beast::error::timeout ||
       ec == net::error::operation_aborted || ec == net::error::connection_reset ||
       ec == net::error::eof) {
     return close();
   }
-  if (ec) {
-    // The client sent too much or something that is not HTTP: say so, then close.
-    keep_alive_ = false;
-    version_ = 11;
-    bool too_large = ec == http::error::body_limit || ec == http::error::header_limit;
-    int status = too_large ? 413 : 400;
-    std::string what = too_large ? "request larger than " + std::to_string(state_.max_body_bytes) +
-                                       " bytes (--max-body-bytes)"
-                                 : "bad HTTP request: " + ec.message();
-    return send(error_response(status, too_large ? "request_too_large" : "invalid_request", what),
-                "?", "?", 0, false);
-  }
-  auto msg = parser_->release();
-  version_ = msg.version();
-  keep_alive_ = msg.keep_alive() && !over_capacity_;
-  route(to_request(std::move(msg)));
+  // The client sent too much or something that is not HTTP: say so, then close.
+  keep_alive_ = false;
+  version_ = 11;
+  bool too_large = ec == http::error::body_limit || ec == http::error::header_limit;
+  int status = too_large ? 413 : 400;
+  std::string what = too_large ? "request larger than " + std::to_string(state_.max_body_bytes) +
+                                     " bytes (--max-body-bytes)"
+                               : "bad HTTP request: " + ec.message();
+  return send(error_response(status, too_large ? "request_too_large" : "invalid_request", what),
+              "?", "?", 0, false);
 }
 
 void Connection::route(HttpRequest req) {
@@ -469,6 +577,8 @@ void Connection::send(HttpResponse res, std::string method, std::string path, si
   http::async_write(stream_, *msg,
                     [self = shared_from_this(), msg, counted](beast::error_code ec, size_t) {
                       if (counted) self->state_.end_request();
+                      self->release_body();
+                      if (!ec && self->linger_) return self->linger();
                       if (ec || !msg->keep_alive()) return self->close();
                       self->read_request();
                     });
@@ -551,6 +661,7 @@ void Connection::end_stream(const std::shared_ptr<ChunkStream>& chunks, bool sen
     log_request(self->method_, self->path_, self->stream_status_, self->bytes_in_,
                 chunks->bytes_written());
     self->state_.end_request();
+    self->release_body();
     self->close();
   };
   if (!send_last) return done();

@@ -35,6 +35,7 @@ struct ServerState {
   const int io_threads;
   const int workers;
   const uint64_t max_body_bytes;
+  const uint64_t max_buffered_bytes;  // --max-buffered-bytes, resolved (never 0)
   const std::chrono::seconds idle_timeout;
   const std::chrono::seconds write_timeout{60};  // a client that stops reading
   const size_t stream_buffer_bytes = 1 << 20;    // per streamed answer, before write blocks
@@ -53,6 +54,13 @@ struct ServerState {
   std::atomic<int64_t> open_connections{0};
   std::atomic<uint64_t> connections_refused{0};  // work refused: too many connections
   std::atomic<uint64_t> accept_errors{0};        // accept() failed (out of file descriptors)
+  std::atomic<uint64_t> buffered_rejected{0};    // 503: the bodies held reached the budget
+
+  // The budget of request bodies held at once (max_buffered_bytes): takes `bytes` of it,
+  // or nothing and false when they would pass it.
+  bool reserve_body(uint64_t bytes);
+  void release_body(uint64_t bytes);
+  uint64_t buffered_bytes() const { return buffered_bytes_.load(); }
 
   // Admitted work routes not yet answered (queued, running or streaming).
   void begin_request();
@@ -64,6 +72,7 @@ struct ServerState {
   std::mutex mu_;
   std::condition_variable idle_cv_;
   int64_t in_flight_ = 0;  // guarded by mu_
+  std::atomic<uint64_t> buffered_bytes_{0};
 };
 
 // Serves `socket` (whose executor is its own strand) until the client goes, the idle

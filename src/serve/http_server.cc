@@ -145,6 +145,15 @@ std::string HttpServer::render_metrics() const {
   metric_line(out, "ecx_http_connections_refused_total", "counter",
               "requests refused with 503 on a connection past the connection limit",
               static_cast<double>(s.connections_refused.load()));
+  metric_line(out, "ecx_http_buffered_bytes", "gauge",
+              "request bodies held now (being read, waiting or running)",
+              static_cast<double>(s.buffered_bytes()));
+  metric_line(out, "ecx_http_max_buffered_bytes", "gauge",
+              "the budget of request bodies held at once (--max-buffered-bytes)",
+              static_cast<double>(s.max_buffered_bytes));
+  metric_line(out, "ecx_http_buffered_rejected_total", "counter",
+              "requests refused with 503 because their body would pass --max-buffered-bytes",
+              static_cast<double>(s.buffered_rejected.load()));
   metric_line(out, "ecx_http_accept_errors_total", "counter",
               "connections the server could not accept (out of file descriptors, say)",
               static_cast<double>(s.accept_errors.load()));

@@ -52,8 +52,9 @@ class Counter {
 
 struct TestServer {
   explicit TestServer(int workers, uint64_t max_queued, uint64_t max_body = 1 << 20,
-                      uint64_t max_connections = 10000) {
+                      uint64_t max_connections = 10000, uint64_t max_buffered = 0) {
     config.port = 0;
+    config.max_buffered_bytes = max_buffered;
     config.workers = workers;
     config.max_queued = max_queued;
     config.max_body_bytes = max_body;
@@ -380,6 +381,98 @@ TEST(HttpServerTest, OutOfFileDescriptorsTheServerWaitsThenAcceptsTheClient) {
   ::close(waiting);
   EXPECT_EQ(answer.rfind("HTTP/1.1 200", 0), 0u) << answer;
   EXPECT_NE(answer.find("{\"served\":true}"), std::string::npos) << answer;
+}
+
+// Reads from `fd` until `want` has arrived (or the peer closes or 30 s pass).
+std::string read_until(int fd, const std::string& want) {
+  timeval timeout{30, 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
+  std::string got;
+  char buf[4096];
+  while (got.find(want) == std::string::npos) {
+    ssize_t n = ::recv(fd, buf, sizeof(buf), 0);
+    if (n <= 0) break;
+    got.append(buf, static_cast<size_t>(n));
+  }
+  return got;
+}
+
+bool send_all(int fd, const std::string& data) {
+  return ::send(fd, data.data(), data.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(data.size());
+}
+
+// The bodies held at once are bounded (--max-buffered-bytes): one that would pass the
+// budget gets a JSON 503 without being read, and its client reads that answer (not a
+// reset) even while it is still sending 8 MiB; once the held request is answered its
+// share is given back and the same request is admitted.
+TEST(HttpServerTest, ABodyPastTheBufferBudgetGets503AndTheBudgetComesBack) {
+  Gate gate;
+  Counter started;
+  TestServer t(/*workers=*/2, /*max_queued=*/10, /*max_body=*/16 << 20,
+               /*max_connections=*/100, /*max_buffered=*/1 << 20);
+  t.server->work("POST", "/work", [&](const HttpRequest& req, HttpResponse& res) {
+    if (req.body.size() == 600'000) {  // holds one worker; the other serves the rest
+      started.add();
+      gate.wait();
+    }
+    res.set_content("{}", "application/json");
+  });
+  t.start();
+  auto held = std::async(std::launch::async, [&] {
+    auto res = t.client().Post("/work", std::string(600'000, 'a'), "text/plain");
+    return res ? res->status : -1;
+  });
+  ASSERT_TRUE(started.wait_for(1));
+  EXPECT_EQ(metric_in(t.server->render_metrics(), "ecx_http_buffered_bytes"), 600'000);
+  auto refused = t.client().Post("/work", std::string(8 << 20, 'b'), "text/plain");
+  expect_json_error(refused, 503);
+  ASSERT_TRUE(refused);
+  EXPECT_EQ(refused->get_header_value("Retry-After"), "1");
+  EXPECT_NE(refused->body.find("--max-buffered-bytes"), std::string::npos) << refused->body;
+  auto small = t.client().Post("/work", std::string(400'000, 'c'), "text/plain");
+  ASSERT_TRUE(small);  // fits beside the held one
+  EXPECT_EQ(small->status, 200);
+  EXPECT_EQ(metric_in(t.server->render_metrics(), "ecx_http_buffered_rejected_total"), 1);
+  gate.open();
+  ASSERT_EQ(held.wait_for(std::chrono::seconds(60)), std::future_status::ready);
+  EXPECT_EQ(held.get(), 200);
+  ASSERT_TRUE(t.metric_reads("ecx_http_buffered_bytes", 0));
+  auto again = t.client().Post("/work", std::string(900'000, 'd'), "text/plain");
+  ASSERT_TRUE(again);
+  EXPECT_EQ(again->status, 200);
+}
+
+// A client that asks `Expect: 100-continue` gets the go-ahead before it sends its body,
+// or, when the body would not fit the budget, the 503 instead (and need not send it).
+TEST(HttpServerTest, ExpectContinueGetsTheGoAheadOrTheRefusalBeforeTheBody) {
+  TestServer t(/*workers=*/1, /*max_queued=*/10, /*max_body=*/16 << 20,
+               /*max_connections=*/100, /*max_buffered=*/1 << 20);
+  t.server->work("POST", "/work", [](const HttpRequest& req, HttpResponse& res) {
+    res.set_content("{\"got\":" + std::to_string(req.body.size()) + "}", "application/json");
+  });
+  t.start();
+  int fd = connect_loopback(t.port);
+  ASSERT_GE(fd, 0);
+  ASSERT_TRUE(send_all(fd,
+                       "POST /work HTTP/1.1\r\nHost: t\r\nContent-Length: 5\r\n"
+                       "Expect: 100-continue\r\n\r\n"));
+  std::string go = read_until(fd, "\r\n\r\n");
+  EXPECT_EQ(go.rfind("HTTP/1.1 100 Continue", 0), 0u) << go;
+  ASSERT_TRUE(send_all(fd, "hello"));
+  std::string answer = read_until(fd, "{\"got\":5}");
+  EXPECT_EQ(answer.rfind("HTTP/1.1 200", 0), 0u) << answer;
+  EXPECT_NE(answer.find("{\"got\":5}"), std::string::npos) << answer;
+  ::close(fd);
+
+  fd = connect_loopback(t.port);
+  ASSERT_GE(fd, 0);
+  ASSERT_TRUE(send_all(fd,
+                       "POST /work HTTP/1.1\r\nHost: t\r\nContent-Length: 2000000\r\n"
+                       "Expect: 100-continue\r\n\r\n"));
+  std::string refused = read_until(fd, "retry later");
+  EXPECT_EQ(refused.rfind("HTTP/1.1 503", 0), 0u) << refused;
+  EXPECT_NE(refused.find("--max-buffered-bytes"), std::string::npos) << refused;
+  ::close(fd);
 }
 
 }  // namespace

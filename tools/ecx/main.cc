@@ -54,6 +54,14 @@ void add_common_flags(CLI::App* app, ecx::serve::CommonServiceConfig& c) {
          "connection closes")
       ->envname("ECX_MAX_CONNECTIONS")
       ->capture_default_str();
+  app->add_option("--max-body-bytes", c.max_body_bytes, "One request's body; past it, 413")
+      ->envname("ECX_MAX_BODY_BYTES")
+      ->capture_default_str();
+  app->add_option("--max-buffered-bytes", c.max_buffered_bytes,
+                  "Request bodies held at once, all connections together; past it, 503 (0 = a "
+                  "quarter of physical memory)")
+      ->envname("ECX_MAX_BUFFERED_BYTES")
+      ->capture_default_str();
   app->add_option("--idle-timeout", c.idle_timeout_s,
                   "Seconds a keep-alive connection may stay idle before it is closed")
       ->envname("ECX_IDLE_TIMEOUT")

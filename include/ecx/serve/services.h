@@ -28,8 +28,11 @@ struct CommonServiceConfig {
   // a new connection gets /health, /metrics and /v1/models but 503 for work, then closes.
   // 0 = as many as the open-files limit leaves.
   uint64_t max_connections = 10000;
-  int idle_timeout_s = 60;  // a keep-alive connection with no request is closed
-  uint64_t max_body_bytes = 64ull << 20;
+  int idle_timeout_s = 60;                // a keep-alive connection with no request is closed
+  uint64_t max_body_bytes = 64ull << 20;  // one request's body (413 past it)
+  // Request bodies held at once, all connections together (being read, waiting or
+  // running); a request that would pass it gets 503. 0 = a quarter of physical memory.
+  uint64_t max_buffered_bytes = 0;
   int max_images = 8;  // per chat request
   uint64_t max_image_bytes = 20ull << 20;
   uint64_t max_image_pixels = 4096ull * 4096;

@@ -2,12 +2,16 @@
 // shared memory, their bytes are verified, and each has ucx_perftest's baseline (or the
 // reason it could not run) in the same JSON.
 #include <gtest/gtest.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <tuple>
+#include <utility>
 
 #include "ecx/common/subprocess.h"
 
@@ -20,20 +24,41 @@ bool ucx_perftest_installed() {
   return ::access("/usr/bin/ucx_perftest", X_OK) == 0;  // Debian's ucx-utils
 }
 
-TEST(BenchTransferTest, UcxRowsOverTcpAndSharedMemoryAreVerifiedAgainstUcxPerftest) {
-  auto json_path = std::filesystem::path(::testing::TempDir()) /
-                   ("bench_transfer_ucx_" + std::to_string(::getpid()) + ".json");
+// One run of the bench: its exit status (128 + signal when killed; -1 when it could not
+// start or did not end) and what it printed.
+std::pair<int, std::string> run_bench(const std::filesystem::path& json_path) {
   auto bench = Subprocess::spawn({ECX_BINARY, "bench", "transfer", "--backends", "ucx", "--modes",
                                   "pull", "--sizes", "64KiB", "--batch", "1", "--iters", "3",
                                   "--json", json_path.string()});
-  ASSERT_TRUE(bench.ok()) << bench.status().to_string();
+  if (!bench.ok()) return {-1, bench.status().to_string()};
   std::string output;
   while (true) {
     auto line = bench->read_line(Deadline::after_ms(120000));
     if (!line.ok()) break;
     output += *line + "\n";
   }
-  ASSERT_EQ(*bench->wait(Deadline::after_ms(60000)), 0) << output;
+  auto status = bench->wait(Deadline::after_ms(60000));
+  return {status.ok() ? *status : -1, output};
+}
+
+// UCX 1.13's tcp transport (Debian's) now and then fails one of its own assertions while
+// two endpoints connect to each other at once (a race of the kind openucx/ucx#4525 tells), and
+// aborts the process. That is UCX's bug, not the bench's: such a run is run once more.
+bool ucx_tcp_assertion(int status, const std::string& output) {
+  return status == 128 + SIGABRT && output.find("Assertion `") != std::string::npos &&
+         (output.find("tcp_ep.c:") != std::string::npos ||
+          output.find("tcp_cm.c:") != std::string::npos);
+}
+
+TEST(BenchTransferTest, UcxRowsOverTcpAndSharedMemoryAreVerifiedAgainstUcxPerftest) {
+  auto json_path = std::filesystem::path(::testing::TempDir()) /
+                   ("bench_transfer_ucx_" + std::to_string(::getpid()) + ".json");
+  auto [status, output] = run_bench(json_path);
+  if (ucx_tcp_assertion(status, output)) {
+    std::cerr << "UCX's tcp transport aborted on its own assertion; running again:\n" << output;
+    std::tie(status, output) = run_bench(json_path);
+  }
+  ASSERT_EQ(status, 0) << output;
 
   std::ifstream in(json_path);
   json j = json::parse(in, nullptr, false);

@@ -17,6 +17,7 @@
 
 #include "ecx/common/json_reader.h"
 #include "ecx/common/log.h"
+#include "serve/chunk_stream.h"
 
 namespace ecx::serve {
 
@@ -103,140 +104,6 @@ void log_request(const std::string& method, const std::string& path, int status,
                  size_t out) {
   spdlog::info("method={} path={} status={} bytes_in={} bytes_out={}", method, path, status, in,
                out);
-}
-
-class Connection;
-
-// A streamed answer's body between its producer and the connection's strand (pump). A
-// worker thread writes (blocking while `stream_buffer_bytes` are waiting); an async
-// route pushes (never blocking) and is told when there is room again.
-class ChunkStream final : public StreamWriter, public AsyncStreamWriter {
- public:
-  ChunkStream(size_t limit, std::chrono::seconds write_timeout)
-      : limit_(limit), write_timeout_(write_timeout) {}
-
-  bool write(std::string_view chunk) override;
-  bool push(std::string_view chunk) override;
-  bool has_room() const override {
-    std::lock_guard lock(mu_);
-    return gone_ || pending_.size() < limit_;
-  }
-  void when_room(std::function<void()> ready) override;
-  bool client_gone() const override {
-    std::lock_guard lock(mu_);
-    return gone_;
-  }
-  // The connection's strand, to send next: the chunks waiting (moved out). `ended` is
-  // true when nothing more will come: the worker finished, or the client is gone.
-  // Returns false (and clears `sending_`) when there is nothing to do yet.
-  bool take(std::string* chunks, bool* ended, bool* gone);
-  void mark_gone();
-  size_t bytes_written() const {
-    std::lock_guard lock(mu_);
-    return total_;
-  }
-
-  // Set by the connection: schedules a pump on its strand.
-  std::function<void()> wake;
-  // The producer: the answer is complete.
-  void finish();
-
- private:
-  // Appends `chunk` (mu_ held via `lock`); wakes the strand unless a pump is scheduled.
-  void append(std::unique_lock<std::mutex>& lock, std::string_view chunk);
-
-  const size_t limit_;
-  const std::chrono::seconds write_timeout_;
-  mutable std::mutex mu_;
-  std::condition_variable space_cv_;
-  std::string pending_;    // guarded by mu_
-  size_t total_ = 0;       // guarded by mu_
-  bool sending_ = true;    // guarded by mu_; a pump is scheduled or running (headers first)
-  bool finished_ = false;  // guarded by mu_
-  bool gone_ = false;      // guarded by mu_
-  std::function<void()> room_waiter_;  // guarded by mu_; when_room's, not yet called
-};
-
-bool ChunkStream::write(std::string_view chunk) {
-  std::unique_lock lock(mu_);
-  bool room =
-      space_cv_.wait_for(lock, write_timeout_, [&] { return gone_ || pending_.size() < limit_; });
-  if (!room) gone_ = true;  // the client stopped reading
-  if (gone_) return false;
-  append(lock, chunk);
-  return true;
-}
-
-bool ChunkStream::push(std::string_view chunk) {
-  std::unique_lock lock(mu_);
-  if (gone_) return false;
-  append(lock, chunk);
-  return true;
-}
-
-void ChunkStream::append(std::unique_lock<std::mutex>& lock, std::string_view chunk) {
-  pending_.append(chunk);
-  total_ += chunk.size();
-  if (sending_) return;
-  sending_ = true;
-  lock.unlock();
-  wake();
-}
-
-void ChunkStream::when_room(std::function<void()> ready) {
-  {
-    std::lock_guard lock(mu_);
-    if (!gone_ && pending_.size() >= limit_) {
-      room_waiter_ = std::move(ready);
-      return;
-    }
-  }
-  ready();
-}
-
-void ChunkStream::mark_gone() {
-  std::function<void()> ready;
-  {
-    std::lock_guard lock(mu_);
-    gone_ = true;
-    ready = std::move(room_waiter_);
-    room_waiter_ = nullptr;
-    space_cv_.notify_all();
-  }
-  if (ready) ready();
-}
-
-void ChunkStream::finish() {
-  std::unique_lock lock(mu_);
-  finished_ = true;
-  if (sending_) return;
-  sending_ = true;
-  lock.unlock();
-  wake();
-}
-
-bool ChunkStream::take(std::string* chunks, bool* ended, bool* gone) {
-  std::function<void()> ready;
-  {
-    std::lock_guard lock(mu_);
-    *gone = gone_;
-    *ended = finished_;
-    if (gone_ && !finished_) {  // nothing more to send; finish() wakes us for the end
-      sending_ = false;
-      return false;
-    }
-    if (pending_.empty() && !finished_) {
-      sending_ = false;
-      return false;
-    }
-    chunks->swap(pending_);
-    pending_.clear();
-    space_cv_.notify_all();
-    ready = std::move(room_waiter_);
-    room_waiter_ = nullptr;
-  }
-  if (ready) ready();
-  return true;
 }
 
 class Connection : public std::enable_shared_from_this<Connection> {

@@ -68,6 +68,8 @@ bool ConnectorPeer::run_command(const std::string& line) {
       read(ss);
     } else if (cmd == "stats") {
       reply_ok(connector::to_json(conn_->stats()).dump());
+    } else if (cmd == "metadata") {
+      reply_ok(conn_->agent_metadata());
     } else if (cmd == "wait-unpinned") {
       int64_t ms = 0;
       ss >> ms;

@@ -2,6 +2,7 @@
 // what ConnectorCore gives drivers.
 #include "connector/connector.h"
 
+#include "connector/control_messages.h"
 #include "ecx/common/log.h"
 
 namespace ecx::connector {
@@ -15,6 +16,27 @@ EcTransferParams ConnectorCore::keyed_params(const MmHash& mm_hash, const Tensor
   p.meta = meta;
   p.num_tokens = meta.shape.empty() ? 0 : static_cast<uint64_t>(meta.shape[0]);
   return p;
+}
+
+EcTransferParams ConnectorCore::located_params(const cache::Pin& pin,
+                                               std::optional<P2pMode> mode) const {
+  EcTransferParams p = keyed_params(pin.ref.mm_hash, pin.ref.meta);
+  p.connector = "p2p";
+  p.mode = p2p_mode_name(mode.value_or(options_.mode));
+  p.agent = agent_metadata_json();
+  p.region = pin.ref.region;
+  p.offset = pin.ref.offset;
+  p.length = pin.ref.block_length;
+  p.generation = pin.ref.generation;
+  p.pin = pin.pin_id;
+  p.capability = pin.capability.hex();
+  p.sign(options_.auth_secret);
+  return p;
+}
+
+const std::string& ConnectorCore::agent_metadata_json() const {
+  std::call_once(metadata_once_, [this] { metadata_json_ = agent_->metadata().to_json(); });
+  return metadata_json_;
 }
 
 Status ConnectorCore::check_compat(const std::string& producer,
@@ -56,6 +78,7 @@ Status Connector::init(const ConnectorKind& kind) {
     ECX_ASSIGN_OR_RETURN(core_.consumer_cache_, cache::EncoderCachePool::create(core_.agent(), pc));
   }
   ECX_ASSIGN_OR_RETURN(driver_, kind.make_driver(core_));
+  core_.agent()->set_notification_handler([this](transfer::Notification n) { on_notification(n); });
   if (core_.is_consumer()) {
     for (int i = 0; i < o.loader_threads; ++i) loaders_.emplace_back([this] { loader_loop(); });
   }
@@ -109,6 +132,27 @@ Result<EcTransferParams> Connector::commit_save(const SaveSlot& slot) {
 Result<EcTransferParams> Connector::saved_params(const MmHash& mm_hash) {
   ECX_RETURN_IF_ERROR(producer_only("saved_params"));
   return driver_->saved_params(mm_hash);
+}
+
+bool Connector::holds(const MmHash& mm_hash) {
+  return core_.is_producer() && driver_->holds(mm_hash);
+}
+
+// Peers' RELEASEs: of pins the driver handed out (a producer's params), or of pins
+// share_loaded took in our cache. A pin ends only with the capability it was granted
+// with, so nobody ends another reader's pin.
+void Connector::on_notification(const transfer::Notification& n) {
+  auto notice = parse_release_notice(n.message);
+  if (!notice.ok()) {
+    spdlog::warn("{}: ignored a notification from {}: {}", name(), n.from,
+                 notice.status().message());
+    return;
+  }
+  for (const auto& p : notice->pins) {
+    if (driver_->release_granted(p.pin, p.capability)) continue;
+    if (core_.consumer_cache())
+      core_.consumer_cache()->release_granted(p.pin, p.capability).ignore_error();
+  }
 }
 
 void Connector::abort_save(const SaveSlot& slot) {
@@ -216,7 +260,87 @@ void Connector::request_finished(const std::string& request_id) {
     requests_.erase(it);
   }
   for (uint64_t pin : state->pins) core_.consumer_cache()->unpin(pin).ignore_error();
+  if (!core_.options().keep_loaded) {
+    // Entries still pinned (another request, a reader of share_loaded) stay.
+    for (size_t i : state->items) {
+      core_.consumer_cache()->erase(state->request.items[i].mm_hash).ignore_error();
+    }
+  }
   driver_->on_request_finished(state->request);
+}
+
+Result<std::vector<EcTransferParams>> Connector::share_loaded(const std::string& request_id,
+                                                              const MmHash& mm_hash,
+                                                              size_t readers) {
+  if (!core_.is_consumer())
+    return Status(StatusCode::kFailedPrecondition, "connector " + name() + " is not a consumer");
+  {
+    std::lock_guard lock(mu_);
+    auto it = requests_.find(request_id);
+    if (it == requests_.end() || !it->second->done) {
+      return Status(StatusCode::kFailedPrecondition,
+                    "share_loaded: request " + request_id + " has no finished load");
+    }
+    const auto& items = it->second->outcome.items;
+    bool loaded = std::any_of(items.begin(), items.end(), [&](const ItemOutcome& o) {
+      return o.mm_hash == mm_hash && o.status.ok();
+    });
+    if (!loaded) {
+      return Status(StatusCode::kFailedPrecondition,
+                    "share_loaded: request " + request_id + " did not load " + mm_hash.str());
+    }
+  }
+  std::vector<EcTransferParams> out;
+  std::vector<uint64_t> taken;
+  auto lease = std::chrono::milliseconds(core_.options().lease_ms);
+  for (size_t i = 0; i < readers; ++i) {
+    auto pin = core_.consumer_cache()->pin_for_peer(mm_hash, "", lease);
+    if (!pin.ok()) {
+      for (uint64_t p : taken) core_.consumer_cache()->unpin(p).ignore_error();
+      return pin.status().with_context("share_loaded " + mm_hash.str());
+    }
+    taken.push_back(pin->pin_id);
+    out.push_back(core_.located_params(*pin, P2pMode::kPull));
+  }
+  return out;
+}
+
+Result<std::vector<Result<EcTransferParams>>> Connector::remote_saved_params(
+    const std::string& producer, const std::vector<MmHash>& hashes, Deadline deadline) {
+  if (core_.config().connector != "p2p") {
+    return Status(StatusCode::kFailedPrecondition,
+                  "remote_saved_params: connector " + name() + " is not p2p");
+  }
+  if (hashes.size() > kMaxMessageItems) {
+    return InvalidArgument("remote_saved_params: " + std::to_string(hashes.size()) +
+                           " items, at most " + std::to_string(kMaxMessageItems));
+  }
+  ECX_ASSIGN_OR_RETURN(auto meta, transfer::AgentMetadata::parse(producer));
+  ECX_RETURN_IF_ERROR(
+      core_.agent()
+          ->connect(meta, {.backend = core_.options().backend, .deadline = deadline})
+          .status());
+  auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline.remaining()).count();
+  ParamsRequest req{.items = hashes, .wait_ms = std::max<int64_t>(0, left)};
+  ECX_ASSIGN_OR_RETURN(std::string answer, core_.agent()->call(meta.name, to_json(req), deadline));
+  ECX_ASSIGN_OR_RETURN(ItemsReply reply, parse_items_reply(answer, hashes.size()));
+  std::vector<Result<EcTransferParams>> out;
+  for (size_t i = 0; i < hashes.size(); ++i) {
+    ItemReply& item = reply.items[i];
+    if (!item.status.ok()) {
+      out.push_back(item.status.with_context("params of " + hashes[i].str() + " at " + meta.name));
+    } else if (!item.params || !(item.params->mm_hash == hashes[i]) ||
+               item.params->engine_id != meta.name) {
+      out.push_back(InvalidArgument("params reply from " + meta.name + " for " + hashes[i].str() +
+                                    " names another item or producer"));
+    } else if (Status signed_ok = item.params->verify(core_.options().auth_secret);
+               !signed_ok.ok()) {
+      out.push_back(signed_ok);
+    } else {
+      out.push_back(std::move(*item.params));
+    }
+  }
+  return out;
 }
 
 void Connector::discard(const LoadRequest& request) {

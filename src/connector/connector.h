@@ -36,6 +36,9 @@ class Connector final : public EcConnector {
   Result<EcTransferParams> commit_save(const SaveSlot& slot) override;
   Result<EcTransferParams> saved_params(const MmHash& mm_hash) override;
   void abort_save(const SaveSlot& slot) override;
+  bool holds(const MmHash& mm_hash) override;
+  Result<std::vector<Result<EcTransferParams>>> remote_saved_params(
+      const std::string& producer, const std::vector<MmHash>& hashes, Deadline deadline) override;
   Status wait_for_readers(Deadline deadline) override;
   Status release_params(const EcTransferParams& params) override;
 
@@ -46,9 +49,13 @@ class Connector final : public EcConnector {
   LoadOutcome wait_for_load(const std::string& request_id, Deadline deadline) override;
   std::vector<std::string> get_finished() override;
   Result<cache::BlockRef> loaded(const std::string& request_id, const MmHash& mm_hash) override;
+  Result<std::vector<EcTransferParams>> share_loaded(const std::string& request_id,
+                                                     const MmHash& mm_hash,
+                                                     size_t readers) override;
   void request_finished(const std::string& request_id) override;
   void discard(const LoadRequest& request) override;
   ConnectorStats stats() const override;
+  std::string agent_metadata() const override { return core_.agent_metadata_json(); }
 
  private:
   struct RequestState {
@@ -71,6 +78,7 @@ class Connector final : public EcConnector {
   };
 
   Status producer_only(const char* what) const;
+  void on_notification(const transfer::Notification& n);
   void run_load(const std::shared_ptr<RequestState>& state);
   void plan(LoadJob& job);
   bool take_local_hit(LoadJob& job, FetchSlot& slot);

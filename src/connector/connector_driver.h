@@ -8,6 +8,8 @@
 #include <atomic>
 #include <functional>
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -56,6 +58,13 @@ class ConnectorCore {
   // Params for an item this producer stored, for connectors that keep no location
   // (disk, store): the consumer finds the item by mm_hash.
   EcTransferParams keyed_params(const MmHash& mm_hash, const TensorMeta& meta) const;
+  // Signed p2p params for a block this agent pinned for a peer (`pin` from pin_for_peer,
+  // in the producer pool or the consumer cache): its location, pin and capability.
+  // `mode`: the p2p mode they name (default: this connector's).
+  EcTransferParams located_params(const cache::Pin& pin,
+                                  std::optional<P2pMode> mode = std::nullopt) const;
+  // This agent's metadata (JSON), as params carry it: taken once its pools exist.
+  const std::string& agent_metadata_json() const;
   // Checks a producer's compatibility hash against ours, naming both.
   Status check_compat(const std::string& producer, const std::string& their_hash) const;
   // An item was not ready at the producer; the fetch retries it.
@@ -72,6 +81,8 @@ class ConnectorCore {
   std::unique_ptr<transfer::Agent> agent_;                   // destroyed last
   std::unique_ptr<cache::EncoderCachePool> consumer_cache_;  // consumers only
   std::atomic<uint64_t> not_ready_retries_{0};
+  mutable std::once_flag metadata_once_;
+  mutable std::string metadata_json_;  // written once, under metadata_once_
 };
 
 class ConnectorDriver {
@@ -85,6 +96,11 @@ class ConnectorDriver {
   virtual void abort_save(const SaveSlot& slot) = 0;
   virtual Status wait_for_readers(Deadline) { return Status::Ok(); }
   virtual Status release_params(const EcTransferParams&) { return Status::Ok(); }
+  // Whether the producer holds a ready entry for mm_hash (no pin taken).
+  virtual bool holds(const MmHash&) { return false; }
+  // A peer's RELEASE of one pin the driver handed out: true if it was one of its pins and
+  // `capability` is the one granted with it.
+  virtual bool release_granted(uint64_t /*pin*/, const transfer::Capability&) { return false; }
 
   // ---- consumer ----
   // Whether this driver can load `item` at all (has_caches).

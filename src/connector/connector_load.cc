@@ -23,7 +23,8 @@ void Connector::loader_loop() {
     {
       std::unique_lock lock(mu_);
       work_cv_.wait(lock, [&] { return stopping_ || !queue_.empty() || !background_.empty(); });
-      if (stopping_) return;
+      // Releases still queued go out before the loaders end: a connector shutting down
+      // gives back the pins it holds at producers rather than leave them to the lease.
       if (!background_.empty()) {
         auto task = std::move(background_.front());
         background_.pop_front();
@@ -35,6 +36,7 @@ void Connector::loader_loop() {
         }
         continue;
       }
+      if (stopping_) return;
       state = std::move(queue_.front());
       queue_.pop_front();
     }
@@ -264,14 +266,18 @@ void Connector::finish(LoadJob& job) {
     finished_.push_back(state->request.request_id);
     abandoned = state->abandoned;
     if (abandoned) requests_.erase(state->request.request_id);
+    // Queued with the outcome, not after it: a caller that sees the load done and shuts
+    // the connector down still has this release sent (the loaders drain it first; this
+    // thread is one of them).
+    background_.push_back(
+        [this, state, slots = std::move(job.slots)] { driver_->release(state->request, slots); });
   }
+  work_cv_.notify_one();
   done_cv_.notify_all();
   if (abandoned) {
     for (uint64_t pin : state->pins) core_.consumer_cache()->unpin(pin).ignore_error();
     driver_->on_request_finished(state->request);
   }
-  queue_background(
-      [this, state, slots = std::move(job.slots)] { driver_->release(state->request, slots); });
 }
 
 LoadOutcome Connector::wait_for_load(const std::string& request_id, Deadline deadline) {

@@ -87,7 +87,26 @@ Result<LoadBlocksRequest> parse_load(const JsonReader& r) {
   return m;
 }
 
+Result<ParamsRequest> parse_params(const JsonReader& r) {
+  ParamsRequest m;
+  ECX_ASSIGN_OR_RETURN(m.wait_ms, read_wait_ms(r));
+  ECX_ASSIGN_OR_RETURN(const json* items, read_items(r, "items"));
+  for (size_t i = 0; i < items->size(); ++i) {
+    JsonReader item((*items)[i], "params item " + std::to_string(i));
+    ECX_RETURN_IF_ERROR(item.object());
+    ECX_ASSIGN_OR_RETURN(MmHash h, read_mm_hash(item));
+    m.items.push_back(h);
+  }
+  return m;
+}
+
 }  // namespace
+
+std::string to_json(const ParamsRequest& m) {
+  json items = json::array();
+  for (const auto& h : m.items) items.push_back({{"mm_hash", h.str()}});
+  return json{{"op", "params"}, {"wait_ms", m.wait_ms}, {"items", items}}.dump();
+}
 
 std::string to_json(const LookupRequest& m) {
   json items = json::array();
@@ -134,6 +153,7 @@ std::string to_json(const ItemsReply& m) {
                 {"pin", w.pin}});
       if (!w.capability.empty()) j["capability"] = w.capability.hex();
     }
+    if (it.status.ok() && it.params) j["params"] = it.params->to_json();
     items.push_back(std::move(j));
   }
   return json{{"items", items}}.dump(-1, ' ', false, json::error_handler_t::replace);
@@ -155,6 +175,10 @@ Result<ControlRequest> parse_control_request(std::string_view text) {
   }
   if (op == "load") {
     ECX_ASSIGN_OR_RETURN(LoadBlocksRequest m, parse_load(r));
+    return ControlRequest(std::move(m));
+  }
+  if (op == "params") {
+    ECX_ASSIGN_OR_RETURN(ParamsRequest m, parse_params(r));
     return ControlRequest(std::move(m));
   }
   return InvalidArgument("control request: unknown op '" + op + "'");
@@ -189,6 +213,12 @@ Result<ItemsReply> parse_items_reply(std::string_view text, size_t expected_item
       ECX_ASSIGN_OR_RETURN(w.generation, item.u64("generation", kOptional));
       ECX_ASSIGN_OR_RETURN(w.pin, item.u64("pin", kOptional));
       ECX_ASSIGN_OR_RETURN(w.capability, read_capability(item, "capability"));
+      ECX_ASSIGN_OR_RETURN(const json* params, item.object("params", kOptional));
+      if (params != nullptr) {
+        auto p = EcTransferParams::from_json(*params);
+        if (!p.ok()) return p.status().with_context("reply item " + std::to_string(i));
+        out.params = std::move(*p);
+      }
     }
     m.items.push_back(std::move(out));
   }

@@ -7,10 +7,14 @@
 //            producer -> consumer reply  per item: status, location, pin, capability
 //   load     consumer -> producer CALL   push: write these blocks into my grants
 //            producer -> consumer reply  per item: status
+//   params   scheduler -> producer CALL  the params of items the producer holds, by
+//                                        mm_hash (vLLM's scheduler asking its own worker)
+//            producer -> scheduler reply per item: status, signed params
 //   release  consumer -> producer NOTIFY pins to end, each with its capability
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <variant>
@@ -18,6 +22,7 @@
 
 #include "ecx/common/mm_hash.h"
 #include "ecx/common/status.h"
+#include "ecx/connector/ec_transfer_params.h"
 #include "ecx/transfer/types.h"
 
 namespace ecx::connector {
@@ -51,7 +56,15 @@ struct LoadBlocksRequest {
   std::vector<LoadItemRequest> items;
 };
 
-using ControlRequest = std::variant<LookupRequest, LoadBlocksRequest>;
+// Params for items the producer holds, as its saved_params gives them: each pinned for
+// whoever is handed them (lease) and signed. Knowing the mm_hash is the proof, as in a
+// lookup by key; only authenticated agents of the deployment get this far.
+struct ParamsRequest {
+  std::vector<MmHash> items;
+  int64_t wait_ms = 0;  // how long the producer may wait for a not-ready entry
+};
+
+using ControlRequest = std::variant<LookupRequest, LoadBlocksRequest, ParamsRequest>;
 
 // Where a block is at its producer, the pin that holds it there for the consumer, and
 // the capability that lets the consumer read it and release the pin.
@@ -68,7 +81,8 @@ struct BlockLocation {
 struct ItemReply {
   MmHash mm_hash;
   Status status;
-  BlockLocation where;  // lookups that succeeded; region 0 otherwise
+  BlockLocation where;                     // lookups that succeeded; region 0 otherwise
+  std::optional<EcTransferParams> params;  // params requests that succeeded
 };
 struct ItemsReply {
   std::vector<ItemReply> items;
@@ -84,10 +98,11 @@ struct ReleaseNotice {
 
 std::string to_json(const LookupRequest& m);
 std::string to_json(const LoadBlocksRequest& m);
+std::string to_json(const ParamsRequest& m);
 std::string to_json(const ItemsReply& m);
 std::string to_json(const ReleaseNotice& m);
 
-// A CALL body: a lookup or a load, by its "op".
+// A CALL body: a lookup, a load or a params request, by its "op".
 Result<ControlRequest> parse_control_request(std::string_view text);
 // A reply to a request of `expected_items` items: exactly that many.
 Result<ItemsReply> parse_items_reply(std::string_view text, size_t expected_items);

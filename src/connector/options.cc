@@ -27,6 +27,7 @@ const std::set<std::string> kKnownKeys = {"engine_id",
                                           "consumer_pin_ms",
                                           "save_wait_ms",
                                           "loader_threads",
+                                          "keep_loaded",
                                           "mode",
                                           "backend",
                                           "ucx",
@@ -86,6 +87,7 @@ Status read_common(const JsonReader& r, ConnectorOptions& o) {
   ECX_ASSIGN_OR_RETURN(int64_t threads,
                        r.i64("loader_threads", 1, 64, Presence::kOptional, o.loader_threads));
   o.loader_threads = static_cast<int>(threads);
+  ECX_ASSIGN_OR_RETURN(o.keep_loaded, r.boolean("keep_loaded", Presence::kOptional, o.keep_loaded));
   ECX_ASSIGN_OR_RETURN(o.require_grants,
                        r.boolean("require_grants", Presence::kOptional, o.require_grants));
   return Status::Ok();

@@ -29,6 +29,10 @@ struct ConnectorOptions {
   int64_t consumer_pin_ms = 600000;  // consumer pins, released by request_finished
   int64_t save_wait_ms = 2000;       // producer backpressure when its pool is pinned full
   int loader_threads = 4;
+  // Whether loaded items stay in the consumer cache after their request finished (later
+  // requests hit them). false: dropped once nothing pins them (vLLM's workers, which
+  // copy every load into vLLM's own encoder cache).
+  bool keep_loaded = true;
   // The deployment secret (auth_token, or auth_token_file): authenticates agents and signs
   // ec_transfer_params. Empty: no secret, agents on loopback only.
   std::string auth_secret;

@@ -66,6 +66,10 @@ class P2pDriver final : public ConnectorDriver {
     return producer_pool_->wait_unpinned(deadline);
   }
   Status release_params(const EcTransferParams& params) override;
+  bool holds(const MmHash& mm_hash) override {
+    return producer_pool_ && producer_pool_->find(mm_hash).ok();
+  }
+  bool release_granted(uint64_t pin, const transfer::Capability& capability) override;
 
   // ---------------- consumer ----------------
   bool can_load(const LoadItem& item) override;
@@ -86,13 +90,12 @@ class P2pDriver final : public ConnectorDriver {
 
   // producer
   Result<EcTransferParams> params_for(const MmHash& mm_hash);
-  std::string agent_metadata();
   Result<std::string> handle_call(const std::string& peer, std::string_view body);
   Result<cache::Pin> entry_for(const std::string& peer, const MmHash& mm_hash,
                                const transfer::Capability& capability, Deadline wait);
   ItemsReply handle_lookup(const std::string& peer, const LookupRequest& req);
   Result<std::string> handle_load(const std::string& peer, const LoadBlocksRequest& req);
-  void handle_notification(const transfer::Notification& n);
+  ItemsReply handle_params(const ParamsRequest& req);
 
   // consumer
   Status trust(const LoadItem& item) const;
@@ -114,8 +117,6 @@ class P2pDriver final : public ConnectorDriver {
 
   ConnectorCore& core_;
   std::unique_ptr<cache::EncoderCachePool> producer_pool_;
-  std::mutex meta_mu_;
-  std::string metadata_json_;  // guarded by meta_mu_
   std::mutex producers_mu_;
   std::map<std::string, std::string> known_producers_;  // engine_id -> agent JSON; guarded
   std::atomic<uint64_t> releases_sent_{0}, releases_received_{0};
@@ -132,7 +133,6 @@ Status P2pDriver::start() {
   ECX_ASSIGN_OR_RETURN(producer_pool_, cache::EncoderCachePool::create(agent(), pc));
   agent()->set_call_handler(
       [this](const std::string& peer, std::string_view body) { return handle_call(peer, body); });
-  agent()->set_notification_handler([this](transfer::Notification n) { handle_notification(n); });
   agent()->set_peer_gone_handler([this](const std::string& peer) {
     size_t n = producer_pool_->release_holder(peer);
     if (n) spdlog::info("{}: consumer {} went away, released {} pins", name(), peer, n);
@@ -160,29 +160,7 @@ Result<EcTransferParams> P2pDriver::params_for(const MmHash& mm_hash) {
   // The pin keeps the block in place until the consumer's RELEASE or the lease ends;
   // its capability is the only way in for whoever the proxy hands the params to.
   ECX_ASSIGN_OR_RETURN(cache::Pin pin, producer_pool_->pin_for_peer(mm_hash, ""));
-  EcTransferParams p;
-  p.connector = "p2p";
-  p.mode = p2p_mode_name(options().mode);
-  p.engine_id = options().engine_id;
-  p.agent = agent_metadata();
-  p.compat_hash = options().compat_hash;
-  p.mm_hash = mm_hash;
-  p.meta = pin.ref.meta;
-  p.num_tokens = pin.ref.meta.shape.empty() ? 0 : static_cast<uint64_t>(pin.ref.meta.shape[0]);
-  p.region = pin.ref.region;
-  p.offset = pin.ref.offset;
-  p.length = pin.ref.block_length;
-  p.generation = pin.ref.generation;
-  p.pin = pin.pin_id;
-  p.capability = pin.capability.hex();
-  p.sign(options().auth_secret);
-  return p;
-}
-
-std::string P2pDriver::agent_metadata() {
-  std::lock_guard lock(meta_mu_);
-  if (metadata_json_.empty()) metadata_json_ = agent()->metadata().to_json();
-  return metadata_json_;
+  return core_.located_params(pin);
 }
 
 Result<std::string> P2pDriver::handle_call(const std::string& peer, std::string_view body) {
@@ -192,6 +170,8 @@ Result<std::string> P2pDriver::handle_call(const std::string& peer, std::string_
     if (auto* lookup = std::get_if<LookupRequest>(&*request)) {
       return to_json(handle_lookup(peer, *lookup));
     }
+    if (auto* params = std::get_if<ParamsRequest>(&*request))
+      return to_json(handle_params(*params));
     return handle_load(peer, std::get<LoadBlocksRequest>(*request));
   } catch (const std::exception& e) {
     return Internal(name() + ": request from " + peer + " failed: " + e.what());
@@ -275,17 +255,28 @@ Result<std::string> P2pDriver::handle_load(const std::string& peer, const LoadBl
   return to_json(reply);
 }
 
-void P2pDriver::handle_notification(const transfer::Notification& n) {
-  auto notice = parse_release_notice(n.message);
-  if (!notice.ok()) {
-    spdlog::warn("{}: ignored a notification from {}: {}", name(), n.from,
-                 notice.status().message());
-    return;
+// A RELEASE for a pin of our pool: only with the capability it was granted with, so
+// nobody ends another reader's pin.
+bool P2pDriver::release_granted(uint64_t pin, const transfer::Capability& capability) {
+  if (!producer_pool_ || !producer_pool_->release_granted(pin, capability).ok()) return false;
+  releases_received_++;
+  return true;
+}
+
+ItemsReply P2pDriver::handle_params(const ParamsRequest& req) {
+  Deadline wait = Deadline::after_ms(std::min<int64_t>(req.wait_ms, kMaxLookupWaitMs));
+  ItemsReply reply;
+  for (const auto& mm_hash : req.items) {
+    ItemReply out{.mm_hash = mm_hash};
+    out.status = producer_pool_->wait_ready(mm_hash, wait).status();
+    if (out.status.ok()) {
+      auto params = params_for(mm_hash);
+      out.status = params.status();
+      if (params.ok()) out.params = std::move(*params);
+    }
+    reply.items.push_back(std::move(out));
   }
-  // Only pins whose capability the sender holds: nobody ends another reader's pin.
-  for (const auto& p : notice->pins) {
-    if (producer_pool_->release_granted(p.pin, p.capability).ok()) releases_received_++;
-  }
+  return reply;
 }
 
 // ---------------- consumer ----------------

@@ -201,6 +201,34 @@ void bind_producer(nb::class_<PyConnector>& c) {
           },
           nb::arg("params"))
       .def(
+          "holds", [](PyConnector& c, const std::string& h) { return c.get().holds(hash_of(h)); },
+          nb::arg("mm_hash"), "Whether this producer holds a ready entry (no pin taken).")
+      .def(
+          "remote_saved_params",
+          [](PyConnector& c, const std::string& producer, const std::vector<std::string>& hashes,
+             int64_t timeout_ms) {
+            std::vector<MmHash> parsed;
+            for (const auto& h : hashes) parsed.push_back(hash_of(h));
+            auto replies = unwrap(released([&] {
+              return c.get().remote_saved_params(producer, parsed, Deadline::after_ms(timeout_ms));
+            }));
+            // Per item: (params JSON, None) or (None, (code, message)).
+            nb::list out;
+            for (const auto& r : replies) {
+              if (r.ok()) {
+                out.append(nb::make_tuple(r->to_json().dump(), nb::none()));
+              } else {
+                out.append(nb::make_tuple(
+                    nb::none(), nb::make_tuple(std::string(status_code_name(r.status().code())),
+                                               r.status().message())));
+              }
+            }
+            return out;
+          },
+          nb::arg("producer"), nb::arg("mm_hashes"), nb::arg("timeout_ms"),
+          "Params of items the producer agent `producer` (its metadata JSON) holds, in one "
+          "call: per item (params JSON, None) or (None, (code, message)).")
+      .def(
           "wait_for_readers",
           [](PyConnector& c, int64_t timeout_ms) {
             check(
@@ -264,6 +292,22 @@ void bind_consumer(nb::class_<PyConnector>& c) {
             return reinterpret_cast<uintptr_t>(ref.payload());
           },
           nb::arg("request_id"), nb::arg("mm_hash"))
+      .def(
+          "share_loaded",
+          [](PyConnector& c, const std::string& id, const std::string& h, size_t readers) {
+            auto shared =
+                unwrap(released([&] { return c.get().share_loaded(id, hash_of(h), readers); }));
+            std::vector<std::string> out;
+            for (const auto& p : shared) out.push_back(p.to_json().dump());
+            return out;
+          },
+          nb::arg("request_id"), nb::arg("mm_hash"), nb::arg("readers"),
+          "Params (JSON) that let `readers` other agents READ a loaded item, one each.")
+      .def(
+          "agent_metadata",
+          [](PyConnector& c) { return released([&] { return c.get().agent_metadata(); }); },
+          "This connector's agent metadata (JSON): how a peer of the same deployment reaches "
+          "it.")
       .def(
           "request_finished",
           [](PyConnector& c, const std::string& id) {

@@ -22,6 +22,8 @@ class ConnectorPeer {
   Status begin(const MmHash& mm_hash, const TensorMeta& meta);
   Result<connector::EcTransferParams> commit(const MmHash& mm_hash, uint64_t seed);
   Result<nlohmann::json> stats();
+  // The peer connector's agent metadata (JSON).
+  Result<std::string> metadata() { return command("metadata"); }
   Subprocess& process() { return process_; }
 
  private:

@@ -14,6 +14,9 @@
 //   get_finished()                 requests whose loads ended since the last call
 //   loaded(id, mm_hash)            the loaded bytes (valid until request_finished)
 //   request_finished(id)           release what the request held
+// When the two sides are different processes (vLLM's scheduler and its workers), they
+// talk through their agents: remote_saved_params (a producer's scheduler asks its worker
+// for params) and share_loaded (a consumer's scheduler lets its workers read its loads).
 #pragma once
 
 #include <cstdint>
@@ -161,6 +164,8 @@ class EcConnector {
   // Params for an item this producer already holds (so E can skip the encoder), or
   // kNotFound.
   virtual Result<EcTransferParams> saved_params(const MmHash& mm_hash) = 0;
+  // Whether this producer holds a ready entry for mm_hash (no pin is taken).
+  virtual bool holds(const MmHash&) { return false; }
   // Discards a slot from begin_save that will not be committed (the encoder failed).
   virtual void abort_save(const SaveSlot& slot) = 0;
   // Waits until no consumer holds a pin on this producer's items (RELEASEd or leases
@@ -173,6 +178,17 @@ class EcConnector {
   Result<EcTransferParams> save_caches(const MmHash& mm_hash, const TensorMeta& meta,
                                        std::span<const std::byte> payload);
 
+  // ---- a producer in another process (vLLM's EngineCore asking its worker) ----
+  // One CALL to the p2p producer whose agent metadata (JSON) is `producer`: the params of
+  // the items it holds, as saved_params gives them there (pinned for whoever is handed
+  // them, signed). Per item: the params, or the producer's status for it (kNotFound when
+  // it does not hold it). The call's own failure (unreachable, deadline) is the Result's.
+  // p2p connectors only: kFailedPrecondition elsewhere.
+  virtual Result<std::vector<Result<EcTransferParams>>> remote_saved_params(
+      const std::string& /*producer*/, const std::vector<MmHash>& /*hashes*/, Deadline) {
+    return Status(StatusCode::kFailedPrecondition, "remote_saved_params: not a p2p connector");
+  }
+
   // ---- consumer, scheduler side ----
   virtual std::vector<bool> has_caches(const LoadRequest& request) = 0;
   virtual Status update_state_after_alloc(const LoadRequest& request, size_t index) = 0;
@@ -183,6 +199,17 @@ class EcConnector {
   virtual LoadOutcome wait_for_load(const std::string& request_id, Deadline deadline) = 0;
   virtual std::vector<std::string> get_finished() = 0;
   virtual Result<cache::BlockRef> loaded(const std::string& request_id, const MmHash& mm_hash) = 0;
+  // Lets `readers` other agents of this deployment READ a loaded item from this consumer's
+  // cache (vLLM's scheduler hands its loads to its workers, which are other processes):
+  // per reader, signed p2p params of the block, each with its own pin (lease_ms) and
+  // capability, which that reader's load gives back. The request's own pin keeps the
+  // entry meanwhile. kFailedPrecondition unless request_id's load ended with the item
+  // loaded, or for a connector without an agent.
+  virtual Result<std::vector<EcTransferParams>> share_loaded(const std::string& /*request_id*/,
+                                                             const MmHash& /*mm_hash*/,
+                                                             size_t /*readers*/) {
+    return Status(StatusCode::kFailedPrecondition, "share_loaded: not supported by this connector");
+  }
   virtual void request_finished(const std::string& request_id) = 0;
   // `request` will not be loaded (it failed before its load started): gives back what
   // its items' params hold at producers, off the critical path.
@@ -193,6 +220,9 @@ class EcConnector {
 
   // Counters and pool figures, for /metrics and tests.
   virtual ConnectorStats stats() const = 0;
+  // This connector's agent metadata (JSON; empty without an agent): what a peer of the
+  // same deployment connects with, e.g. as remote_saved_params's `producer`.
+  virtual std::string agent_metadata() const { return {}; }
 };
 
 // Creates a connector by name ("p2p", "disk", "store", "local").

@@ -1,0 +1,226 @@
+// One serving instance split over processes, as vLLM splits its scheduler from its
+// workers: the halves share nothing in memory and talk through their agents.
+//   - a producer's scheduler asks its worker (another process) for the params of the
+//     items the worker stored, in one call (remote_saved_params);
+//   - a consumer's scheduler lets its workers read what it loaded (share_loaded), each
+//     with a pin of its own that its load gives back.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <thread>
+
+#include "connector/control_messages.h"
+#include "ecx/common/checksum.h"
+#include "ecx/connector/ec_connector.h"
+#include "support/connector_peer_process.h"
+
+namespace ecx::connector {
+namespace {
+
+const TensorMeta kItem{DType::kBF16, {16, 256}};
+const std::string kSecret = "split-instance-test-secret";
+
+std::string tag() {
+  static int counter = 0;
+  return std::to_string(::getpid()) + "-" + std::to_string(counter++);
+}
+
+nlohmann::json extra_for(const std::string& engine_id, const std::string& secret = kSecret) {
+  return {{"engine_id", engine_id},
+          {"pool_bytes", "16MiB"},
+          {"lease_ms", 600000},
+          {"auth_token", secret}};
+}
+
+std::unique_ptr<EcConnector> make(Role role, nlohmann::json extra) {
+  auto c = create_connector({.connector = "p2p", .role = role, .extra = std::move(extra)});
+  EXPECT_TRUE(c.ok()) << c.status().to_string();
+  return c.ok() ? std::move(*c) : nullptr;
+}
+
+std::vector<std::byte> pattern(uint64_t seed) {
+  std::vector<std::byte> out(kItem.byte_size());
+  fill_pattern(out.data(), out.size(), seed);
+  return out;
+}
+
+bool holds_pattern(const cache::BlockRef& ref, uint64_t seed) {
+  auto want = pattern(seed);
+  return ref.payload_length() == want.size() &&
+         std::memcmp(ref.payload(), want.data(), want.size()) == 0;
+}
+
+uint64_t pins_of(EcConnector& c) { return c.stats().consumer_cache->pins; }
+
+// Pins our cache still grants, once the readers' asynchronous RELEASEs arrived (at most
+// 5 s, far below the 600 s lease that could otherwise have ended them).
+uint64_t pins_settled(EcConnector& c, uint64_t want) {
+  uint64_t pins = pins_of(c);
+  for (int i = 0; i < 100 && pins != want; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    pins = pins_of(c);
+  }
+  return pins;
+}
+
+class SplitInstanceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    tag_ = tag();
+    auto p = ecx::testing::ConnectorPeer::start(
+        {{"connector", "p2p"}, {"role", "producer"}, {"extra", extra_for("e-w0-" + tag_)}});
+    ASSERT_TRUE(p.ok()) << p.status().to_string();
+    worker_.emplace(std::move(*p));
+    auto meta = worker_->metadata();
+    ASSERT_TRUE(meta.ok()) << meta.status().to_string();
+    worker_metadata_ = *meta;
+  }
+
+  MmHash hash_of(const std::string& name) const { return MmHash::sha256_of({tag_, name}); }
+
+  std::string tag_;
+  std::optional<ecx::testing::ConnectorPeer> worker_;
+  std::string worker_metadata_;
+};
+
+TEST_F(SplitInstanceTest, AProducerSchedulerGetsItsWorkersParamsInOneCall) {
+  ASSERT_TRUE(worker_->save(hash_of("a"), 1, kItem).ok());
+  ASSERT_TRUE(worker_->save(hash_of("b"), 2, kItem).ok());
+  auto scheduler = make(Role::kConsumer, extra_for("e-sched-" + tag_));
+  ASSERT_NE(scheduler, nullptr);
+  auto replies = scheduler->remote_saved_params(worker_metadata_,
+                                                {hash_of("a"), hash_of("missing"), hash_of("b")},
+                                                Deadline::after_ms(10000));
+  ASSERT_TRUE(replies.ok()) << replies.status().to_string();
+  ASSERT_EQ(replies->size(), 3u);
+  ASSERT_TRUE((*replies)[0].ok()) << (*replies)[0].status().to_string();
+  EXPECT_EQ((*replies)[1].status().code(), StatusCode::kNotFound);
+  ASSERT_TRUE((*replies)[2].ok());
+  // Signed by the worker, naming it, each item with its own pin: a consumer loads them.
+  EXPECT_TRUE((*replies)[0]->verify(kSecret).ok());
+  EXPECT_EQ((*replies)[0]->engine_id, "e-w0-" + tag_);
+  EXPECT_NE((*replies)[0]->pin, (*replies)[2]->pin);
+  auto pd = make(Role::kConsumer, extra_for("pd-" + tag_));
+  ASSERT_NE(pd, nullptr);
+  auto out = pd->load(
+      {.request_id = "r",
+       .items = {{hash_of("a"), kItem, *(*replies)[0]}, {hash_of("b"), kItem, *(*replies)[2]}}},
+      Deadline::after_ms(30000));
+  ASSERT_TRUE(out.status.ok()) << out.status.to_string();
+  auto a = pd->loaded("r", hash_of("a"));
+  auto b = pd->loaded("r", hash_of("b"));
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_TRUE(holds_pattern(*a, 1));
+  EXPECT_TRUE(holds_pattern(*b, 2));
+  pd->request_finished("r");
+  // Only the two pins the saves' own params hold are left at the worker.
+  uint64_t pins = 0;
+  for (int i = 0; i < 100; ++i) {
+    auto s = worker_->stats();
+    ASSERT_TRUE(s.ok());
+    pins = (*s)["producer_pool"]["pins"].get<uint64_t>();
+    if (pins == 2) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_EQ(pins, 2u);
+}
+
+TEST_F(SplitInstanceTest, AnAgentWithoutTheDeploymentSecretGetsNoParams) {
+  ASSERT_TRUE(worker_->save(hash_of("a"), 1, kItem).ok());
+  auto stranger = make(Role::kConsumer, extra_for("stranger-" + tag_, "another-secret"));
+  ASSERT_NE(stranger, nullptr);
+  auto replies =
+      stranger->remote_saved_params(worker_metadata_, {hash_of("a")}, Deadline::after_ms(5000));
+  EXPECT_FALSE(replies.ok());
+}
+
+TEST_F(SplitInstanceTest, AnUnreachableWorkerFailsTheCallByItsDeadline) {
+  auto scheduler = make(Role::kConsumer, extra_for("e-sched-" + tag_));
+  ASSERT_NE(scheduler, nullptr);
+  ASSERT_TRUE(worker_->process().kill(SIGKILL).ok());
+  auto started = std::chrono::steady_clock::now();
+  auto replies =
+      scheduler->remote_saved_params(worker_metadata_, {hash_of("a")}, Deadline::after_ms(3000));
+  EXPECT_FALSE(replies.ok());
+  EXPECT_LT(std::chrono::steady_clock::now() - started, std::chrono::seconds(30));
+}
+
+TEST_F(SplitInstanceTest, ALoadIsSharedWithEachWorkerWhoGiveTheirPinsBack) {
+  auto params = worker_->save(hash_of("a"), 5, kItem);
+  ASSERT_TRUE(params.ok());
+  auto scheduler = make(Role::kConsumer, extra_for("pd-sched-" + tag_));
+  ASSERT_NE(scheduler, nullptr);
+  auto out = scheduler->load({.request_id = "r", .items = {{hash_of("a"), kItem, *params}}},
+                             Deadline::after_ms(30000));
+  ASSERT_TRUE(out.status.ok()) << out.status.to_string();
+  uint64_t own = pins_of(*scheduler);  // the request's hold on its load
+  auto shared = scheduler->share_loaded("r", hash_of("a"), 2);
+  ASSERT_TRUE(shared.ok()) << shared.status().to_string();
+  ASSERT_EQ(shared->size(), 2u);
+  EXPECT_EQ(pins_of(*scheduler), own + 2);
+  EXPECT_NE((*shared)[0].capability, (*shared)[1].capability);
+  for (int rank = 0; rank < 2; ++rank) {
+    auto extra = extra_for("pd-w" + std::to_string(rank) + "-" + tag_);
+    extra["keep_loaded"] = false;
+    auto worker = make(Role::kConsumer, extra);
+    ASSERT_NE(worker, nullptr);
+    std::string step = "step-" + std::to_string(rank);
+    auto got = worker->load({.request_id = step, .items = {{hash_of("a"), kItem, (*shared)[rank]}}},
+                            Deadline::after_ms(30000));
+    ASSERT_TRUE(got.status.ok()) << got.status.to_string();
+    auto ref = worker->loaded(step, hash_of("a"));
+    ASSERT_TRUE(ref.ok());
+    EXPECT_TRUE(holds_pattern(*ref, 5));
+    worker->request_finished(step);
+    // keep_loaded false: nothing stays in the worker's cache once the step is done.
+    EXPECT_EQ(worker->stats().consumer_cache->entries, 0u);
+  }
+  EXPECT_EQ(pins_settled(*scheduler, own), own);
+  scheduler->request_finished("r");
+  EXPECT_EQ(pins_of(*scheduler), 0u);
+}
+
+TEST_F(SplitInstanceTest, OnlyALoadedItemIsShared) {
+  auto scheduler = make(Role::kConsumer, extra_for("pd-sched-" + tag_));
+  ASSERT_NE(scheduler, nullptr);
+  EXPECT_EQ(scheduler->share_loaded("nobody", hash_of("a"), 1).status().code(),
+            StatusCode::kFailedPrecondition);
+  auto params = worker_->save(hash_of("a"), 5, kItem);
+  ASSERT_TRUE(params.ok());
+  auto out = scheduler->load({.request_id = "r", .items = {{hash_of("a"), kItem, *params}}},
+                             Deadline::after_ms(30000));
+  ASSERT_TRUE(out.status.ok());
+  EXPECT_EQ(scheduler->share_loaded("r", hash_of("other"), 1).status().code(),
+            StatusCode::kFailedPrecondition);
+  scheduler->request_finished("r");
+}
+
+TEST(ParamsMessageTest, ARequestAndItsReplyRoundTrip) {
+  MmHash h = MmHash::sha256_of({"params-message"});
+  auto req = parse_control_request(to_json(ParamsRequest{.items = {h}, .wait_ms = 70}));
+  ASSERT_TRUE(req.ok()) << req.status().to_string();
+  auto* params = std::get_if<ParamsRequest>(&*req);
+  ASSERT_NE(params, nullptr);
+  EXPECT_EQ(params->wait_ms, 70);
+  ASSERT_EQ(params->items.size(), 1u);
+  EXPECT_TRUE(params->items[0] == h);
+  EcTransferParams p;
+  p.connector = "p2p";
+  p.mm_hash = h;
+  p.meta = kItem;
+  ItemsReply reply;
+  reply.items.push_back({.mm_hash = h, .status = Status::Ok(), .where = {}, .params = p});
+  auto back = parse_items_reply(to_json(reply), 1);
+  ASSERT_TRUE(back.ok()) << back.status().to_string();
+  ASSERT_TRUE(back->items[0].params.has_value());
+  EXPECT_TRUE(back->items[0].params->mm_hash == h);
+  // Params of the wrong shape in a reply fail the reply, naming the item.
+  auto bad = parse_items_reply(
+      R"({"items":[{"mm_hash":")" + h.str() + R"(","status":"ok","params":{"mm_hash":3}}]})", 1);
+  EXPECT_FALSE(bad.ok());
+}
+
+}  // namespace
+}  // namespace ecx::connector

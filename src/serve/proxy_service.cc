@@ -214,11 +214,11 @@ EncodeCall Proxy::encode_call(const ChatRequest& chat, const ContentPart& part,
                               std::string data_url, json& forward_part) const {
   EncodeCall call{config_.upstream_api, std::move(data_url), "", ""};
   if (call.api != UpstreamApi::kVllm) return call;
-  // vLLM keys an item by its uuid when it has one: E and PD must see the same.
-  auto own = forward_part.find("uuid");
-  call.uuid = own != forward_part.end() && own->is_string()
-                  ? own->get<std::string>()
-                  : MmHash::sha256_of({"image", part.image_bytes}).str();
+  // vLLM keys an item by its uuid when it has one: E and PD must see the same. It is
+  // the image's content hash, never the client's own uuid: vLLM trusts a uuid as the
+  // item's identity, so a chosen one would let one user's image stand for another's in
+  // E's and PD's caches (docs/SECURITY.md).
+  call.uuid = MmHash::sha256_of({"image", part.image_bytes}).str();
   forward_part["uuid"] = call.uuid;
   call.model = chat.model;
   return call;

@@ -357,7 +357,10 @@ TEST_F(VllmWireTest, AProxyInVllmModeSpeaksVllmsShapeAndForwardsTheParamsUnchang
     EXPECT_EQ(content[0]["type"], "image_url");
     uuids.insert(content[0]["uuid"].get<std::string>());
   }
-  EXPECT_TRUE(uuids.count("client-uuid")) << "the client's own uuid is kept";
+  // The client's own uuid is replaced by the image's content hash: a chosen uuid would
+  // make its image stand for another user's in vLLM's caches.
+  EXPECT_FALSE(uuids.count("client-uuid"));
+  EXPECT_EQ(uuids.size(), 2u);
   // The PD gets the entry unchanged, and each image the uuid its encoder saw.
   json forwarded = json::parse(pd.received("/v1/chat/completions", 1).at(0));
   EXPECT_EQ(forwarded["ec_transfer_params"], json({{"vllm-hash", entry}}));

@@ -2,8 +2,11 @@
 // this machine, in one run, with the same two-process layout and the same items:
 //   ecx        p2p pull (the connector, producer in its own process) over shm and tcp;
 //   memcpy, tcp-socket   the physical limits (from `ecx bench transfer`'s baselines);
-//   nixl, nixl-2step, mooncake   the real engines through their own Python APIs, run by
-//              python/ecx/peers.py from the project venv (installed on demand, pinned).
+//   nixl, nixl-2step, nixl-eccpu, mooncake   the real engines through their own Python APIs,
+//              run by python/ecx/peers.py from the project venv (installed on demand, pinned):
+//              nixl-2step is the seed's protocol on real NIXL (per item an address query, then
+//              a READ), nixl-eccpu vLLM's ECCPUConnector protocol on real NIXL (per item a ZMQ
+//              XferReq/XferAck carrying the producer's descriptors, then a READ of its blocks).
 // A row that cannot run keeps its place with `error` set; the command fails only on its
 // own errors.
 #include "peers_bench.h"
@@ -32,7 +35,7 @@ struct PeersOptions {
   std::string json_path = "bench_peers.json";
   std::string venv;  // default: .venv at the repository root
   int iters = 100;
-  std::string systems = "ecx,memcpy,tcp-socket,nixl,nixl-2step,mooncake";
+  std::string systems = "ecx,memcpy,tcp-socket,nixl,nixl-2step,nixl-eccpu,mooncake";
 };
 
 // The request shapes: 1 and 3 items of 1600 KiB (the seed's request), and 8 MiB.
@@ -153,11 +156,14 @@ Result<Venv> find_venv(const std::string& hint) {
   return Unavailable("python/ecx/peers.py not found above " + current_executable());
 }
 
-// nixl, nixl-2step and mooncake through python/ecx/peers.py; on failure, one row per
-// wanted system and shape saying why.
+// The systems python/ecx/peers.py measures, in its order.
+constexpr const char* kPeerSystems[] = {"nixl", "nixl-2step", "nixl-eccpu", "mooncake"};
+
+// nixl, nixl-2step, nixl-eccpu and mooncake through python/ecx/peers.py; on failure, one row
+// per wanted system and shape saying why.
 void peer_rows(const PeersOptions& o, const fs::path& dir, std::vector<json>& rows) {
   std::string systems;
-  for (const char* s : {"nixl", "nixl-2step", "mooncake"}) {
+  for (const char* s : kPeerSystems) {
     if (wanted(o, s)) systems += (systems.empty() ? "" : ",") + std::string(s);
   }
   if (systems.empty()) return;
@@ -184,11 +190,14 @@ void peer_rows(const PeersOptions& o, const fs::path& dir, std::vector<json>& ro
     return;
   }
   std::string why = status.ok() ? "peers.py wrote no results" : status.to_string();
-  for (const char* s : {"nixl", "nixl-2step", "mooncake"}) {
+  for (const char* s : kPeerSystems) {
     if (!wanted(o, s)) continue;
+    const std::string system = s;
     for (const Shape& shape : kShapes) {
-      json r = row(s, "tcp", "", shape);
+      json r = row(system, "tcp", "", shape);
       r["error"] = why;
+      // As peers.py reports them: one control round trip per item before its READ.
+      if (system == "nixl-2step" || system == "nixl-eccpu") r["control_rtts_per_item"] = 1;
       rows.push_back(std::move(r));
     }
   }
@@ -263,7 +272,9 @@ int run_peers(const PeersOptions& o) {
 void add_peers_command(CLI::App& bench, int* exit_code) {
   auto o = std::make_shared<PeersOptions>();
   CLI::App* s = bench.add_subcommand(
-      "peers", "ecx next to memcpy, a tcp socket, NIXL and Mooncake, on this machine, in one run");
+      "peers",
+      "ecx next to memcpy, a tcp socket, NIXL (plain, the seed's protocol, vLLM's ECCPUConnector "
+      "protocol) and Mooncake, on this machine, in one run");
   s->add_option("--json", o->json_path, "Write the rows here (and a PNG chart beside it)")
       ->capture_default_str();
   s->add_option("--venv", o->venv,

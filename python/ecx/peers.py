@@ -17,6 +17,12 @@ iteration. Cases:
               sends), polled with check_xfer_state to DONE. 0 control round trips per item.
   nixl-2step  the seed's protocol on the real API: per item an address query over ZMQ
               (REQ/REP), then a NIXL READ of that item, then waiting for it. 1 per item.
+  nixl-eccpu  vLLM's ECCPUConnector protocol on the real API (its session.py/protocol.py, rebuilt
+              in peers_worker.py without vLLM): per item one XferReq/XferAck over ZMQ
+              DEALER/ROUTER (msgpack; the ack carries the block indices, the producer's NIXL
+              metadata and its region's block descriptors), then one NIXL READ of the item's
+              8 KiB blocks from a /dev/shm region with a "{session}:{mm_hash}" notification,
+              polled to DONE; a request's XferReqs go out together. 1 per item.
   mooncake    Transfer Engine, P2PHANDSHAKE (no etcd), protocol tcp,
               batch_transfer_sync_read / _write of all the request's items. 0 per item.
 
@@ -230,7 +236,7 @@ def _unavailable(system: str) -> str | None:
     """Why `system` cannot run with this interpreter, before starting anything."""
     import importlib.util
     module = "mooncake" if system == "mooncake" else "nixl_cu12"
-    for name in (module, "zmq", "numpy"):
+    for name in (module, "zmq", "numpy") + (("msgpack",) if system == "nixl-eccpu" else ()):
         if importlib.util.find_spec(name) is None:
             return (f"Python module {name} is not installed in {sys.executable}: run "
                     f"`{sys.executable} {Path(__file__).resolve()} install`")
@@ -241,17 +247,30 @@ def _unavailable(system: str) -> str | None:
     return None
 
 
+# Control round trips before an item's data moves: nixl-2step's address query, nixl-eccpu's
+# XferReq/XferAck (one per item; a request's go out together, but each item has its own).
+CONTROL_RTTS_PER_ITEM = {"nixl-2step": 1, "nixl-eccpu": 1}
+
+
 def _error_rows(system, transport, variant, sizes, error: str) -> list[dict]:
     return [{"system": system, "transport": transport, "variant": variant, "items": int(i), "item_bytes": int(b),
-             "p50_us": None, "p99_us": None, "gbps": None, "control_rtts_per_item": 1 if system == "nixl-2step" else 0,
+             "p50_us": None, "p99_us": None, "gbps": None,
+             "control_rtts_per_item": CONTROL_RTTS_PER_ITEM.get(system, 0),
              "verified_bytes": 0, "error": error} for i, b in sizes]
+
+
+def _region_bytes(system: str, sizes) -> int:
+    """The registered region on each side: room for the largest request, items laid out as
+    peers_worker._extents lays them (4 KiB slots; whole 8 KiB EC blocks for nixl-eccpu)."""
+    align = 8192 if system == "nixl-eccpu" else 4096  # peers_worker.EC_BLOCK_BYTES, SLOT_ALIGN
+    return max(items * ((b + align - 1) // align * align) for items, b in sizes)
 
 
 def run_case(system: str, transport: str, variant: str, sizes, iters: int, timeout_s: float,
              log_dir: Path, nixl_initiator_progress_thread: bool = True) -> tuple[list[dict], dict]:
     """Rows for every size of one case, and what was learnt about it (the UCX data path)."""
     base = {"system": system, "transport": transport, "variant": variant}
-    region = max(items * ((b + 4095) // 4096 * 4096) for items, b in sizes)  # peers_worker's layout
+    region = _region_bytes(system, sizes)
     rows = {}
     stem = f"{system}-{transport}-{variant}"
     env = _case_env(system, transport)
@@ -300,7 +319,7 @@ def run_case(system: str, transport: str, variant: str, sizes, iters: int, timeo
     return out, info
 
 
-CASES = [(s, t, v) for s in ("nixl", "nixl-2step") for t in ("shm", "tcp") for v in ("peer", "none")] + \
+CASES = [(s, t, v) for s in ("nixl", "nixl-2step", "nixl-eccpu") for t in ("shm", "tcp") for v in ("peer", "none")] + \
         [("mooncake", "tcp", v) for v in ("read", "write")]
 
 
@@ -341,7 +360,7 @@ def run(args) -> dict:
 def _versions() -> dict:
     from importlib import metadata
     out = {}
-    for name in ("nixl-cu12", "mooncake-transfer-engine-non-cuda", "pyzmq", "numpy"):
+    for name in ("nixl-cu12", "mooncake-transfer-engine-non-cuda", "pyzmq", "numpy", "msgpack"):
         try:
             out[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
@@ -368,7 +387,7 @@ def main(argv=None) -> int:
     r.add_argument("--json", help="write {\"results\": [...]} here")
     r.add_argument("--sizes", default=DEFAULT_SIZES, help=f"ITEMSxSIZE list (default {DEFAULT_SIZES})")
     r.add_argument("--iters", type=int, default=100, help="timed requests per row (warm-up: iters/10, at least 2)")
-    r.add_argument("--systems", default="nixl,nixl-2step,mooncake")
+    r.add_argument("--systems", default="nixl,nixl-2step,nixl-eccpu,mooncake")
     r.add_argument("--transports", default="shm,tcp")
     r.add_argument("--case-timeout", type=float, default=180.0, help="seconds for one case, all its sizes")
     r.add_argument("--no-install", action="store_true", help="do not pip-install missing pins")

@@ -1,4 +1,9 @@
-"""Fixtures shared by the Python tests; the helpers themselves live in ecx_stack.py."""
+"""Fixtures shared by the Python tests; the helpers themselves live in ecx_stack.py and
+vllm_engines.py."""
+
+import secrets
+import subprocess
+import sys
 
 import pytest
 
@@ -14,3 +19,31 @@ def ecx_binary():
         pytest.fail(f"ecx binary not found at {path}: build it with `scripts/build release` "
                     "or point ECX_BINARY at one", pytrace=False)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """The tiny Qwen2-VL, built offline (python -m ecx.tiny_vlm)."""
+    out = tmp_path_factory.mktemp("tiny-vlm")
+    subprocess.run([sys.executable, "-m", "ecx.tiny_vlm", str(out), "--geometry", "tiny"],
+                   check=True, timeout=600)
+    return out
+
+
+@pytest.fixture(scope="session")
+def deployment_secret(tmp_path_factory):
+    """A deployment secret in a file only its owner reads (auth_token_file)."""
+    path = tmp_path_factory.mktemp("secret") / "token"
+    path.write_text(secrets.token_hex(32))
+    path.chmod(0o600)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_model, tmp_path_factory):
+    """A single vLLM instance of the tiny model (started now, waited for on first use)."""
+    from vllm_reference import Reference
+    ref = Reference(tiny_model, tmp_path_factory.mktemp("reference"))
+    ref.engine.start()
+    yield ref
+    ref.engine.stop()

@@ -14,6 +14,8 @@ namespace {
 
 // Longest a producer holds a lookup open waiting for a not-ready entry.
 constexpr int64_t kMaxLookupWaitMs = 2000;
+// Longest one connect attempt to a producer waits for its handshake before dialling again.
+constexpr int64_t kConnectAttemptMs = 2500;
 // Longest a consumer spends connecting to a producer only to give its pins back.
 constexpr int64_t kReleaseConnectMs = 2000;
 
@@ -347,8 +349,22 @@ Status P2pDriver::connect_producer(const EcTransferParams& params, Deadline dead
     return InvalidArgument("ec_transfer_params: engine_id '" + params.engine_id + "' but agent '" +
                            meta.name + "'");
   }
-  ECX_RETURN_IF_ERROR(
-      agent()->connect(meta, {.backend = options().backend, .deadline = deadline}).status());
+  // A handshake that gets no answer is given up after kConnectAttemptMs and dialled
+  // again, on a new connection, until the load's deadline: one lost connection (seen
+  // once, under heavy load on two cores) does not cost the whole load.
+  Status connected;
+  for (int attempt = 1;; ++attempt) {
+    Deadline try_until = Deadline::earliest(deadline, Deadline::after_ms(kConnectAttemptMs));
+    connected =
+        agent()->connect(meta, {.backend = options().backend, .deadline = try_until}).status();
+    if (connected.ok() || connected.code() != StatusCode::kDeadlineExceeded || deadline.expired()) {
+      break;
+    }
+    spdlog::warn("{}: connect to producer {} (attempt {}) got no answer in {} ms: {}; again",
+                 name(), meta.name, attempt, kConnectAttemptMs, connected.message());
+    agent()->disconnect(meta.name);
+  }
+  ECX_RETURN_IF_ERROR(connected);
   std::lock_guard lock(producers_mu_);
   if (known_producers_.size() >= kMaxKnownProducers) known_producers_.clear();
   known_producers_[params.engine_id] = params.agent;
@@ -602,7 +618,11 @@ void P2pDriver::add_stats(ConnectorStats& s) const {
   s.releases_sent = releases_sent_.load();
   s.releases_received = releases_received_.load();
   s.params_rejected = params_rejected_.load();
-  if (agent() != nullptr) s.transfer_connects = agent()->stats().connects_by_backend;
+  if (agent() != nullptr) {
+    transfer::AgentStats a = agent()->stats();
+    s.transfer_connects = a.connects_by_backend;
+    s.peer_failures = a.peer_failures;
+  }
   if (producer_pool_) s.producer_pool = producer_pool_->stats();
 }
 

@@ -38,7 +38,8 @@ json to_json(const ConnectorStats& s) {
             {"releases_sent", s.releases_sent},
             {"releases_received", s.releases_received},
             {"params_rejected", s.params_rejected},
-            {"transfer_connects", s.transfer_connects}};
+            {"transfer_connects", s.transfer_connects},
+            {"peer_failures", s.peer_failures}};
   if (s.consumer_cache) j["consumer_cache"] = to_json(*s.consumer_cache);
   if (s.producer_pool) j["producer_pool"] = to_json(*s.producer_pool);
   if (s.disk) {

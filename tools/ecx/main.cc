@@ -17,6 +17,7 @@
 #include "peers_bench.h"
 #include "relay.h"
 #include "serve_bench.h"
+#include "vllm_bench.h"
 
 namespace {
 
@@ -330,6 +331,7 @@ int main(int argc, char** argv) {
   ecx::bench::add_load_command(*bench, &exit_code);
   ecx::bench::add_epd_command(*bench, &exit_code);
   ecx::bench::add_peers_command(*bench, &exit_code);
+  ecx::bench::add_vllm_command(*bench, &exit_code);
   ecx::bench::add_eval_command(app, &exit_code);
 
   ecx::relay::add_relay_command(app, &exit_code);

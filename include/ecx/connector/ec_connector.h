@@ -127,6 +127,9 @@ struct ConnectorStats {
   uint64_t params_rejected = 0;
   // p2p: connections this side's agent opened to peers, by backend ("shm", "tcp", "ucx").
   std::map<std::string, uint64_t> transfer_connects;
+  // p2p: peers that died while connected to this side's agent (their process ended or
+  // their connection broke).
+  uint64_t peer_failures = 0;
   std::optional<cache::PoolStats> consumer_cache;  // consumers
   std::optional<cache::PoolStats> producer_pool;   // p2p producers
   struct Disk {

@@ -1,0 +1,245 @@
+"""EC load time per item, measured the same way for every vLLM EC connector.
+
+`ecx bench vllm` (python/ecx/bench_vllm.py) loads each connector through this module
+instead of directly: `"ec_connector": "TimedECExampleConnector"` with
+`"ec_connector_module_path"` naming this module makes vLLM's factory build
+`Timed<Name>`, a subclass of the real connector `<Name>` made here on first use (PEP 562
+module `__getattr__`, so importing this module imports no connector, and a connector that
+is not installed fails only its own row). The subclass calls the real methods unchanged
+and appends wall-clock events (`time.time()`: every process is on this host, so the
+clocks agree) as JSON lines to the file named by $ECX_BENCH_TIMING_FILE (one `write(2)`
+per line on an O_APPEND descriptor, so the scheduler's and the worker's lines never
+interleave):
+
+  scheduler side  {"ev": "sight", "t", "req", "items": [mm_hash, ...], "hook", "consumer"}, once per
+                  request: the scheduler's first look at it. That is its first
+                  `ensure_cache_available` call, which vLLM's scheduler makes for every
+                  request with multimodal inputs before it schedules any of them (the base
+                  class answers True; ECXConnector starts its READ there; ECCPUConnector
+                  and ECMooncakeConnector check their state there). Should a connector's
+                  scheduler skip it, the request's first `update_state_after_alloc` or the
+                  first `has_cache_item` of one of its items stands in (`hook` says which).
+                  Besides, {"ev": "alloc", "t", "req", "item"} at every
+                  `update_state_after_alloc`: the step that schedules the item.
+  worker side     {"ev": "filled", "t", "items": [mm_hash, ...]} when `start_load_caches`
+                  returned, with the items it put into vLLM's `encoder_cache` in that call
+                  (its keys after the call minus before: a local encode never counts).
+
+`ec_load_stats` joins them. The figure the bench reports (`from_sight`): for each request
+first seen in a time window, the time from its first sight to the first `filled` event
+(after the sight) that holds its last item, divided by its number of items, in ms.
+Requests whose items never arrive through the connector (a local encode after a failed
+load, or items already in vLLM's cache) are counted apart, not timed. It is what the
+connector leaves between the PD's first look at a request and its embeddings being in
+vLLM's cache: for a pull connector (ECX, ECCPU) the transfer itself; for the disk connector
+the read of a file E already wrote; for a push connector (Mooncake) the wait for E's push
+and the final copy. It also holds the time the request queues in the scheduler before a
+step has room for it (chunked prefill: on this CPU a step can take seconds), which every
+connector pays alike and ECX overlaps with its READ. `from_alloc` separates the two: per
+item, from the `update_state_after_alloc` of the step that schedules it to the `filled`
+event that holds it: the load's cost inside the step (the whole load for the disk
+connector; only the final copy for ECX, whose READ ended before the request was
+scheduled).
+
+This file imports neither vLLM nor ecx at module level; bench_vllm.py puts a copy of it on
+the engines' PYTHONPATH as the module `ecx_vllm_timing`, so it works whether or not the
+ecx package in the venv is current (`ecx.bench_vllm_timing` works too when installed).
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import threading
+import time
+
+ENV = "ECX_BENCH_TIMING_FILE"
+
+# The connector classes this module can time: name -> (module, class).
+TARGETS = {
+    "ECExampleConnector": ("vllm.distributed.ec_transfer.ec_connector.example_connector",
+                           "ECExampleConnector"),
+    "ECCPUConnector": ("vllm.distributed.ec_transfer.ec_connector.cpu.connector",
+                       "ECCPUConnector"),
+    "ECMooncakeConnector": ("vllm.distributed.ec_transfer.ec_connector.mooncake_ec_connector",
+                            "ECMooncakeConnector"),
+    "ECXConnector": ("ecx.vllm", "ECXConnector"),
+}
+
+_made: dict[str, type] = {}
+_lock = threading.Lock()
+
+
+class _Log:
+    """Appends JSON lines to $ECX_BENCH_TIMING_FILE (nothing when it is unset)."""
+
+    def __init__(self):
+        path = os.environ.get(ENV)
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600) if path else None
+
+    def emit(self, **event) -> None:
+        if self._fd is None:
+            return
+        event["pid"] = os.getpid()
+        try:
+            os.write(self._fd, (json.dumps(event, separators=(",", ":")) + "\n").encode())
+        except OSError:
+            pass  # timing must never break serving
+
+
+def _items(request) -> list[str]:
+    return [f.identifier for f in (getattr(request, "mm_features", None) or [])]
+
+
+def timed(base: type) -> type:
+    """A subclass of the connector class `base` that records the events above."""
+
+    class Timed(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *args, **kwargs):
+            self._ecx_log = _Log()
+            self._ecx_seen: set[str] = set()  # requests already sighted
+            self._ecx_seen_items: set[str] = set()
+            super().__init__(*args, **kwargs)
+
+        def _ecx_sight(self, request, hook: str) -> None:
+            rid = getattr(request, "request_id", None)
+            if rid is None or rid in self._ecx_seen:
+                return
+            self._ecx_seen.add(rid)
+            items = _items(request)
+            self._ecx_seen_items.update(items)
+            self._ecx_log.emit(ev="sight", t=time.time(), req=rid, items=items, hook=hook,
+                               consumer=bool(self.is_consumer))
+
+        # ---- scheduler side
+        def ensure_cache_available(self, request, num_computed_tokens):
+            self._ecx_sight(request, "ensure_cache_available")
+            return super().ensure_cache_available(request, num_computed_tokens)
+
+        def update_state_after_alloc(self, request, index):
+            self._ecx_sight(request, "update_state_after_alloc")
+            items = _items(request)
+            if 0 <= index < len(items):
+                self._ecx_log.emit(ev="alloc", t=time.time(), req=request.request_id,
+                                   item=items[index], consumer=bool(self.is_consumer))
+            return super().update_state_after_alloc(request, index)
+
+        def has_cache_item(self, identifier):
+            if identifier not in self._ecx_seen_items:  # an item of an unsighted request
+                self._ecx_seen_items.add(identifier)
+                self._ecx_log.emit(ev="sight", t=time.time(), req=f"item:{identifier}",
+                                   items=[identifier], hook="has_cache_item",
+                                   consumer=bool(self.is_consumer))
+            return super().has_cache_item(identifier)
+
+        # ---- worker side
+        def start_load_caches(self, encoder_cache, **kwargs):
+            before = set(encoder_cache.keys()) if encoder_cache is not None else set()
+            try:
+                return super().start_load_caches(encoder_cache, **kwargs)
+            finally:
+                if encoder_cache is not None:
+                    filled = [k for k in encoder_cache.keys() if k not in before]
+                    if filled:
+                        self._ecx_log.emit(ev="filled", t=time.time(), items=filled)
+
+    Timed.__name__ = Timed.__qualname__ = "Timed" + base.__name__
+    Timed.__module__ = __name__
+    Timed.__doc__ = f"{base.__name__}, timed (ecx bench vllm; see {__name__})."
+    return Timed
+
+
+def __getattr__(name: str):
+    """`Timed<Name>` for each connector of TARGETS, made on first use."""
+    if not name.startswith("Timed") or name[5:] not in TARGETS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    with _lock:
+        if name not in _made:
+            module, cls = TARGETS[name[5:]]
+            _made[name] = timed(getattr(importlib.import_module(module), cls))
+        return _made[name]
+
+
+# ---------------------------------------------------------------- the join
+
+def _percentile(values: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    s = sorted(values)
+    if len(s) == 1:
+        return s[0]
+    pos = (len(s) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def read_events(path: str) -> list[dict]:
+    events = []
+    try:
+        with open(path) as f:
+            for line in f:
+                try:
+                    events.append(json.loads(line))
+                except ValueError:
+                    continue  # a line cut by a killed process
+    except FileNotFoundError:
+        pass
+    return events
+
+
+def _summary(values: list[float]) -> dict | None:
+    if not values:
+        return None
+    return {"p50": _percentile(values, 50), "p99": _percentile(values, 99),
+            "mean": sum(values) / len(values)}
+
+
+def _first_after(times: list[float], t0: float) -> float | None:
+    return next((t for t in times if t >= t0), None)
+
+
+def ec_load_stats(events: list[dict], t_from: float = 0.0, t_to: float = float("inf")) -> dict:
+    """{"from_sight", "from_alloc", "requests", "items", "not_loaded"} for the requests first
+    seen in [t_from, t_to] (see the module's docstring); each of from_sight (per request:
+    last item filled - first sight, / items) and from_alloc (per item: filled - its alloc) is
+    {"p50", "p99", "mean"} in ms, or None when nothing loaded through the connector."""
+    sights: dict[str, tuple[float, list[str]]] = {}
+    allocs: list[tuple[float, str]] = []
+    fills: dict[str, list[float]] = {}
+    for e in events:
+        if not e.get("consumer", True):
+            continue  # a producer's scheduler: not a load
+        if e.get("ev") == "sight":
+            req = e["req"]
+            if req not in sights or e["t"] < sights[req][0]:
+                sights[req] = (e["t"], list(e.get("items") or []))
+        elif e.get("ev") == "alloc" and t_from <= e["t"] <= t_to:
+            allocs.append((e["t"], e["item"]))
+        elif e.get("ev") == "filled":
+            for item in e.get("items") or []:
+                fills.setdefault(item, []).append(e["t"])
+    for times in fills.values():
+        times.sort()
+    # A request sighted by its ensure_cache_available/update_state_after_alloc covers its
+    # items; a has_cache_item sighting ("item:<mm_hash>") counts only for items no request
+    # sighting names.
+    covered = {i for r, (_, items) in sights.items() if not r.startswith("item:") for i in items}
+    per_request, not_loaded, items_total = [], 0, 0
+    for req, (t0, items) in sights.items():
+        if not (t_from <= t0 <= t_to) or not items:
+            continue
+        if req.startswith("item:") and items[0] in covered:
+            continue
+        done = [_first_after(fills.get(item, []), t0) for item in items]
+        if None in done:
+            not_loaded += 1
+            continue
+        items_total += len(items)
+        per_request.append((max(done) - t0) * 1000.0 / len(items))
+    per_item = []
+    for t_alloc, item in allocs:
+        t_fill = _first_after(fills.get(item, []), t_alloc)
+        if t_fill is not None:
+            per_item.append((t_fill - t_alloc) * 1000.0)
+    return {"from_sight": _summary(per_request), "from_alloc": _summary(per_item),
+            "requests": len(per_request), "items": items_total, "not_loaded": not_loaded}

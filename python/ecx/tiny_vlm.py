@@ -1,0 +1,285 @@
+"""A tiny multimodal model for tests and benchmarks, built offline and deterministically.
+
+    python -m ecx.tiny_vlm OUT_DIR [--geometry tiny|seed] [--seed N]
+    python python/ecx/tiny_vlm.py OUT_DIR ...      (the same, without importing ecx._ecx)
+
+writes a random-init Qwen2-VL (transformers' Qwen2VLForConditionalGeneration built from a
+config: model code only, nothing from a hub) that `vllm serve OUT_DIR` loads: config.json,
+generation_config.json, model.safetensors (bf16), a byte-level BPE tokenizer trained here
+with the `tokenizers` library on the fixed text below (Qwen2-VL's special tokens and chat
+template), and the processor files (preprocessor_config.json, video_preprocessor_config.json,
+processor_config.json, chat_template.jinja).
+
+Geometries (both: 2 LM layers, 2 vision blocks, patch 14, 2x2 merge):
+  tiny  hidden 256, vision width 64; every image is resized to about 112x112 pixels,
+        16 image tokens (a 112x112 image exactly: 8x8 patches, merged 2x2).
+  seed  hidden 2048, vision width 128; every image is resized to about 560x560 pixels,
+        400 image tokens, so an encoder-cache item is 400 x 2048 bf16 = 1600 KiB.
+The processor's min_pixels = max_pixels (the "shortest_edge" / "longest_edge" of its size),
+so every image, whatever its size, costs the same number of tokens (exactly for a square
+image, about that for others).
+
+The same --seed gives byte-identical files (weights from torch's CPU generator; the
+tokenizer trained on a fixed text). This file imports neither ecx nor its C++ extension,
+so it also runs as a plain script where ecx is not built. Needs torch, transformers,
+tokenizers, safetensors (all in vLLM's closure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+GEOMETRIES = {
+    "tiny": dict(
+        hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4, num_kv_heads=2,
+        vision_depth=2, vision_embed_dim=64, vision_heads=2, vision_mlp_ratio=2,
+        image_side=112, max_position_embeddings=4096,
+    ),
+    "seed": dict(
+        hidden_size=2048, intermediate_size=2048, num_layers=2, num_heads=16, num_kv_heads=2,
+        vision_depth=2, vision_embed_dim=128, vision_heads=2, vision_mlp_ratio=2,
+        image_side=560, max_position_embeddings=8192,
+    ),
+}
+
+PATCH_SIZE = 14
+MERGE_SIZE = 2
+TEMPORAL_PATCH_SIZE = 2
+
+# Qwen2-VL's special tokens, in Qwen2-VL's order (there they are ids 151643..151656; here
+# they follow the trained vocabulary).
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+
+# Qwen2-VL-Instruct's chat template, verbatim.
+CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
+    "{{ message['content'] }}<|im_end|>\n{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}"
+    "Picture {{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}"
+    "{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}"
+    "Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# The tokenizer's training text: fixed, so the vocabulary and merges are too.
+TRAINING_TEXT = """\
+You are a helpful assistant. Describe the image. What is in this picture? What color is
+the square in the top left corner? How many objects are there, and where are they? Compare
+the first image with the second one. The quick brown fox jumps over the lazy dog. Pack my
+box with five dozen liquor jugs. Sphinx of black quartz, judge my vow. How vexingly quick
+daft zebras jump! The five boxing wizards jump quickly.
+A picture shows a red circle, a green triangle and a blue square on a white background. The
+photo was taken in the morning; the sky is clear and the light is soft. There are two cats
+on the sofa and a dog on the floor. The text on the sign says "open from 9 to 17".
+Encoder outputs are cached and transferred between the encode instance and the prefill and
+decode instance, so the image is encoded once. Numbers: 0 1 2 3 4 5 6 7 8 9 10 16 32 64 100
+128 256 400 512 1024 2048 4096. Punctuation: , . ; : ! ? ( ) [ ] { } < > / \\ | - _ + = * & ^
+% $ # @ ~ ` ' ". The answer is yes. The answer is no. I don't know. It's a small model with
+random weights: its answers mean nothing, but they are the same every time.
+def main(argv):\n    return 0\n
+{"role": "user", "content": [{"type": "image_url"}, {"type": "text", "text": "hello"}]}
+"""
+
+
+def _train_tokenizer():
+    """A Qwen2-style byte-level BPE (Qwen2's pre-tokenizer regex) trained on TRAINING_TEXT,
+    as a transformers Qwen2Tokenizer with Qwen2-VL's special tokens after the vocabulary."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import Qwen2Tokenizer
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=1024,
+        min_frequency=2,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[],
+        show_progress=False,
+    )
+    lines = TRAINING_TEXT.splitlines(keepends=True)
+    tok.train_from_iterator(lines, trainer=trainer, length=len(lines))
+    model = json.loads(tok.to_str())["model"]
+    vocab = dict(sorted(model["vocab"].items(), key=lambda kv: kv[1]))
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+
+    qtok = Qwen2Tokenizer(
+        vocab=vocab,
+        merges=merges,
+        unk_token=None,
+        bos_token=None,
+        eos_token=None,
+        pad_token=None,
+        errors="replace",
+        model_max_length=32768,
+        clean_up_tokenization_spaces=False,
+        split_special_tokens=False,
+    )
+    # Added in this order first, so their ids follow the vocabulary in Qwen2-VL's order;
+    # then named as eos/pad (Qwen2-VL-Instruct: eos <|im_end|>, pad <|endoftext|>, no bos).
+    qtok.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS})
+    qtok.eos_token = "<|im_end|>"
+    qtok.pad_token = "<|endoftext|>"
+    qtok.chat_template = CHAT_TEMPLATE
+    ids = qtok.convert_tokens_to_ids(SPECIAL_TOKENS)
+    assert ids == list(range(len(vocab), len(vocab) + len(SPECIAL_TOKENS))), ids
+    return qtok
+
+
+def build(out_dir: str, geometry: str = "tiny", seed: int = 0) -> str:
+    """Writes the model directory out_dir (created, or overwritten file by file) and
+    returns it."""
+    import torch
+    from transformers import (
+        GenerationConfig,
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+        Qwen2VLImageProcessor,
+        Qwen2VLProcessor,
+        Qwen2VLVideoProcessor,
+    )
+
+    g = GEOMETRIES[geometry]
+    tokenizer = _train_tokenizer()
+    tid = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    vocab_size = (len(tokenizer) + 63) // 64 * 64
+
+    head_dim = g["hidden_size"] // g["num_heads"]
+    # Qwen2-VL's multimodal RoPE splits head_dim/2 frequencies 1:1.5:1.5 (t, h, w), as
+    # its [16, 24, 24] does for head_dim 128.
+    t_sec = head_dim // 8
+    h_sec = (head_dim // 2 - t_sec) // 2
+    mrope_section = [t_sec, h_sec, head_dim // 2 - t_sec - h_sec]
+    text_config = dict(
+        vocab_size=vocab_size,
+        hidden_size=g["hidden_size"],
+        intermediate_size=g["intermediate_size"],
+        num_hidden_layers=g["num_layers"],
+        num_attention_heads=g["num_heads"],
+        num_key_value_heads=g["num_kv_heads"],
+        hidden_act="silu",
+        max_position_embeddings=g["max_position_embeddings"],
+        rms_norm_eps=1e-6,
+        use_sliding_window=False,
+        max_window_layers=g["num_layers"],
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
+                         "mrope_section": mrope_section},
+        bos_token_id=tid["<|endoftext|>"],
+        eos_token_id=tid["<|im_end|>"],
+        pad_token_id=tid["<|endoftext|>"],
+        tie_word_embeddings=False,
+        dtype="bfloat16",
+    )
+    vision_config = dict(
+        depth=g["vision_depth"],
+        embed_dim=g["vision_embed_dim"],
+        hidden_size=g["hidden_size"],  # the merger's output: the LM's width
+        hidden_act="quick_gelu",
+        mlp_ratio=g["vision_mlp_ratio"],
+        num_heads=g["vision_heads"],
+        in_channels=3,
+        patch_size=PATCH_SIZE,
+        spatial_merge_size=MERGE_SIZE,
+        temporal_patch_size=TEMPORAL_PATCH_SIZE,
+        dtype="bfloat16",
+    )
+    config = Qwen2VLConfig(
+        text_config=text_config,
+        vision_config=vision_config,
+        image_token_id=tid["<|image_pad|>"],
+        video_token_id=tid["<|video_pad|>"],
+        vision_start_token_id=tid["<|vision_start|>"],
+        vision_end_token_id=tid["<|vision_end|>"],
+        tie_word_embeddings=False,
+        bos_token_id=tid["<|endoftext|>"],
+        eos_token_id=tid["<|im_end|>"],
+        pad_token_id=tid["<|endoftext|>"],
+        dtype="bfloat16",
+    )
+    config.architectures = ["Qwen2VLForConditionalGeneration"]
+
+    # Initialised in float32 with a fixed seed on the CPU generator, then stored as bf16.
+    torch.manual_seed(seed)
+    with torch.device("cpu"):
+        model = Qwen2VLForConditionalGeneration._from_config(config, dtype=torch.float32)
+    model = model.to(torch.bfloat16).eval()
+    for c in (model.config, model.config.text_config, model.config.vision_config):
+        c.dtype = "bfloat16"
+
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    GenerationConfig(
+        bos_token_id=tid["<|endoftext|>"],
+        eos_token_id=[tid["<|im_end|>"], tid["<|endoftext|>"]],
+        pad_token_id=tid["<|endoftext|>"],
+        do_sample=False,
+    ).save_pretrained(out_dir)
+
+    pixels = g["image_side"] * g["image_side"]
+    image_processor = Qwen2VLImageProcessor(
+        min_pixels=pixels, max_pixels=pixels, patch_size=PATCH_SIZE,
+        temporal_patch_size=TEMPORAL_PATCH_SIZE, merge_size=MERGE_SIZE,
+    )
+    video_processor = Qwen2VLVideoProcessor(
+        min_pixels=pixels, max_pixels=pixels, patch_size=PATCH_SIZE,
+        temporal_patch_size=TEMPORAL_PATCH_SIZE, merge_size=MERGE_SIZE,
+    )
+    processor = Qwen2VLProcessor(
+        image_processor=image_processor, tokenizer=tokenizer,
+        video_processor=video_processor, chat_template=CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(out_dir)  # processor_config.json (both processors nested)
+    # And the per-processor files real Qwen2-VL checkpoints ship, for readers that look
+    # only there (vLLM finds the video processor class in video_preprocessor_config.json).
+    image_processor.save_pretrained(out_dir)  # preprocessor_config.json
+    video_processor.save_pretrained(out_dir)  # video_preprocessor_config.json
+    tokenizer.save_pretrained(out_dir)  # tokenizer.json, tokenizer_config.json, chat_template.jinja
+    for name in os.listdir(out_dir):  # safetensors leaves its file 0600; all files alike
+        os.chmod(os.path.join(out_dir, name), 0o644)
+    return out_dir
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ecx.tiny_vlm", description=__doc__.split("\n\n")[0])
+    p.add_argument("out_dir")
+    p.add_argument("--geometry", choices=sorted(GEOMETRIES), default="tiny")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    build(a.out_dir, a.geometry, a.seed)
+    print(a.out_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,222 @@
+"""What the halves of ECXConnector share: the ecx config of a vLLM instance, item names,
+dtypes, and where a worker's agent is found by its scheduler (the rendezvous)."""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import re
+import stat
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("vllm.ecx")  # under "vllm": printed with vLLM's own log lines
+
+DTYPES = {
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float32: "F32",
+    torch.uint8: "U8",
+    torch.int32: "I32",
+    torch.int64: "I64",
+}
+TORCH_DTYPES = {name: dtype for dtype, name in DTYPES.items()}
+
+_ECX_KEY = re.compile(r"^[A-Za-z0-9_:-][A-Za-z0-9_.:-]{0,127}$")
+# vLLM's name for an item when neither its processor cache nor prefix caching is on and
+# no uuid was given (vllm/renderers/base.py): a per-process counter, not the content.
+_COUNTER_NAME = re.compile(r"^renderer\d+-mm-\d+-[a-z_]+-\d+$")
+_ROLES = {"ec_producer": "producer", "ec_consumer": "consumer", "ec_both": "both"}
+# ec_connector_extra_config keys read here; every other key is an ecx connector option
+# (docs/CONNECTORS.md), checked by ecx itself.
+_OWN_OPTIONS = ("connector", "metrics_port", "rendezvous_dir", "params_timeout_ms")
+# The fields of ecx's params in an ec_transfer_params entry (vLLM adds "metadata" and
+# "item_indices" beside them).
+PARAMS_FIELDS = frozenset({
+    "connector", "mode", "engine_id", "agent", "compat_hash", "mm_hash", "dtype", "shape",
+    "num_tokens", "region", "offset", "length", "generation", "pin", "capability", "signature"})
+
+
+def ecx_key(identifier: str) -> str:
+    """vLLM's mm_hash as an ecx key: itself when it fits ecx's alphabet, else its sha256."""
+    if _ECX_KEY.match(identifier):
+        return identifier
+    return "sha256-" + hashlib.sha256(identifier.encode()).hexdigest()
+
+
+def is_counter_name(identifier: str) -> bool:
+    """Whether vLLM named this item by arrival order instead of by content."""
+    return bool(_COUNTER_NAME.match(identifier))
+
+
+def names_items_by_counter(vllm_config) -> bool:
+    """Whether this instance names items it is given without a uuid by a counter."""
+    mm = getattr(vllm_config.model_config, "multimodal_config", None)
+    cache = getattr(vllm_config, "cache_config", None)
+    return bool(mm is not None and mm.mm_processor_cache_gb == 0 and cache is not None
+                and not cache.enable_prefix_caching)
+
+
+@dataclass
+class InstanceConfig:
+    """One vLLM instance's ECXConnector settings, the same in every one of its processes."""
+
+    name: str  # base of the agent names: <name>-sched, <name>-w<rank>
+    role: str  # "producer", "consumer", "both"
+    extra: dict  # ecx connector options (without engine_id)
+    policy: str  # "recompute" or "fail"
+    load_timeout_ms: int
+    params_timeout_ms: int  # the producer scheduler's ask to its worker
+    metrics_port: int | None
+    rendezvous_dir: str | None
+    tp_size: int
+
+    @property
+    def is_producer(self) -> bool:
+        return self.role in ("producer", "both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.role in ("consumer", "both")
+
+    def ecx_config(self, role: str, agent: str, **overrides) -> str:
+        """The JSON config of one ecx connector of this instance."""
+        extra = {**self.extra, **overrides, "engine_id": agent}
+        return json.dumps({"connector": "p2p", "role": role, "extra": extra})
+
+
+def instance_config(vllm_config) -> InstanceConfig:
+    """ECXConnector's settings from vLLM's config: a ValueError names what is wrong."""
+    ec = vllm_config.ec_transfer_config
+    extra = dict(ec.ec_connector_extra_config or {})
+    kind = extra.pop("connector", "p2p")
+    if kind != "p2p":
+        raise ValueError(f"ECXConnector: ec_connector_extra_config 'connector' is {kind!r}; "
+                         "inside vLLM it moves items with ecx's p2p connector only")
+    role = _ROLES.get(ec.ec_role or "")
+    if role is None:
+        raise ValueError(f"ECXConnector: unknown ec_role {ec.ec_role!r}")
+    metrics_port = extra.pop("metrics_port", None)
+    if metrics_port is not None and (type(metrics_port) is not int
+                                     or not 1 <= metrics_port <= 65535 - 64):
+        raise ValueError("ECXConnector: ec_connector_extra_config 'metrics_port' must be an "
+                         f"integer port (1-65471), not {metrics_port!r}")
+    rendezvous = extra.pop("rendezvous_dir", None)
+    if rendezvous is not None and not isinstance(rendezvous, str):
+        raise ValueError("ECXConnector: 'rendezvous_dir' must be a string")
+    params_timeout = extra.pop("params_timeout_ms", 2000)
+    if type(params_timeout) is not int or params_timeout <= 0:
+        raise ValueError("ECXConnector: 'params_timeout_ms' must be a positive integer")
+    load_timeout = extra.get("load_timeout_ms", 10000)
+    policy = extra.get("failure_policy", "recompute")
+    if type(load_timeout) is not int or policy not in ("recompute", "fail"):
+        raise ValueError("ECXConnector: 'load_timeout_ms' must be an integer and "
+                         "'failure_policy' 'recompute' or 'fail'")
+    name = extra.pop("engine_id", None) or f"vllm-{ec.engine_id}"
+    parallel = vllm_config.parallel_config
+    if getattr(parallel, "pipeline_parallel_size", 1) > 1:
+        raise ValueError("ECXConnector: pipeline parallel is not supported (tensor parallel is)")
+    if getattr(parallel, "data_parallel_size", 1) > 1:
+        name = f"{name}-dp{parallel.data_parallel_rank}"
+    return InstanceConfig(name=name, role=role, extra=extra, policy=policy,
+                          load_timeout_ms=load_timeout, params_timeout_ms=params_timeout,
+                          metrics_port=metrics_port, rendezvous_dir=rendezvous,
+                          tp_size=getattr(parallel, "tensor_parallel_size", 1))
+
+
+def worker_agent(config: InstanceConfig, rank: int) -> str:
+    return f"{config.name}-w{rank}"
+
+
+def scheduler_agent(config: InstanceConfig) -> str:
+    return f"{config.name}-sched"
+
+
+def tensor_parallel_rank() -> int:
+    """This worker's tensor parallel rank (0 outside vLLM's distributed setup)."""
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        return get_tensor_model_parallel_rank()
+    except (ImportError, AssertionError):
+        return 0
+
+
+@contextlib.contextmanager
+def io_threads_unbound():
+    """While ecx starts its threads in a vLLM worker: the calling thread may use every CPU
+    this process may, so the threads ecx creates (agent listeners, connections, loaders)
+    inherit that, not the single core vLLM's CPU backend binds the worker's compute to.
+    Without it, ecx's I/O threads queue behind spinning compute threads of every instance
+    bound to the same core (a handshake went unanswered for 10 s on two cores). The
+    worker's own binding is restored on exit."""
+    getter = getattr(os, "sched_getaffinity", None)
+    if getter is None:
+        yield
+        return
+    bound = getter(0)
+    try:
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    except OSError:
+        bound = None
+    try:
+        yield
+    finally:
+        if bound is not None:
+            os.sched_setaffinity(0, bound)
+
+
+class Rendezvous:
+    """Where a worker leaves its agent's metadata for its scheduler: one file per agent,
+    in a folder only this user can reach (mode 0700, checked, never followed if it is a
+    link). The metadata is no secret (agents prove the deployment secret to each other);
+    the folder keeps other users from putting a false one there."""
+
+    def __init__(self, folder: str | None):
+        base = Path(folder) if folder else Path(
+            os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()) / f"ecx-{os.getuid()}"
+        try:
+            base.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"ECXConnector: cannot make rendezvous folder {base}: {e}") from e
+        st = base.lstat()
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+            raise ValueError(
+                f"ECXConnector: rendezvous folder {base} must be a folder of uid {os.getuid()} "
+                f"with mode 0700 (found uid {st.st_uid}, mode {oct(st.st_mode & 0o7777)}); "
+                "set ec_connector_extra_config 'rendezvous_dir' to another folder")
+        self.folder = base
+
+    def _path(self, agent: str) -> Path:
+        return self.folder / (hashlib.sha256(agent.encode()).hexdigest()[:32] + ".agent.json")
+
+    def publish(self, agent: str, metadata: str) -> None:
+        path = self._path(agent)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"agent": agent, "metadata": metadata}, f)
+        os.replace(tmp, path)
+
+    def lookup(self, agent: str) -> str:
+        """The metadata `agent` published; ValueError if there is none."""
+        try:
+            fd = os.open(self._path(agent), os.O_RDONLY | os.O_NOFOLLOW)
+            with os.fdopen(fd) as f:
+                doc = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"no agent metadata of {agent} in {self.folder}: {e}") from e
+        if not isinstance(doc, dict) or doc.get("agent") != agent or \
+                not isinstance(doc.get("metadata"), str):
+            raise ValueError(f"the rendezvous file of {agent} in {self.folder} is not its own")
+        return doc["metadata"]
+
+    def withdraw(self, agent: str) -> None:
+        try:
+            self._path(agent).unlink()
+        except OSError:
+            pass

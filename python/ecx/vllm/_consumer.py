@@ -1,0 +1,302 @@
+"""The prefill/decode (PD) side of ECXConnector.
+
+Scheduler (vLLM's EngineCore): for each request with ec_transfer_params it checks every
+item's identity (its name, the params' signature, the shape vLLM expects), starts one
+batched READ per encoder into its own ecx cache, and defers the request until the load
+ended (by load_timeout_ms at the latest). A failed item is left to vLLM to encode (policy
+"recompute") or fails the request before any encode or prefill work (policy "fail").
+
+Worker (where the model runs; in general another process): the scheduler's step metadata
+hands it, per loaded item, params for the block in the scheduler's cache (its own pin and
+capability per tensor-parallel rank); it reads them (same host: through shared memory) and
+puts the tensors into vLLM's encoder cache."""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+import ecx
+
+from ._common import PARAMS_FIELDS, TORCH_DTYPES, InstanceConfig, ecx_key, is_counter_name, logger
+from ._metrics import Counters
+
+
+@dataclass
+class WorkerLoad:
+    """One item a worker puts into vLLM's encoder cache this step."""
+
+    request_id: str
+    identifier: str  # vLLM's mm_hash: the encoder cache key
+    key: str  # ecx's key for it
+    dtype: str
+    shape: list[int]
+    params: list[str]  # per tensor-parallel rank: params of the block in the scheduler's cache
+
+
+@dataclass
+class _Load:
+    """One request's load at the scheduler."""
+
+    keys: dict[str, str] = field(default_factory=dict)  # ecx key -> vLLM mm_hash, loading
+    failed: dict[str, str] = field(default_factory=dict)  # ecx key -> cause
+    done: bool = False
+    started: bool = False  # an ecx load runs (request_finished must end it)
+
+
+class ConsumerScheduler:
+    def __init__(self, config: InstanceConfig, conn: ecx.Connector, counters: Counters,
+                 vllm_config):
+        self._config = config
+        self._conn = conn
+        self._counters = counters
+        self._loads: dict[str, _Load] = {}
+        self._holders: dict[str, set[str]] = {}  # ecx key -> requests whose loads hold it
+        self._meta: dict[str, tuple[str, list[int]]] = {}  # ecx key -> (dtype, shape) held
+        self._step: list[tuple[str, str, str]] = []  # (holder, mm_hash, key) this step
+        self._unavailable: set[str] = set()
+        self._hidden = vllm_config.model_config.get_inputs_embeds_size()
+
+    # ---- ensure_cache_available ----
+
+    def ensure(self, request, num_computed_tokens: int) -> bool:
+        load = self._loads.get(request.request_id)
+        if load is None:
+            load = self._start(request, num_computed_tokens)
+        if not load.done:
+            self._settle_finished()
+        if not load.done:
+            return False
+        # A failed request waits for take_unavailable_requests: nothing runs for it first.
+        return request.request_id not in self._unavailable or self._config.policy != "fail"
+
+    def _start(self, request, num_computed_tokens: int) -> _Load:
+        rid = request.request_id
+        load = self._loads[rid] = _Load()
+        given = request.ec_transfer_params or {}
+        entries = {k: v for k, v in given.items()
+                   if isinstance(v, dict) and v.get("connector") is not None}
+        if not entries:
+            load.done = True  # not an EPD request: vLLM encodes its items as usual
+            return load
+        items, release, used = [], [], set()
+        for feature in request.mm_features or []:
+            name = feature.identifier
+            key = ecx_key(name)
+            if key in load.keys or key in load.failed:
+                continue  # the same image twice in one request
+            entry = entries.get(name)
+            if entry is not None:
+                used.add(name)
+            cause, detail, item = self._check(name, entry, feature.mm_position)
+            if cause is None and feature.mm_position.offset + feature.mm_position.length \
+                    <= num_computed_tokens:
+                release.append(item)  # its tokens are in the prefix cache: nothing to load
+                continue
+            if cause is not None:
+                load.failed[key] = cause
+                self._counters.fail(cause)
+                logger.warning("ECXConnector: request %s, item %s: %s", rid, name, detail)
+                if item is not None:
+                    release.append(item)
+                continue
+            items.append(item)
+            load.keys[key] = name
+        self._release_unused(rid, entries, used, release)
+        trusted = self._conn.has_caches(rid, items) if items else []
+        loadable = []
+        for item, ok in zip(items, trusted):
+            if ok:
+                loadable.append(item)
+            else:  # ecx logged why (not signed by this deployment, not this item's params)
+                load.keys.pop(item[0])
+                load.failed[item[0]] = "untrusted_params"
+                self._counters.fail("untrusted_params")
+        if load.failed and self._config.policy == "fail":
+            self._fail(rid, load)
+            if loadable:
+                self._conn.discard(rid, loadable)  # give the encoders' pins back now
+            return load
+        if not loadable:
+            self._done_recomputing(load)
+            return load
+        for i in range(len(loadable)):
+            self._conn.update_state_after_alloc(rid, loadable, i)
+        self._conn.start_load_caches(self._conn.build_connector_meta())
+        load.started = True
+        return load
+
+    def _check(self, name: str, entry, pos):
+        """(None, None, item) for an item to load, item = (key, dtype, shape, params); else
+        (cause, message, item or None): item when its params were readable (so the pin they
+        hold at the encoder can be given back)."""
+        if is_counter_name(name):
+            return ("identity", "named by arrival order (renderer counter), not by content: "
+                    "its embedding could be another image's", None)
+        if entry is None:
+            return ("mismatch", "ec_transfer_params name no item of this name (an encoder "
+                    "keyed it otherwise, e.g. a uuid given to E only)", None)
+        try:
+            params = ecx.TransferParams.from_json(
+                json.dumps({k: v for k, v in entry.items() if k in PARAMS_FIELDS}))
+            dtype, shape = str(entry["dtype"]), [int(d) for d in entry["shape"]]
+        except (ecx.Error, KeyError, TypeError, ValueError) as e:
+            return ("malformed_params", f"ec_transfer_params unreadable: {e}", None)
+        item = (ecx_key(name), dtype, shape, params)
+        want = pos.get_num_embeds() if hasattr(pos, "get_num_embeds") else pos.length
+        if len(shape) != 2 or shape[0] != want or shape[1] != self._hidden or \
+                dtype not in TORCH_DTYPES:
+            return ("shape", f"ec_transfer_params describe {dtype}{shape}, but this model "
+                    f"expects [{want}, {self._hidden}] for the item", item)
+        return None, None, item
+
+    def _release_unused(self, rid: str, entries: dict, used: set[str], release: list) -> None:
+        """Params that match no item of the request are counted and logged; their pins at
+        the encoder, and those of `release` (items not loaded), are given back now. Only
+        params this deployment signed reach an encoder."""
+        unused = list(release)
+        for name, entry in entries.items():
+            if name in used:
+                continue
+            self._counters.fail("mismatch")
+            logger.warning("ECXConnector: request %s: ec_transfer_params for %s match no item "
+                           "of the request", rid, name)
+            try:
+                params = ecx.TransferParams.from_json(
+                    json.dumps({k: v for k, v in entry.items() if k in PARAMS_FIELDS}))
+                unused.append((params.mm_hash, str(entry["dtype"]),
+                               [int(d) for d in entry["shape"]], params))
+            except (ecx.Error, KeyError, TypeError, ValueError):
+                continue
+        if unused:
+            self._conn.discard(rid + "/unmatched", unused)
+
+    def _fail(self, rid: str, load: _Load) -> None:
+        load.done = True
+        self._unavailable.add(rid)
+        logger.error("ECXConnector: request %s fails (failure_policy fail): items %s", rid,
+                     ", ".join(f"{load.keys.get(k, k)}: {c}" for k, c in load.failed.items()))
+
+    def _done_recomputing(self, load: _Load) -> None:
+        load.done = True
+        self._counters.add("local_encodes", len(load.failed))
+
+    def _settle_finished(self) -> None:
+        for rid in self._conn.get_finished():
+            load = self._loads.get(rid)
+            if load is None or load.done:
+                continue
+            outcome = self._conn.wait_for_load(rid, 0)
+            for item in outcome["items"]:
+                key = item["mm_hash"]
+                if item["ok"]:
+                    self._holders.setdefault(key, set()).add(rid)
+                else:
+                    load.failed[key] = item["code"]
+                    self._counters.fail(item["code"])
+                    logger.warning("ECXConnector: request %s, item %s: load failed: %s: %s",
+                                   rid, load.keys.get(key, key), item["code"], item["message"])
+            ok = sum(1 for item in outcome["items"] if item["ok"])
+            self._counters.add("loads", ok)
+            self._counters.add("load_bytes", int(outcome["bytes"]))
+            self._counters.observe("load_ms", float(outcome["load_ms"]))
+            if load.failed and self._config.policy == "fail":
+                self._fail(rid, load)
+            else:
+                self._done_recomputing(load)
+
+    # ---- the step ----
+
+    def has_item(self, identifier: str) -> bool:
+        return bool(self._holders.get(ecx_key(identifier)))
+
+    def after_alloc(self, request, index: int) -> None:
+        key = ecx_key(request.mm_features[index].identifier)
+        holders = self._holders.get(key)
+        if not holders:
+            return
+        rid = request.request_id
+        holder = rid if rid in holders else next(iter(holders))
+        self._step.append((holder, request.mm_features[index].identifier, key))
+
+    def step_loads(self) -> list[WorkerLoad]:
+        step, self._step = self._step, []
+        out = []
+        for holder, name, key in step:
+            params = self._conn.share_loaded(holder, key, self._config.tp_size)
+            first = json.loads(params[0])
+            out.append(WorkerLoad(request_id=holder, identifier=name, key=key,
+                                  dtype=first["dtype"], shape=list(first["shape"]),
+                                  params=params))
+        return out
+
+    def take_unavailable(self) -> set[str]:
+        out, self._unavailable = self._unavailable, set()
+        return out
+
+    def finished(self, request) -> None:
+        rid = request.request_id
+        load = self._loads.pop(rid, None)
+        self._unavailable.discard(rid)
+        if load is None:
+            return
+        for key in list(load.keys):
+            holders = self._holders.get(key)
+            if holders is not None:
+                holders.discard(rid)
+                if not holders:
+                    del self._holders[key]
+        if load.started:
+            self._conn.request_finished(rid)  # gives back its cache pins (and any in flight)
+
+
+class ConsumerWorker:
+    """Puts the scheduler's loads into vLLM's encoder cache, through this process's agent."""
+
+    def __init__(self, config: InstanceConfig, conn: ecx.Connector, rank: int,
+                 counters: Counters):
+        self._config = config
+        self._conn = conn
+        self._rank = rank
+        self._counters = counters
+        self._steps = 0
+
+    def load(self, loads: list[WorkerLoad], encoder_cache: dict[str, torch.Tensor],
+             device, dtype) -> None:
+        started = time.monotonic()
+        self._steps += 1
+        rid = f"step-{self._steps}"
+        wanted, skipped = [], []
+        for w in loads:
+            item = (w.key, w.dtype, w.shape, w.params[self._rank])
+            (skipped if w.identifier in encoder_cache else wanted).append(item)
+        if skipped:
+            self._conn.discard(rid + "/cached", skipped)  # their pins end now, not at the lease
+        if not wanted:
+            return
+        names = {w.key: w.identifier for w in loads}
+        outcome = self._conn.load(rid, wanted, self._config.load_timeout_ms)
+        try:
+            moved = 0
+            for item in outcome["items"]:
+                key = item["mm_hash"]
+                if not item["ok"]:
+                    self._counters.fail("worker_" + item["code"])
+                    logger.error("ECXConnector: worker %d could not read item %s from its "
+                                 "scheduler: %s: %s", self._rank, names[key], item["code"],
+                                 item["message"])
+                    continue
+                w = next(x for x in loads if x.key == key)
+                view = self._conn.loaded(rid, key)  # ecx memory, no copy
+                tensor = torch.from_numpy(view).view(TORCH_DTYPES[w.dtype]).reshape(w.shape)
+                # vLLM keeps its tensor after ecx reuses the block: a copy, on the model's
+                # device and in its dtype.
+                encoder_cache[names[key]] = tensor.to(device=device, dtype=dtype, copy=True)
+                moved += tensor.numel() * tensor.element_size()
+                self._counters.add("worker_items")
+        finally:
+            self._conn.request_finished(rid)
+        self._counters.add("worker_bytes", moved)
+        self._counters.observe("worker_copy_ms", (time.monotonic() - started) * 1e3)

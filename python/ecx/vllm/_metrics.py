@@ -1,0 +1,221 @@
+"""ECXConnector's figures: per-interval stats in vLLM's EC stats hooks (they reach vLLM's
+/metrics and its periodic log line), and an optional exporter of each process's ecx
+connector (pools, pins, connections) on a port of its own."""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from vllm.distributed.ec_transfer.ec_connector.metrics import (
+    ECConnectorPromMetrics,
+    ECConnectorStats,
+)
+
+from ._common import logger
+
+_COUNTS = ("loads", "load_bytes", "local_encodes", "saves", "save_bytes", "params_issued",
+           "worker_items", "worker_bytes")
+_SERIES = ("load_ms", "worker_copy_ms")
+_MAX_SERIES = 10000  # observations kept per interval (vLLM reads them every step)
+
+
+def empty_stats() -> dict[str, Any]:
+    data: dict[str, Any] = {name: 0 for name in _COUNTS}
+    data.update({name: [] for name in _SERIES})
+    data["failures"] = {}
+    return data
+
+
+def merge_stats(into: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
+    for name in _COUNTS:
+        into[name] = into.get(name, 0) + int(other.get(name, 0))
+    for name in _SERIES:
+        into.setdefault(name, []).extend(other.get(name, [])[:_MAX_SERIES])
+        del into[name][_MAX_SERIES:]
+    failures = into.setdefault("failures", {})
+    for cause, n in (other.get("failures") or {}).items():
+        failures[cause] = failures.get(cause, 0) + int(n)
+    return into
+
+
+def stats_empty(data: dict[str, Any]) -> bool:
+    return not any(data.get(n) for n in _COUNTS + _SERIES) and not data.get("failures")
+
+
+class Counters:
+    """This process's figures since vLLM last took them. Thread-safe."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._data = empty_stats()
+
+    def add(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._data[name] += n
+
+    def observe(self, name: str, value: float) -> None:
+        with self._lock:
+            if len(self._data[name]) < _MAX_SERIES:
+                self._data[name].append(value)
+
+    def fail(self, cause: str, n: int = 1) -> None:
+        with self._lock:
+            self._data["failures"][cause] = self._data["failures"].get(cause, 0) + n
+
+    def merge(self, other: dict[str, Any]) -> None:
+        with self._lock:
+            merge_stats(self._data, other)
+
+    def take(self) -> dict[str, Any] | None:
+        with self._lock:
+            data, self._data = self._data, empty_stats()
+        return None if stats_empty(data) else data
+
+
+@dataclass
+class ECXConnectorStats(ECConnectorStats):
+    data: dict[str, Any] = field(default_factory=empty_stats)
+
+    def reset(self):
+        self.data = empty_stats()
+
+    def aggregate(self, other: ECConnectorStats) -> "ECXConnectorStats":
+        merge_stats(self.data, other.data)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        d = self.data
+        loads = d.get("load_ms") or []
+        copies = d.get("worker_copy_ms") or []
+        out: dict[str, int | float] = {
+            "items_loaded": d.get("loads", 0),
+            "MB_loaded": round(d.get("load_bytes", 0) / 1e6, 3),
+            "avg_load_ms": round(sum(loads) / len(loads), 3) if loads else 0,
+            "items_encoded_locally": d.get("local_encodes", 0),
+            "avg_worker_copy_ms": round(sum(copies) / len(copies), 3) if copies else 0,
+            "items_saved": d.get("saves", 0),
+            "params_issued": d.get("params_issued", 0),
+        }
+        for cause, n in sorted((d.get("failures") or {}).items()):
+            out[f"failed_{cause}"] = n
+        return out
+
+    def is_empty(self) -> bool:
+        return stats_empty(self.data)
+
+
+_SECONDS_BUCKETS = [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0,
+                    5.0, 10.0, 30.0]
+
+
+class ECXPromMetrics(ECConnectorPromMetrics):
+    """vllm:ecx_* series in vLLM's /metrics (docs/VLLM.md lists them)."""
+
+    _COUNTERS = {
+        "loads": ("vllm:ecx_loads_total", "Items loaded from encoders by ECXConnector."),
+        "load_bytes": ("vllm:ecx_load_bytes_total", "Bytes of items loaded from encoders."),
+        "local_encodes": ("vllm:ecx_local_encodes_total",
+                          "Items whose load failed and that vLLM encoded itself (recompute)."),
+        "saves": ("vllm:ecx_saves_total", "Encoder outputs stored in ecx's pool."),
+        "save_bytes": ("vllm:ecx_save_bytes_total", "Bytes of encoder outputs stored."),
+        "params_issued": ("vllm:ecx_params_issued_total",
+                          "ec_transfer_params items an encoder handed out."),
+        "worker_items": ("vllm:ecx_worker_items_total",
+                         "Items a worker copied into vLLM's encoder cache."),
+    }
+    _HISTOGRAMS = {
+        "load_ms": ("vllm:ecx_load_seconds",
+                    "One request's EC load, from its start until every item is in the cache."),
+        "worker_copy_ms": ("vllm:ecx_worker_copy_seconds",
+                           "A worker's step: loaded items into vLLM's encoder cache."),
+    }
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {
+            key: self._per_engine(self._counter_cls(name=name, documentation=doc,
+                                                    labelnames=labelnames))
+            for key, (name, doc) in self._COUNTERS.items()}
+        self._histograms = {
+            key: self._per_engine(self._histogram_cls(
+                name=name, documentation=doc, buckets=_SECONDS_BUCKETS, labelnames=labelnames))
+            for key, (name, doc) in self._HISTOGRAMS.items()}
+        self._failures = self._counter_cls(
+            name="vllm:ecx_load_failures_total",
+            documentation="Items ECXConnector could not load or hand out, by cause.",
+            labelnames=[*labelnames, "cause"])
+
+    def _per_engine(self, metric):
+        return {idx: metric.labels(*values) for idx, values in self.per_engine_labelvalues.items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
+        for key, per_engine in self._counters.items():
+            n = transfer_stats_data.get(key, 0)
+            if n:
+                per_engine[engine_idx].inc(n)
+        for key, per_engine in self._histograms.items():
+            for ms in transfer_stats_data.get(key, []):
+                per_engine[engine_idx].observe(ms / 1000.0)
+        labels = self.per_engine_labelvalues.get(engine_idx, [])
+        for cause, n in (transfer_stats_data.get("failures") or {}).items():
+            self._failures.labels(*labels, cause).inc(n)
+
+
+def _prometheus_text(stats: dict[str, Any], process: str) -> str:
+    """ecx's connector stats (EcConnector.stats()) as Prometheus text, one series per number."""
+    lines: list[str] = []
+
+    def walk(prefix: str, value: Any, labels: str) -> None:
+        if isinstance(value, bool):
+            value = int(value)
+        if isinstance(value, (int, float)):
+            lines.append(f"{prefix}{{{labels}}} {value}")
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                if isinstance(v, (int, float)) and prefix.endswith(("nacks", "transfer_connects")):
+                    walk(prefix, v, f'{labels},key="{k}"')
+                else:
+                    walk(f"{prefix}_{k}", v, labels)
+
+    walk("ecx_vllm", stats, f'process="{process}"')
+    return "\n".join(lines) + "\n"
+
+
+class Exporter:
+    """GET /metrics on 127.0.0.1:<port>: this process's ecx connector, for the figures vLLM
+    does not collect (a producer worker's pool and pins, a consumer worker's cache)."""
+
+    def __init__(self, port: int, process: str, stats_fn):
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 (http.server's name)
+                if self.path != "/metrics":
+                    self.send_error(404, "only /metrics")
+                    return
+                try:
+                    body = _prometheus_text(stats_fn(), process).encode()
+                except Exception as e:  # the connector may be shutting down
+                    self.send_error(503, f"ecx connector unavailable: {e}")
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):  # no access log in vLLM's output
+                pass
+
+        self.port = port
+        self._server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever,
+                                        name=f"ecx-metrics-{port}", daemon=True)
+        self._thread.start()
+        logger.info("ECXConnector (%s): ecx metrics on http://127.0.0.1:%d/metrics",
+                    process, port)
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()

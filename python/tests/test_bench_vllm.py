@@ -1,0 +1,166 @@
+"""`ecx bench vllm`'s pure-Python parts (python/ecx/bench_vllm*.py), without vLLM engines:
+the EC load join, the timed connector subclass, the error a failed engine start reports,
+and the correctness scoring. (The engines themselves run in `ecx bench vllm --quick`.)"""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ECX_DIR = Path(__file__).resolve().parents[1] / "ecx"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"_test_{name}", ECX_DIR / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+timing = _load("bench_vllm_timing")
+rt = _load("bench_vllm_runtime")
+
+
+def sight(t, req, items, consumer=True):
+    return {"ev": "sight", "t": t, "req": req, "items": items, "hook": "ensure_cache_available",
+            "consumer": consumer}
+
+
+def filled(t, items):
+    return {"ev": "filled", "t": t, "items": items}
+
+
+def test_load_time_is_first_sight_to_last_item_filled_divided_by_items():
+    events = [sight(10.0, "a", ["x", "y"]), filled(10.010, ["x"]), filled(10.030, ["y"]),
+              sight(11.0, "b", ["z"]), filled(11.004, ["z"])]
+    stats = timing.ec_load_stats(events)
+    assert stats["requests"] == 2 and stats["items"] == 3 and stats["not_loaded"] == 0
+    # a: 30 ms / 2 items = 15 ms; b: 4 ms / 1 item
+    assert stats["from_sight"]["mean"] == pytest.approx((15.0 + 4.0) / 2)
+    assert stats["from_sight"]["p50"] == pytest.approx(9.5)
+    assert stats["from_alloc"] is None  # no alloc events
+
+
+def test_items_never_filled_after_the_sight_are_not_timed():
+    events = [filled(9.0, ["x"]),  # before the request: another request's load
+              sight(10.0, "a", ["x"]),
+              sight(10.5, "b", ["y"]), filled(10.6, ["y"])]
+    stats = timing.ec_load_stats(events)
+    assert stats["requests"] == 1 and stats["not_loaded"] == 1
+    assert stats["from_sight"]["p50"] == pytest.approx(100.0)
+
+
+def test_window_and_producer_sights_are_left_out():
+    events = [sight(5.0, "early", ["w"]), filled(5.1, ["w"]),
+              sight(10.0, "e-side", ["x"], consumer=False),
+              sight(10.2, "a", ["x"]), filled(10.3, ["x"])]
+    stats = timing.ec_load_stats(events, t_from=9.0, t_to=20.0)
+    assert stats["requests"] == 1
+    assert stats["from_sight"]["mean"] == pytest.approx(100.0)
+    assert timing.ec_load_stats([], 0, 1)["from_sight"] is None
+
+
+def test_from_alloc_is_per_item_from_its_scheduling_step_to_its_fill():
+    events = [sight(10.0, "a", ["x", "y"]),
+              {"ev": "alloc", "t": 12.0, "req": "a", "item": "x"}, filled(12.002, ["x"]),
+              {"ev": "alloc", "t": 15.0, "req": "a", "item": "y"}, filled(15.006, ["y"])]
+    stats = timing.ec_load_stats(events)
+    assert stats["from_sight"]["mean"] == pytest.approx(5006.0 / 2)  # queued for steps
+    assert stats["from_alloc"]["mean"] == pytest.approx(4.0)
+    assert stats["from_alloc"]["p99"] == pytest.approx(5.96)
+
+
+class FakeBase:
+    """Stands in for a connector class: records the calls that reach it."""
+
+    def __init__(self, vllm_config, role):
+        self.is_consumer = True
+        self.calls = []
+
+    def ensure_cache_available(self, request, n):
+        self.calls.append("ensure")
+        return False
+
+    def update_state_after_alloc(self, request, index):
+        self.calls.append("alloc")
+
+    def has_cache_item(self, identifier):
+        return identifier == "x"
+
+    def start_load_caches(self, encoder_cache, **kwargs):
+        encoder_cache["x"] = "tensor"
+
+
+class Feature:
+    def __init__(self, identifier):
+        self.identifier = identifier
+
+
+class Request:
+    request_id = "r1"
+    mm_features = [Feature("x")]
+
+
+def test_timed_subclass_calls_the_real_methods_and_records_events(tmp_path, monkeypatch):
+    path = tmp_path / "t.jsonl"
+    monkeypatch.setenv(timing.ENV, str(path))
+    cls = timing.timed(FakeBase)
+    assert cls.__name__ == "TimedFakeBase" and issubclass(cls, FakeBase)
+    c = cls(None, None)
+    assert c.ensure_cache_available(Request(), 0) is False
+    c.update_state_after_alloc(Request(), 0)
+    assert c.has_cache_item("x") is True
+    cache = {"old": 1}
+    c.start_load_caches(cache)
+    assert c.calls == ["ensure", "alloc"] and cache["x"] == "tensor"
+    events = timing.read_events(str(path))
+    assert [e["ev"] for e in events] == ["sight", "alloc", "filled"]  # one sight per request
+    assert events[0]["items"] == ["x"] and events[2]["items"] == ["x"]
+    stats = timing.ec_load_stats(events)
+    assert stats["requests"] == 1 and stats["from_alloc"] is not None
+
+
+def test_module_getattr_names_only_known_connectors():
+    with pytest.raises(AttributeError):
+        timing.TimedNoSuchConnector  # noqa: B018
+
+
+def test_root_error_skips_wrappers_and_keeps_pydantics_message():
+    log = "\n".join([
+        "(EngineCore pid=12) ERROR 12-02 17:22:51 [core.py:1] EngineCore failed to start.",
+        "(EngineCore pid=12) Traceback (most recent call last):",
+        "pydantic_core._pydantic_core.ValidationError: 1 validation error for VllmConfig",
+        "  Value error, Model Runner V2 requires Triton. [type=value_error, input_value=...]",
+        "RuntimeError: Engine core initialization failed. See root cause above. Failed core",
+    ])
+    assert rt.root_error(log) == ("pydantic_core._pydantic_core.ValidationError: 1 validation "
+                                  "error for VllmConfig Value error, Model Runner V2 requires "
+                                  "Triton.")
+    log2 = ("(Worker pid=6424) ERROR 12-02 17:22:51 [multiproc_executor.py:953] "
+            "ModuleNotFoundError: No module named 'ecx.vllm'\n"
+            "RuntimeError: Engine core initialization failed. See root cause above.")
+    assert rt.root_error(log2) == "ModuleNotFoundError: No module named 'ecx.vllm'"
+
+
+def test_score_compares_with_the_single_instance():
+    rows = [rt.empty_row("single", "single"), rt.empty_row("ECXConnector", "ecx"),
+            rt.empty_row("ECCPUConnector", "cpu")]
+    rows[0].update(texts=["a", "b", "c"], bench_texts=["p", "q"])
+    rows[1].update(texts=["a", "x", None], bench_texts=["p", "q"])
+    rows[2]["error"] = "E exited"
+    rt.score(rows, {})
+    assert (rows[0]["correct"], rows[0]["total"]) == (3, 3)
+    assert (rows[1]["correct"], rows[1]["total"], rows[1]["bench_texts_equal"]) == (1, 3, 2)
+    assert rows[2]["correct"] is None and "texts" not in rows[1]
+
+
+def test_fixed_requests_are_deterministic_greedy_and_sized():
+    pytest.importorskip("PIL")
+    w = {"correctness_prompts": 4, "max_images": 3, "image_side": 28, "output_len": 5}
+    a, b = rt.fixed_requests(w), rt.fixed_requests(w)
+    assert json.dumps(a) == json.dumps(b)
+    assert [sum(1 for p in r["messages"][0]["content"] if p["type"] == "image_url")
+            for r in a] == [1, 2, 3, 1]
+    assert all(r["temperature"] == 0 and r["max_tokens"] == 5 for r in a)

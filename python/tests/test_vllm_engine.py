@@ -201,6 +201,45 @@ def test_params_under_another_name_are_counted_and_the_encoders_pins_released(ep
     assert pd.alive() and e.alive()
 
 
+def as_reference(params: dict, text: str) -> list[dict]:
+    """The messages vLLM's example EPD proxy sends PD once E answered: each image replaced
+    by a reference (its grid, under E's name), no pixels."""
+    content = []
+    for name, entry in params.items():
+        grid = {k: [x for v in values for x in (v if isinstance(v, list) else [v])]
+                for k, values in entry["metadata"].items()}
+        content.append({"type": "image_embeds", "image_embeds": grid, "uuid": name})
+    content.append({"type": "text", "text": text})
+    return [{"role": "user", "content": content}]
+
+
+def test_an_item_without_media_fails_cleanly_when_its_load_fails(epd):
+    """Under policy recompute, an item PD cannot load is encoded on PD, unless it came as
+    a reference without its pixels (vLLM's example proxy sends that): vLLM's encoder would
+    assert on it and take the engine down. Such a request fails; PD serves on."""
+    e, pd = epd
+    before = pd.encoder_iterations()
+    i = fresh(5)
+    params = encode_on(e, images_of(i))
+    assert all("metadata" in entry for entry in params.values()), params
+    tampered = {name: {**entry, "offset": entry["offset"] + 64} for name, entry in params.items()}
+    body = {"model": "tiny-vlm", "max_tokens": 4, "temperature": 0,
+            "messages": as_reference(params, "Which image?")}
+    status, answer = post(pd.url + "/v1/chat/completions",
+                          {**body, "ec_transfer_params": tampered})
+    assert status >= 500, answer  # vLLM's answer to a request its scheduler failed
+    # A client that sends PD a reference with no params at all fails the same way.
+    status, answer = post(pd.url + "/v1/chat/completions", body)
+    assert status >= 400, answer
+    assert pd.encoder_iterations() == before
+    wait_until(lambda: metric(pd.metrics(), "vllm:ecx_load_failures_total",
+                              cause="not_recomputable") >= 2, 30, "counted")
+    # PD's engine is alive and serves the untampered reference from E.
+    status, answer = post(pd.url + "/v1/chat/completions", {**body, "ec_transfer_params": params})
+    assert status == 200, answer
+    assert pd.alive() and e.alive()
+
+
 def pd_saw_encoder_die(pd: Engine, before: float) -> None:
     """Waits until PD's scheduler agent saw its connection to E break. (Until then, on one
     host, PD may still read E's already-published items from the shared memory it mapped,

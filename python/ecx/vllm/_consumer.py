@@ -4,7 +4,10 @@ Scheduler (vLLM's EngineCore): for each request with ec_transfer_params it check
 item's identity (its name, the params' signature, the shape vLLM expects), starts one
 batched READ per encoder into its own ecx cache, and defers the request until the load
 ended (by load_timeout_ms at the latest). A failed item is left to vLLM to encode (policy
-"recompute") or fails the request before any encode or prefill work (policy "fail").
+"recompute") or fails the request before any encode or prefill work (policy "fail"). An
+item sent without its media (a metadata reference, as vLLM's example EPD proxy sends once
+E answered) cannot be encoded here: its request fails under either policy (vLLM's encoder
+would otherwise assert on an item with no pixels and take the engine down).
 
 Worker (where the model runs; in general another process): the scheduler's step metadata
 hands it, per loaded item, params for the block in the scheduler's cache (its own pin and
@@ -44,6 +47,10 @@ class _Load:
     failed: dict[str, str] = field(default_factory=dict)  # ecx key -> cause
     done: bool = False
     started: bool = False  # an ecx load runs (request_finished must end it)
+    references: set[str] = field(default_factory=set)  # ecx keys of items sent without media
+
+    def recomputable(self) -> bool:
+        return not (self.failed.keys() & self.references)
 
 
 class ConsumerScheduler:
@@ -58,6 +65,8 @@ class ConsumerScheduler:
         self._step: list[tuple[str, str, str]] = []  # (holder, mm_hash, key) this step
         self._unavailable: set[str] = set()
         self._hidden = vllm_config.model_config.get_inputs_embeds_size()
+        self._model_config = vllm_config.model_config
+        self._resolver = None  # vLLM's PlaceholderMetadataResolver, made on first use
 
     # ---- ensure_cache_available ----
 
@@ -70,7 +79,7 @@ class ConsumerScheduler:
         if not load.done:
             return False
         # A failed request waits for take_unavailable_requests: nothing runs for it first.
-        return request.request_id not in self._unavailable or self._config.policy != "fail"
+        return request.request_id not in self._unavailable
 
     def _start(self, request, num_computed_tokens: int) -> _Load:
         rid = request.request_id
@@ -78,7 +87,16 @@ class ConsumerScheduler:
         given = request.ec_transfer_params or {}
         entries = {k: v for k, v in given.items()
                    if isinstance(v, dict) and v.get("connector") is not None}
+        load.references = {ecx_key(f.identifier) for f in request.mm_features or []
+                           if self._metadata_only(f)}
         if not entries:
+            if load.references:  # e.g. a client that talks to PD directly
+                load.failed = dict.fromkeys(load.references, "mismatch")
+                self._counters.fail("mismatch")
+                logger.warning("ECXConnector: request %s: items sent without media and "
+                               "without ec_transfer_params", rid)
+                self._fail(rid, load)
+                return load
             load.done = True  # not an EPD request: vLLM encodes its items as usual
             return load
         items, release, used = [], [], set()
@@ -114,7 +132,7 @@ class ConsumerScheduler:
                 load.keys.pop(item[0])
                 load.failed[item[0]] = "untrusted_params"
                 self._counters.fail("untrusted_params")
-        if load.failed and self._config.policy == "fail":
+        if load.failed and (self._config.policy == "fail" or not load.recomputable()):
             self._fail(rid, load)
             if loadable:
                 self._conn.discard(rid, loadable)  # give the encoders' pins back now
@@ -173,11 +191,33 @@ class ConsumerScheduler:
         if unused:
             self._conn.discard(rid + "/unmatched", unused)
 
+    def _metadata_only(self, feature) -> bool:
+        """An item whose data holds only the placeholder metadata vLLM's parser accepts
+        on an EC consumer (the grid), no media and no embedding: nothing to encode here.
+        Unknown (no data at the scheduler, no resolver in this vLLM) counts as media."""
+        data = getattr(feature, "data", None)
+        if data is None:
+            return False
+        try:
+            if self._resolver is None:
+                from vllm.distributed.ec_transfer.ec_connector.utils import (
+                    PlaceholderMetadataResolver,
+                )
+                self._resolver = PlaceholderMetadataResolver(self._model_config)
+            fields = self._resolver.fields_for(feature.modality)
+            return bool(fields) and set(data.get_data()) <= fields
+        except (ImportError, AttributeError):
+            return False
+
     def _fail(self, rid: str, load: _Load) -> None:
         load.done = True
         self._unavailable.add(rid)
-        logger.error("ECXConnector: request %s fails (failure_policy fail): items %s", rid,
+        why = "failure_policy fail" if load.recomputable() else \
+            "an item sent without its media cannot be encoded here"
+        logger.error("ECXConnector: request %s fails (%s): items %s", rid, why,
                      ", ".join(f"{load.keys.get(k, k)}: {c}" for k, c in load.failed.items()))
+        if not load.recomputable():
+            self._counters.fail("not_recomputable")
 
     def _done_recomputing(self, load: _Load) -> None:
         load.done = True
@@ -202,7 +242,7 @@ class ConsumerScheduler:
             self._counters.add("loads", ok)
             self._counters.add("load_bytes", int(outcome["bytes"]))
             self._counters.observe("load_ms", float(outcome["load_ms"]))
-            if load.failed and self._config.policy == "fail":
+            if load.failed and (self._config.policy == "fail" or not load.recomputable()):
                 self._fail(rid, load)
             else:
                 self._done_recomputing(load)

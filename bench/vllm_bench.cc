@@ -34,6 +34,7 @@ struct VllmOptions {
   int output_len = 0;
   int images = 0;
   int correctness_prompts = 0;
+  int max_concurrency = 0;  // 0: every request at once
   bool no_timing = false;
   bool no_install = false;
   bool keep_logs = false;
@@ -81,6 +82,7 @@ std::vector<std::string> script_argv(const VllmOptions& o, const Venv& venv) {
   add_int("--output-len", o.output_len);
   add_int("--images", o.images);
   add_int("--correctness-prompts", o.correctness_prompts);
+  add_int("--max-concurrency", o.max_concurrency);
   if (o.quick) argv.push_back("--quick");
   if (o.no_timing) argv.push_back("--no-timing");
   if (o.no_install) argv.push_back("--no-install");
@@ -144,6 +146,8 @@ void add_vllm_command(CLI::App& bench, int* exit_code) {
   s->add_option("--images", o->images, "Base images per request (random-mm)");
   s->add_option("--correctness-prompts", o->correctness_prompts,
                 "Fixed greedy requests compared with the single instance");
+  s->add_option("--max-concurrency", o->max_concurrency,
+                "Requests in flight at most (vllm bench serve's; default: all at once)");
   s->add_flag("--no-timing", o->no_timing,
               "Load the connectors themselves, not the timed subclasses (no EC load figure)");
   s->add_flag("--no-install", o->no_install, "Do not pip-install Mooncake when it is missing");

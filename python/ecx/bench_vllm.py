@@ -82,10 +82,10 @@ CONNECTOR_CLASS = {"single": None, "example": "ECExampleConnector", "cpu": "ECCP
 WORKLOADS = {
     "full": dict(geometry="seed", image_side=560, num_prompts=16, input_len=128,
                  output_len=32, images_base=2, images_range_ratio=0.5, max_images=3,
-                 correctness_prompts=8, max_model_len=4096, seed=0),
+                 correctness_prompts=8, max_model_len=4096, seed=0, max_concurrency=None),
     "quick": dict(geometry="tiny", image_side=112, num_prompts=4, input_len=32,
                   output_len=8, images_base=2, images_range_ratio=0.5, max_images=3,
-                  correctness_prompts=3, max_model_len=2048, seed=0),
+                  correctness_prompts=3, max_model_len=2048, seed=0, max_concurrency=None),
 }
 POOL_BYTES = 512 << 20  # every connector's pool / buffer / region
 
@@ -295,6 +295,8 @@ def main(argv=None) -> int:
     p.add_argument("--output-len", type=int)
     p.add_argument("--images", type=int, help="base images per request (random-mm)")
     p.add_argument("--correctness-prompts", type=int)
+    p.add_argument("--max-concurrency", type=int,
+                   help="requests in flight at most (vllm bench serve's; default: all at once)")
     p.add_argument("--no-timing", action="store_true",
                    help="load the connectors themselves, not the timed subclasses")
     p.add_argument("--no-install", action="store_true",
@@ -313,7 +315,8 @@ def main(argv=None) -> int:
     w = dict(WORKLOADS["quick" if args.quick else "full"])
     for key, value in (("num_prompts", args.num_prompts), ("input_len", args.input_len),
                        ("output_len", args.output_len), ("images_base", args.images),
-                       ("correctness_prompts", args.correctness_prompts)):
+                       ("correctness_prompts", args.correctness_prompts),
+                       ("max_concurrency", args.max_concurrency)):
         if value is not None:
             w[key] = value
     if not (Path(sys.prefix) / "bin" / "vllm").exists():

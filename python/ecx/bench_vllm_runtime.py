@@ -279,6 +279,8 @@ def bench_serve(url: str, model: Path, w: dict, d: Path, timeout: float) -> dict
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
             "--save-result", "--save-detailed", "--result-dir", str(d),
             "--result-filename", "bench_serve.json", "--disable-tqdm"]
+    if w.get("max_concurrency"):
+        argv += ["--max-concurrency", str(w["max_concurrency"])]
     # A Proc too: its own process group, stopped with the servers if the bench is.
     client = Proc("vllm bench serve", argv, vllm_env(), 0, d / "bench_serve.log").start()
     try:
@@ -394,7 +396,8 @@ def _triple(d: dict | None, keys=("mean", "median", "p99")) -> str:
 
 
 def print_table(results: list[dict], w: dict) -> None:
-    print(f"\nworkload: {w['num_prompts']} prompts at rate inf, random-mm "
+    flight = f", at most {w['max_concurrency']} in flight" if w.get("max_concurrency") else ""
+    print(f"\nworkload: {w['num_prompts']} prompts at rate inf{flight}, random-mm "
           f"{w['images_base']}±{w['images_range_ratio']:g} images of {w['image_side']}px "
           f"(max {w['max_images']}), {w['input_len']} text tokens, {w['output_len']} output "
           f"tokens, temperature 0; correctness: {w['correctness_prompts']} fixed requests")

@@ -8,6 +8,12 @@
 #include "ecx/common/log.h"
 
 namespace ecx::connector {
+namespace {
+// Readers of one shared block (share_loaded): tensor-parallel ranks, not an open count.
+constexpr size_t kMaxShareReaders = 256;
+// At shutdown, releases still queued after this long are dropped (their pins end by lease).
+constexpr int64_t kReleaseDrainMs = 2000;
+}  // namespace
 
 EcTransferParams ConnectorCore::keyed_params(const MmHash& mm_hash, const TensorMeta& meta) const {
   EcTransferParams p;
@@ -93,6 +99,7 @@ void Connector::stop() {
   {
     std::lock_guard lock(mu_);
     stopping_ = true;
+    drain_until_ = Deadline::after_ms(kReleaseDrainMs);
   }
   work_cv_.notify_all();
   for (auto& t : loaders_) t.join();
@@ -276,6 +283,10 @@ Result<std::vector<EcTransferParams>> Connector::share_loaded(const std::string&
                                                               size_t readers) {
   if (!core_.is_consumer())
     return Status(StatusCode::kFailedPrecondition, "connector " + name() + " is not a consumer");
+  if (readers == 0 || readers > kMaxShareReaders) {
+    return InvalidArgument("share_loaded: " + std::to_string(readers) + " readers, 1 to " +
+                           std::to_string(kMaxShareReaders));
+  }
   {
     std::lock_guard lock(mu_);
     auto it = requests_.find(request_id);
@@ -323,7 +334,9 @@ Result<std::vector<Result<EcTransferParams>>> Connector::remote_saved_params(
           ->connect(meta, {.backend = core_.options().backend, .deadline = deadline})
           .status());
   auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline.remaining()).count();
-  ParamsRequest req{.items = hashes, .wait_ms = std::max<int64_t>(0, left)};
+  // The producer waits for items still being written at most half the time left, so its
+  // answer (and the pins it took for us) arrives while we still wait for it.
+  ParamsRequest req{.items = hashes, .wait_ms = std::max<int64_t>(0, left / 2)};
   ECX_ASSIGN_OR_RETURN(std::string answer, core_.agent()->call(meta.name, to_json(req), deadline));
   ECX_ASSIGN_OR_RETURN(ItemsReply reply, parse_items_reply(answer, hashes.size()));
   std::vector<Result<EcTransferParams>> out;

@@ -111,6 +111,7 @@ class Connector final : public EcConnector {
   std::vector<std::string> finished_;             // guarded by mu_
   std::map<std::string, uint64_t> nacks_;         // guarded by mu_
   bool stopping_ = false;                         // guarded by mu_
+  Deadline drain_until_ = Deadline::never();      // queued releases after it are dropped; mu_
   std::vector<std::thread> loaders_;
 
   std::atomic<uint64_t> saves_{0}, loads_ok_{0}, loads_failed_{0}, items_loaded_{0},

@@ -25,6 +25,13 @@ void Connector::loader_loop() {
       work_cv_.wait(lock, [&] { return stopping_ || !queue_.empty() || !background_.empty(); });
       // Releases still queued go out before the loaders end: a connector shutting down
       // gives back the pins it holds at producers rather than leave them to the lease.
+      if (stopping_ && !background_.empty() && drain_until_.expired()) {
+        spdlog::warn(
+            "connector {}: shutting down: {} queued releases dropped (their pins end "
+            "by lease)",
+            name(), background_.size());
+        background_.clear();
+      }
       if (!background_.empty()) {
         auto task = std::move(background_.front());
         background_.pop_front();

@@ -360,6 +360,10 @@ Status P2pDriver::connect_producer(const EcTransferParams& params, Deadline dead
     if (connected.ok() || connected.code() != StatusCode::kDeadlineExceeded || deadline.expired()) {
       break;
     }
+    if (agent()->peer_backend(meta.name).ok()) {
+      connected = Status::Ok();  // another load's connect to it, which we waited on, succeeded
+      break;
+    }
     spdlog::warn("{}: connect to producer {} (attempt {}) got no answer in {} ms: {}; again",
                  name(), meta.name, attempt, kConnectAttemptMs, connected.message());
     agent()->disconnect(meta.name);

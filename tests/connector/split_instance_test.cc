@@ -182,7 +182,7 @@ TEST_F(SplitInstanceTest, ALoadIsSharedWithEachWorkerWhoGiveTheirPinsBack) {
   EXPECT_EQ(pins_of(*scheduler), 0u);
 }
 
-TEST_F(SplitInstanceTest, OnlyALoadedItemIsShared) {
+TEST_F(SplitInstanceTest, OnlyALoadedItemIsSharedWithABoundedNumberOfReaders) {
   auto scheduler = make(Role::kConsumer, extra_for("pd-sched-" + tag_));
   ASSERT_NE(scheduler, nullptr);
   EXPECT_EQ(scheduler->share_loaded("nobody", hash_of("a"), 1).status().code(),
@@ -194,6 +194,14 @@ TEST_F(SplitInstanceTest, OnlyALoadedItemIsShared) {
   ASSERT_TRUE(out.status.ok());
   EXPECT_EQ(scheduler->share_loaded("r", hash_of("other"), 1).status().code(),
             StatusCode::kFailedPrecondition);
+  // Readers are tensor-parallel ranks: none, or a count no deployment has, is refused
+  // before any pin is taken.
+  uint64_t own = pins_of(*scheduler);
+  EXPECT_EQ(scheduler->share_loaded("r", hash_of("a"), 0).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(scheduler->share_loaded("r", hash_of("a"), 1u << 20).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(pins_of(*scheduler), own);
   scheduler->request_finished("r");
 }
 

@@ -169,6 +169,22 @@ UcxWorker::~UcxWorker() {
   stop_progress();
   if (worker_ != nullptr) api_.worker_destroy(worker_);
   if (context_ != nullptr) api_.cleanup(context_);
+  std::unordered_map<void*, void (*)(void*)> pending;
+  {
+    std::lock_guard lock(ops_mu_);
+    pending.swap(ops_);
+  }
+  for (auto& [op, drop] : pending) drop(op);
+}
+
+void UcxWorker::request_posted(void* op, void (*drop)(void*)) {
+  std::lock_guard lock(ops_mu_);
+  ops_.emplace(op, drop);
+}
+
+void UcxWorker::request_completed(void* op) {
+  std::lock_guard lock(ops_mu_);
+  ops_.erase(op);
 }
 
 void UcxWorker::start_progress() {

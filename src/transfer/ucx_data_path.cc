@@ -28,14 +28,27 @@ namespace {
 
 using Endpoint = UcxDataPath::Endpoint;
 
-// One request in flight: its batch, and the API to free it.
+// One request in flight: its batch, the API to free it, and the worker that lists it
+// (which outlives it: a request still pending when the worker goes is dropped there).
 struct UcxOp {
   std::shared_ptr<UcxBatch> batch;
   const UcpApi* api = nullptr;
+  UcxWorker* worker = nullptr;
 };
+
+// The worker's destructor, for a request UCX never completed: its batch had already been
+// failed or abandoned (a dead peer), so only the memory goes.
+void drop_op(void* user_data) { delete static_cast<UcxOp*>(user_data); }
+
+UcxOp* new_op(const std::shared_ptr<UcxBatch>& batch, UcxWorker& worker) {
+  auto* op = new UcxOp{batch, &worker.api(), &worker};
+  worker.request_posted(op, drop_op);
+  return op;
+}
 
 void on_request_done(void* request, ucs_status_t status, void* user_data) {
   auto* op = static_cast<UcxOp*>(user_data);
+  op->worker->request_completed(op);
   std::shared_ptr<UcxBatch> batch = std::move(op->batch);
   const UcpApi& api = *op->api;
   delete op;
@@ -46,6 +59,7 @@ void on_request_done(void* request, ucs_status_t status, void* user_data) {
 // Completes a request that ucp_*_nbx returned: NULL (done at once), an error, or a
 // request whose callback completes it later.
 void track(void* request, UcxOp* op) {
+  if (request == nullptr || UCS_PTR_IS_ERR(request)) op->worker->request_completed(op);
   if (request == nullptr) {
     auto batch = std::move(op->batch);
     delete op;
@@ -221,6 +235,7 @@ Status UcxDataPath::post(const std::shared_ptr<UcxBatch>& batch,
     // Shared memory: requests complete without the peer (and cannot be purged); a dead
     // peer's batches are abandoned by fail_all.
     std::lock_guard lock(mu_);
+    if (!failed_.ok()) return failed_;  // fail_all ran since the check above: not listed there
     std::erase_if(inflight_, [](const auto& weak) { return weak.expired(); });
     inflight_.push_back(batch);
   }
@@ -235,7 +250,7 @@ Status UcxDataPath::post(const std::shared_ptr<UcxBatch>& batch,
     const auto& d = descriptors[i];
     uint64_t remote = keys[i]->address + d.remote_offset;
     batch->add_request();
-    auto* op = new UcxOp{batch, &api};
+    auto* op = new_op(batch, *worker_);
     ucp_request_param_t param = request_param(op);
     track(write ? api.put_nbx(ep->ep, d.local, d.length, remote, rkeys[i], &param)
                 : api.get_nbx(ep->ep, d.local, d.length, remote, rkeys[i], &param),
@@ -245,7 +260,7 @@ Status UcxDataPath::post(const std::shared_ptr<UcxBatch>& batch,
     // A put completes locally; the flush completes once every put has landed remotely,
     // so the notification that follows the batch arrives after its data.
     batch->add_request();
-    auto* op = new UcxOp{batch, &api};
+    auto* op = new_op(batch, *worker_);
     ucp_request_param_t param = request_param(op);
     track(api.ep_flush_nbx(ep->ep, &param), op);
   }

@@ -9,6 +9,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 #include "transfer/data_path.h"
@@ -82,6 +83,11 @@ class UcxWorker : public std::enable_shared_from_this<UcxWorker> {
   // Endpoints being closed; stop_progress waits (bounded) for them.
   void close_started() { closing_.fetch_add(1); }
   void close_finished() { closing_.fetch_sub(1); }
+  // Requests posted and not yet completed, by their user data. UCX never completes a
+  // request to a dead peer over shared memory (it cannot be purged); when the worker is
+  // destroyed, `drop` frees the user data of each one still pending.
+  void request_posted(void* op, void (*drop)(void*));
+  void request_completed(void* op);
 
  private:
   UcxWorker(const UcpApi& api, std::string agent) : api_(api), agent_(std::move(agent)) {}
@@ -110,6 +116,8 @@ class UcxWorker : public std::enable_shared_from_this<UcxWorker> {
   std::mutex watch_mu_;
   std::multimap<std::chrono::steady_clock::time_point, Watch> watches_;  // guarded by watch_mu_
   std::vector<std::function<void()>> deferred_;                          // guarded by watch_mu_
+  std::mutex ops_mu_;
+  std::unordered_map<void*, void (*)(void*)> ops_;  // guarded by ops_mu_
 };
 
 // A peer region's key as the peer packed it: where the region is, how long, and the

@@ -23,8 +23,7 @@ void Connector::loader_loop() {
     {
       std::unique_lock lock(mu_);
       work_cv_.wait(lock, [&] { return stopping_ || !queue_.empty() || !background_.empty(); });
-      // Releases still queued go out before the loaders end: a connector shutting down
-      // gives back the pins it holds at producers rather than leave them to the lease.
+      // Past the drain deadline (stop() set it), what is still queued is dropped.
       if (stopping_ && !background_.empty() && drain_until_.expired()) {
         spdlog::warn(
             "connector {}: shutting down: {} queued releases dropped (their pins end "
@@ -32,6 +31,8 @@ void Connector::loader_loop() {
             name(), background_.size());
         background_.clear();
       }
+      // Releases still queued go out before the loaders end: a connector shutting down
+      // gives back the pins it holds at producers rather than leave them to the lease.
       if (!background_.empty()) {
         auto task = std::move(background_.front());
         background_.pop_front();

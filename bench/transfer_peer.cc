@@ -224,7 +224,7 @@ int run_transfer_peer(const TransferPeerOptions& options) {
     (notification_matches(producer.sink, n.message) ? producer.notified_ok
                                                     : producer.notified_bad)++;
   });
-  agent->set_call_handler([&producer](const std::string&, std::string_view body) {
+  agent->set_call_handler([&producer](const transfer::Caller&, std::string_view body) {
     return answer_call(producer, body);
   });
 

@@ -15,6 +15,13 @@
 #include "ecx/common/bytes.h"
 
 namespace ecx::cache {
+namespace {
+
+// The holder of pins handed out in params (pin_for_peer without a peer). Peers' holders
+// are agent identities ("name#session"), which never equal it.
+constexpr std::string_view kParamsHolder = "params";
+
+}  // namespace
 
 class EncoderCachePool::Impl {
  public:
@@ -177,10 +184,12 @@ class EncoderCachePool::Impl {
     std::unique_lock lock(mu_);
     ECX_ASSIGN_OR_RETURN(Entry * entry, ready_entry_locked(mm_hash));
     Entry& e = *entry;
+    const std::string holder = peer.empty() ? std::string(kParamsHolder) : peer;
+    ECX_RETURN_IF_ERROR(check_pin_quota_locked(holder));
     ECX_ASSIGN_OR_RETURN(transfer::Capability cap,
                          agent_->grant(region_.id, e.offset, e.block_length, false, peer));
     touch_locked(e);
-    uint64_t id = add_pin_locked(e, peer.empty() ? std::string("params") : peer, lease);
+    uint64_t id = add_pin_locked(e, holder, lease);
     pins_.at(id).capability = cap;
     pins_by_capability_.emplace(cap, id);
     return Pin{ref_of(e), id, cap};
@@ -406,8 +415,21 @@ class EncoderCachePool::Impl {
     return false;
   }
 
+  // A peer cannot pile up pins (and the memory their records take) without bound.
+  Status check_pin_quota_locked(const std::string& holder) const {
+    size_t quota = config_.max_pins_per_holder * (holder == kParamsHolder ? 16 : 1);
+    auto held = pins_per_holder_.find(holder);
+    if (held == pins_per_holder_.end() || held->second < quota) return Status::Ok();
+    return Status(StatusCode::kResourceExhausted,
+                  "pool " + config_.name + ": " +
+                      (holder == kParamsHolder ? std::string("params") : "this peer") +
+                      " already holds " + std::to_string(held->second) +
+                      " pins (the most allowed); release some first");
+  }
+
   uint64_t add_pin_locked(Entry& e, const std::string& holder, std::chrono::milliseconds lease) {
     e.pins++;
+    pins_per_holder_[holder]++;
     uint64_t id = next_pin_++;
     auto expiry = Clock::now() + lease;
     pins_.emplace(id, PinRecord{e.mm_hash, holder, expiry});
@@ -423,6 +445,8 @@ class EncoderCachePool::Impl {
     expiries_.erase({it->second.expiry, pin_id});
     auto e = entries_.find(it->second.mm_hash);
     if (e != entries_.end() && e->second.pins > 0) e->second.pins--;
+    auto held = pins_per_holder_.find(it->second.holder);
+    if (held != pins_per_holder_.end() && --held->second == 0) pins_per_holder_.erase(held);
     forget_capability_locked(it->second.capability);
     pins_.erase(it);
     return true;
@@ -470,6 +494,7 @@ class EncoderCachePool::Impl {
   std::list<MmHash> lru_;                      // guarded by mu_; front = most recent
   std::map<uint64_t, PinRecord> pins_;         // guarded by mu_
   std::map<transfer::Capability, uint64_t> pins_by_capability_;          // guarded by mu_
+  std::map<std::string, size_t, std::less<>> pins_per_holder_;           // guarded by mu_
   std::set<std::pair<Clock::time_point, uint64_t>> expiries_;            // guarded by mu_
   uint64_t next_generation_ = 1;                                         // guarded by mu_
   uint64_t next_pin_ = 1;                                                // guarded by mu_

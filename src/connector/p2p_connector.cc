@@ -92,11 +92,11 @@ class P2pDriver final : public ConnectorDriver {
 
   // producer
   Result<EcTransferParams> params_for(const MmHash& mm_hash);
-  Result<std::string> handle_call(const std::string& peer, std::string_view body);
-  Result<cache::Pin> entry_for(const std::string& peer, const MmHash& mm_hash,
+  Result<std::string> handle_call(const transfer::Caller& caller, std::string_view body);
+  Result<cache::Pin> entry_for(const transfer::Caller& caller, const MmHash& mm_hash,
                                const transfer::Capability& capability, Deadline wait);
-  ItemsReply handle_lookup(const std::string& peer, const LookupRequest& req);
-  Result<std::string> handle_load(const std::string& peer, const LoadBlocksRequest& req);
+  ItemsReply handle_lookup(const transfer::Caller& caller, const LookupRequest& req);
+  Result<std::string> handle_load(const transfer::Caller& caller, const LoadBlocksRequest& req);
   ItemsReply handle_params(const ParamsRequest& req);
 
   // consumer
@@ -133,11 +133,13 @@ Status P2pDriver::start() {
   pc.lease = std::chrono::milliseconds(options().lease_ms);
   pc.require_grant = options().require_grants;  // peers read only what they were handed
   ECX_ASSIGN_OR_RETURN(producer_pool_, cache::EncoderCachePool::create(agent(), pc));
-  agent()->set_call_handler(
-      [this](const std::string& peer, std::string_view body) { return handle_call(peer, body); });
-  agent()->set_peer_gone_handler([this](const std::string& peer) {
-    size_t n = producer_pool_->release_holder(peer);
-    if (n) spdlog::info("{}: consumer {} went away, released {} pins", name(), peer, n);
+  agent()->set_call_handler([this](const transfer::Caller& caller, std::string_view body) {
+    return handle_call(caller, body);
+  });
+  // Pins are held by the caller's authenticated identity, so only its own end here.
+  agent()->set_peer_gone_handler([this](const std::string& holder) {
+    size_t n = producer_pool_->release_holder(holder);
+    if (n) spdlog::info("{}: consumer {} went away, released {} pins", name(), holder, n);
   });
   return Status::Ok();
 }
@@ -165,18 +167,18 @@ Result<EcTransferParams> P2pDriver::params_for(const MmHash& mm_hash) {
   return core_.located_params(pin);
 }
 
-Result<std::string> P2pDriver::handle_call(const std::string& peer, std::string_view body) {
+Result<std::string> P2pDriver::handle_call(const transfer::Caller& caller, std::string_view body) {
   auto request = parse_control_request(body);
-  if (!request.ok()) return request.status().with_context(name() + " from " + peer);
+  if (!request.ok()) return request.status().with_context(name() + " from " + caller.name);
   try {  // nothing below throws by design; this keeps a bug from killing the server thread
     if (auto* lookup = std::get_if<LookupRequest>(&*request)) {
-      return to_json(handle_lookup(peer, *lookup));
+      return to_json(handle_lookup(caller, *lookup));
     }
     if (auto* params = std::get_if<ParamsRequest>(&*request))
       return to_json(handle_params(*params));
-    return handle_load(peer, std::get<LoadBlocksRequest>(*request));
+    return handle_load(caller, std::get<LoadBlocksRequest>(*request));
   } catch (const std::exception& e) {
-    return Internal(name() + ": request from " + peer + " failed: " + e.what());
+    return Internal(name() + ": request from " + caller.name + " failed: " + e.what());
   }
 }
 
@@ -184,21 +186,21 @@ Result<std::string> P2pDriver::handle_call(const std::string& peer, std::string_
 // consumer proves it was handed the entry (the params' pin must still be live); without
 // one it is a lookup by key: knowing the mm_hash (a SHA-256 of the image) is the proof,
 // and only authenticated agents of the deployment get this far.
-Result<cache::Pin> P2pDriver::entry_for(const std::string& peer, const MmHash& mm_hash,
+Result<cache::Pin> P2pDriver::entry_for(const transfer::Caller& caller, const MmHash& mm_hash,
                                         const transfer::Capability& capability, Deadline wait) {
   if (!capability.empty()) {
     ECX_RETURN_IF_ERROR(producer_pool_->pin_of_capability(mm_hash, capability).status());
   }
   ECX_RETURN_IF_ERROR(producer_pool_->wait_ready(mm_hash, wait).status());
-  return producer_pool_->pin_for_peer(mm_hash, peer);  // ends by RELEASE or peer death
+  return producer_pool_->pin_for_peer(mm_hash, caller.holder);  // ends by RELEASE or death
 }
 
-ItemsReply P2pDriver::handle_lookup(const std::string& peer, const LookupRequest& req) {
+ItemsReply P2pDriver::handle_lookup(const transfer::Caller& caller, const LookupRequest& req) {
   Deadline wait = Deadline::after_ms(std::min<int64_t>(req.wait_ms, kMaxLookupWaitMs));
   ItemsReply reply;
   for (const auto& item : req.items) {
     ItemReply out{.mm_hash = item.mm_hash};
-    auto pin = entry_for(peer, item.mm_hash, item.capability, wait);
+    auto pin = entry_for(caller, item.mm_hash, item.capability, wait);
     if (pin.ok()) {
       out.where = {pin->ref.region,     pin->ref.offset, pin->ref.block_length,
                    pin->ref.generation, pin->pin_id,     pin->capability};
@@ -211,7 +213,9 @@ ItemsReply P2pDriver::handle_lookup(const std::string& peer, const LookupRequest
 
 // push: writes each block the consumer asks for (entry_for) into the window the consumer
 // granted us for it, then ends the pins: ours, and the params' it names.
-Result<std::string> P2pDriver::handle_load(const std::string& peer, const LoadBlocksRequest& req) {
+Result<std::string> P2pDriver::handle_load(const transfer::Caller& caller,
+                                           const LoadBlocksRequest& req) {
+  const std::string& peer = caller.name;
   ECX_ASSIGN_OR_RETURN(auto consumer, transfer::AgentMetadata::parse(req.consumer));
   if (consumer.name != peer)
     return InvalidArgument("load: consumer metadata names '" + consumer.name + "', not the caller");
@@ -223,7 +227,7 @@ Result<std::string> P2pDriver::handle_load(const std::string& peer, const LoadBl
   ItemsReply reply;
   for (const auto& item : req.items) {
     ItemReply out{.mm_hash = item.mm_hash};
-    auto pin = entry_for(peer, item.mm_hash, item.capability, wait);
+    auto pin = entry_for(caller, item.mm_hash, item.capability, wait);
     Status s = pin.status();
     if (pin.ok()) our_pins.push_back(pin->pin_id);
     if (s.ok() && item.generation != 0 && item.generation != pin->ref.generation) {

@@ -8,6 +8,8 @@
 #include <thread>
 #include <vector>
 
+#include "ecx/common/auth.h"
+#include "ecx/common/bytes.h"
 #include "ecx/common/log.h"
 #include "transfer/connection.h"
 #include "transfer/data_path.h"
@@ -128,6 +130,9 @@ class AgentImpl final : public Agent {
   // One engine per enabled backend, in the order `auto` tries them.
   std::vector<std::unique_ptr<BackendEngine>> engines_;
   std::string host_id_;
+  // Sent in our handshakes only (AgentMetadata::session): servers key what they hand us
+  // by it, so no other process that declares our name can take or end it.
+  const std::string session_ = hex_encode(random_bytes(16).data(), 16);
   std::atomic<uint64_t> next_connection_id_{1};
 
   mutable std::mutex mu_;
@@ -214,7 +219,7 @@ Status AgentImpl::start() {
     }
     notify_cv_.notify_one();
   };
-  hooks.handle_call = [this](const std::string& peer, std::string_view request) {
+  hooks.handle_call = [this](const Caller& peer, std::string_view request) {
     CallHandler handler;
     {
       std::lock_guard lock(mu_);
@@ -353,6 +358,7 @@ Result<std::shared_ptr<Peer>> AgentImpl::open_with(BackendEngine& engine, const 
   peer->connection_id = next_connection_id_.fetch_add(1);
   const bool over_unix = engine.control_over_unix(meta, same_host);
   AgentMetadata self = metadata();
+  self.session = session_;
   ECX_ASSIGN_OR_RETURN(UniqueFd fd, dial_control(meta, over_unix, deadline));
   auto on_death = [this, name = peer->name, id = peer->connection_id](const Status& reason) {
     on_peer_death(name, id, reason);

@@ -118,6 +118,9 @@ Result<AcceptedPeer> server_handshake(int fd, const AgentMetadata& self, const s
   }
   auto peer = AgentMetadata::parse(metadata);
   if (!peer.ok()) return refuse(peer.status());
+  if (peer->session.empty()) {
+    return refuse(InvalidArgument("HELLO of agent '" + peer->name + "' names no session"));
+  }
   if (peer->protocol_version != kProtocolVersion) {
     return refuse(check_compatible(self, *peer));
   }

@@ -2,11 +2,13 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
 
+#include "ecx/common/log.h"
 #include "transfer/cuda_memory.h"
 
 namespace ecx::transfer {
@@ -16,6 +18,14 @@ constexpr int kSealFutureWrite = F_SEAL_FUTURE_WRITE;
 #else
 constexpr int kSealFutureWrite = 0x0010;  // Linux 5.1+
 #endif
+
+// Whether a grant's `holder` covers the peer of identity `peer` ("name#session"): an
+// identity matches only itself; a bare name (no '#') any process that declares it.
+bool held_by(const std::string& holder, const std::string& peer) {
+  if (holder.empty() || holder == peer) return true;
+  return holder.find('#') == std::string::npos && peer.size() > holder.size() &&
+         peer.compare(0, holder.size(), holder) == 0 && peer[holder.size()] == '#';
+}
 }  // namespace
 
 Status check_received_memfd(int fd, uint64_t length, const std::string& what) {
@@ -179,21 +189,47 @@ Result<std::shared_ptr<RegionEntry>> RegionTable::check_access(uint32_t id, uint
                                                                uint64_t length, bool write,
                                                                const std::string& peer,
                                                                const Capability& capability) const {
-  std::shared_ptr<RegionEntry> entry;
-  std::string what = describe_access(write, length, offset, id, agent_name_);
+  std::lock_guard lock(mu_);
+  return check_access_locked(id, offset, length, write, peer, capability);
+}
+
+Result<std::shared_ptr<RegionEntry>> RegionTable::begin_write(uint32_t id, uint64_t offset,
+                                                              uint64_t length,
+                                                              const std::string& peer,
+                                                              const Capability& capability,
+                                                              int fd) {
+  std::lock_guard lock(mu_);
+  ECX_ASSIGN_OR_RETURN(auto entry,
+                       check_access_locked(id, offset, length, /*write=*/true, peer, capability));
+  if (entry->access.require_grant) writes_[capability].insert(fd);
+  return entry;
+}
+
+void RegionTable::end_write(const Capability& capability, int fd) {
   {
     std::lock_guard lock(mu_);
-    auto it = regions_.find(id);
-    if (it == regions_.end()) return NotFound(what + ": no such region");
-    entry = it->second;
-    // Served here means copied by the CPU (tcp, shm's write stream): never device memory.
-    if (entry->kind == MemoryKind::kCuda) {
-      return Status(StatusCode::kFailedPrecondition,
-                    what + ": region is CUDA memory, reached only over ucx");
-    }
-    if (entry->access.require_grant) {
-      ECX_RETURN_IF_ERROR(check_grant_locked(id, offset, length, write, peer, capability, what));
-    }
+    auto it = writes_.find(capability);
+    if (it == writes_.end()) return;
+    it->second.erase(fd);
+    if (it->second.empty()) writes_.erase(it);
+  }
+  write_ended_.notify_all();
+}
+
+Result<std::shared_ptr<RegionEntry>> RegionTable::check_access_locked(
+    uint32_t id, uint64_t offset, uint64_t length, bool write, const std::string& peer,
+    const Capability& capability) const {
+  std::string what = describe_access(write, length, offset, id, agent_name_);
+  auto it = regions_.find(id);
+  if (it == regions_.end()) return NotFound(what + ": no such region");
+  std::shared_ptr<RegionEntry> entry = it->second;
+  // Served here means copied by the CPU (tcp, shm's write stream): never device memory.
+  if (entry->kind == MemoryKind::kCuda) {
+    return Status(StatusCode::kFailedPrecondition,
+                  what + ": region is CUDA memory, reached only over ucx");
+  }
+  if (entry->access.require_grant) {
+    ECX_RETURN_IF_ERROR(check_grant_locked(id, offset, length, write, peer, capability, what));
   }
   if (write && !entry->access.remote_write) {
     return Status(StatusCode::kFailedPrecondition, what + ": region is not remotely writable");
@@ -217,7 +253,7 @@ Status RegionTable::check_grant_locked(uint32_t id, uint64_t offset, uint64_t le
   auto it = grants_.find(capability);
   if (it == grants_.end()) return denied;
   const Grant& g = it->second;
-  if (g.region != id || (write && !g.write) || (!g.holder.empty() && g.holder != peer)) {
+  if (g.region != id || (write && !g.write) || !held_by(g.holder, peer)) {
     return denied;
   }
   if (offset < g.offset || length > g.length || offset - g.offset > g.length - length) {
@@ -237,7 +273,7 @@ Status RegionTable::check_region_grant(uint32_t id, const std::string& peer,
   if (!it->second->access.require_grant) return Status::Ok();
   auto g = grants_.find(capability);
   if (capability.empty() || g == grants_.end() || g->second.region != id ||
-      (!g->second.holder.empty() && g->second.holder != peer)) {
+      !held_by(g->second.holder, peer)) {
     return PermissionDenied("map region " + std::to_string(id) + " of agent " + agent_name_ +
                             ": agent '" + peer + "' holds no grant in it");
   }
@@ -262,8 +298,17 @@ Result<Capability> RegionTable::grant(uint32_t id, uint64_t offset, uint64_t len
 }
 
 void RegionTable::revoke(const Capability& capability) {
-  std::lock_guard lock(mu_);
+  std::unique_lock lock(mu_);
   grants_.erase(capability);
+  auto in_flight = writes_.find(capability);
+  if (in_flight == writes_.end()) return;
+  // Their streams are cut, so each server thread leaves its recv at once and ends its
+  // write; the bound only guards against a bug there.
+  for (int fd : in_flight->second) ::shutdown(fd, SHUT_RDWR);
+  if (!write_ended_.wait_for(lock, std::chrono::seconds(10),
+                             [&] { return writes_.count(capability) == 0; })) {
+    spdlog::error("agent {}: a WRITE on a revoked grant did not end within 10 s", agent_name_);
+  }
 }
 
 size_t RegionTable::grant_count() const {

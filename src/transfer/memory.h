@@ -1,10 +1,12 @@
 // Registered memory of one agent: memfd arenas and caller-owned buffers, by region id.
 #pragma once
 
+#include <condition_variable>
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <span>
 #include <string>
 #include <vector>
@@ -80,6 +82,14 @@ class RegionTable {
   Result<std::shared_ptr<RegionEntry>> check_access(uint32_t id, uint64_t offset, uint64_t length,
                                                     bool write, const std::string& peer = {},
                                                     const Capability& capability = {}) const;
+  // check_access for a WRITE whose data arrives on `fd`: when it passes under a grant,
+  // the write is registered in flight on that grant (in the same lock) until end_write.
+  // revoke() of the grant shuts `fd` down and waits for end_write, so no byte of the
+  // write lands in the window after revoke() returns.
+  Result<std::shared_ptr<RegionEntry>> begin_write(uint32_t id, uint64_t offset, uint64_t length,
+                                                   const std::string& peer,
+                                                   const Capability& capability, int fd);
+  void end_write(const Capability& capability, int fd);
   // Over shm and tcp the CPU copies the bytes: no local buffer of a batch may lie in a
   // CUDA region of this agent (kFailedPrecondition naming the descriptor and region).
   Status check_host_buffers(std::span<const TransferDescriptor> descriptors, bool write,
@@ -89,8 +99,11 @@ class RegionTable {
   Status check_region_grant(uint32_t id, const std::string& peer,
                             const Capability& capability) const;
 
+  // `holder`: a peer identity ("name#session": that process only), a bare agent name
+  // (any process that declares it) or empty (any authenticated peer).
   Result<Capability> grant(uint32_t id, uint64_t offset, uint64_t length, bool write,
                            const std::string& holder);
+  // Ends the grant; WRITEs in flight on it are aborted and waited for (begin_write).
   void revoke(const Capability& capability);
   size_t grant_count() const;
 
@@ -105,6 +118,10 @@ class RegionTable {
   Status check_grant_locked(uint32_t id, uint64_t offset, uint64_t length, bool write,
                             const std::string& peer, const Capability& capability,
                             const std::string& what) const;
+  Result<std::shared_ptr<RegionEntry>> check_access_locked(uint32_t id, uint64_t offset,
+                                                           uint64_t length, bool write,
+                                                           const std::string& peer,
+                                                           const Capability& capability) const;
 
   const std::string agent_name_;
   mutable std::mutex mu_;
@@ -112,6 +129,8 @@ class RegionTable {
   std::map<uint32_t, std::shared_ptr<RegionEntry>> regions_;  // guarded by mu_
   size_t cuda_regions_ = 0;                                   // guarded by mu_
   std::map<Capability, Grant> grants_;                        // guarded by mu_
+  std::map<Capability, std::set<int>> writes_;                // guarded by mu_; fds in flight
+  std::condition_variable write_ended_;                       // a write left writes_
 };
 
 }  // namespace ecx::transfer

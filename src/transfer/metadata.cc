@@ -21,6 +21,7 @@ constexpr uint64_t kMaxRegionLength = uint64_t{1} << 48;
 
 // A UCX worker address or packed memory key, in hex (UCX's are a few hundred bytes).
 constexpr size_t kMaxUcxKeyChars = 16384;
+constexpr size_t kMaxSessionChars = 64;
 
 using nlohmann::json;
 
@@ -72,6 +73,7 @@ std::string AgentMetadata::to_json() const {
             {"host_id", host_id},
             {"endpoints", {{"shm", shm_endpoint}, {"tcp", tcp_endpoint}, {"ucx", ucx_address}}},
             {"regions", regions_json}};
+  if (!session.empty()) j["session"] = session;
   return j.dump();
 }
 
@@ -93,6 +95,8 @@ Result<AgentMetadata> AgentMetadata::parse(std::string_view text) {
   ECX_ASSIGN_OR_RETURN(m.ucx_address,
                        endpoints.string("ucx", Presence::kOptional, kMaxUcxKeyChars));
   ECX_RETURN_IF_ERROR(check_hex(m.ucx_address, "agent metadata: endpoints.ucx"));
+  ECX_ASSIGN_OR_RETURN(m.session, r.string("session", Presence::kOptional, kMaxSessionChars));
+  ECX_RETURN_IF_ERROR(check_hex(m.session, "agent metadata: session"));
   ECX_ASSIGN_OR_RETURN(const json* regions, r.array("regions", Presence::kRequired, kMaxRegions));
   for (size_t i = 0; i < regions->size(); ++i) {
     ECX_ASSIGN_OR_RETURN(

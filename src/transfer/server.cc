@@ -8,6 +8,8 @@
 #include <cstring>
 #include <vector>
 
+#include "ecx/common/auth.h"
+#include "ecx/common/bytes.h"
 #include "ecx/common/log.h"
 #include "transfer/connection.h"
 
@@ -20,10 +22,27 @@ constexpr uint64_t kMaxDrainBytes = 64ull << 20;
 constexpr int64_t kHelloTimeoutMs = 10000;
 constexpr int64_t kReplyTimeoutMs = 30000;
 
-std::string unique_socket_name(const std::string& agent) {
-  static std::atomic<uint64_t> counter{0};
-  return "ecx-" + agent.substr(0, 40) + "-" + std::to_string(::getpid()) + "-" +
-         std::to_string(counter.fetch_add(1));
+// Bind attempts, each with a fresh name, before the unix listener gives up.
+constexpr int kUnixBindAttempts = 8;
+
+// Abstract unix names have no owner: another user who could guess ours could bind it
+// first and keep this agent from starting. 128 random bits cannot be guessed.
+std::string unguessable_socket_name(const std::string& agent) {
+  std::string nonce = random_bytes(16);
+  return "ecx-" + agent.substr(0, 40) + "-" + hex_encode(nonce.data(), nonce.size());
+}
+
+Result<std::pair<UniqueFd, std::string>> listen_unix_unguessable(const std::string& agent) {
+  Status last;
+  for (int attempt = 0; attempt < kUnixBindAttempts; ++attempt) {
+    std::string name = unguessable_socket_name(agent);
+    auto fd = listen_unix(name);
+    if (fd.ok()) return std::make_pair(std::move(*fd), name);
+    last = fd.status();
+    spdlog::warn("agent {}: {}; retrying with a new name", agent, last.to_string());
+  }
+  return last.with_context("agent " + agent + ": no unix listener after " +
+                           std::to_string(kUnixBindAttempts) + " names");
 }
 
 // Reads and drops `length` bytes (a refused WRITE's data); false if the stream broke.
@@ -56,9 +75,9 @@ Result<std::unique_ptr<Server>> Server::start(const AgentConfig& config, RegionT
                                               StatsCounters* stats, ServerHooks hooks) {
   std::unique_ptr<Server> server(new Server(config, regions, stats, std::move(hooks)));
   if (config.enable_shm) {
-    std::string name = unique_socket_name(config.name);
-    ECX_ASSIGN_OR_RETURN(server->unix_listener_, listen_unix(name));
-    server->shm_endpoint_ = name;
+    ECX_ASSIGN_OR_RETURN(auto listener, listen_unix_unguessable(config.name));
+    server->unix_listener_ = std::move(listener.first);
+    server->shm_endpoint_ = std::move(listener.second);
   }
   if (config.enable_tcp) {
     ECX_ASSIGN_OR_RETURN(auto listener, listen_tcp(config.tcp_host, config.tcp_port));
@@ -141,9 +160,12 @@ void Server::accept_loop(int listen_fd, bool unix_socket) {
     }
     std::lock_guard lock(mu_);
     if (stopping_) return;
-    size_t active = 0;
-    for (const auto& c : connections_) active += c.finished ? 0 : 1;
-    if (active >= static_cast<size_t>(std::max(1, config_.max_connections))) {
+    make_room_for_handshake_locked(unix_socket);
+    size_t established = 0;
+    for (const auto& c : connections_) {
+      established += (!c.finished && !c.handshaking && c.unix_socket == unix_socket) ? 1 : 0;
+    }
+    if (established >= static_cast<size_t>(std::max(1, config_.max_connections))) {
       stats_->connections_refused++;
       send_error(accepted->get(), 0,
                  Status(StatusCode::kResourceExhausted,
@@ -157,9 +179,28 @@ void Server::accept_loop(int listen_fd, bool unix_socket) {
     Connection* c = &connections_.back();
     c->fd = std::move(*accepted);
     c->unix_socket = unix_socket;
+    c->accepted_at = std::chrono::steady_clock::now();
     if (!unix_socket) tune_tcp_socket(c->fd.get(), config_.tcp_socket_buffer);
     c->thread = std::thread([this, c] { serve(c); });
   }
+}
+
+// Peers that never finish their handshake must not keep the deployment's own agents
+// out: when this listener's handshake slots are all taken, the oldest one is cut (its
+// thread fails the handshake at once and ends).
+void Server::make_room_for_handshake_locked(bool unix_socket) {
+  Connection* oldest = nullptr;
+  size_t handshaking = 0;
+  for (auto& c : connections_) {
+    if (c.finished || !c.handshaking || c.cut || c.unix_socket != unix_socket) continue;
+    handshaking++;
+    if (oldest == nullptr || c.accepted_at < oldest->accepted_at) oldest = &c;
+  }
+  if (oldest == nullptr || handshaking < static_cast<size_t>(std::max(1, config_.max_handshakes)))
+    return;
+  stats_->connections_refused++;
+  oldest->cut = true;
+  ::shutdown(oldest->fd.get(), SHUT_RDWR);
 }
 
 void Server::serve(Connection* connection) {
@@ -173,7 +214,12 @@ void Server::serve(Connection* connection) {
       spdlog::warn("agent {}: refused handshake: {}", config_.name, accepted.status().to_string());
     }
   } else {
-    const std::string& peer = accepted->metadata.name;
+    {
+      std::lock_guard lock(mu_);
+      connection->handshaking = false;  // now counted against max_connections
+    }
+    const Caller caller{accepted->metadata.name, accepted->metadata.holder()};
+    const std::string& peer = caller.name;
     const bool data_only = (accepted->flags & kHelloDataConnection) != 0;
     const int64_t idle_ms = config_.idle_timeout_ms > 0 ? config_.idle_timeout_ms : 60000;
     while (true) {
@@ -188,17 +234,18 @@ void Server::serve(Connection* connection) {
         }
         break;
       }
-      if (!handle_frame(connection, peer, *frame)) break;
+      if (!handle_frame(connection, caller, *frame)) break;
     }
-    if (!data_only && hooks_.peer_gone) hooks_.peer_gone(peer);
+    if (!data_only && hooks_.peer_gone) hooks_.peer_gone(caller.holder);
   }
   std::lock_guard lock(mu_);
   connection->fd.reset();  // closed now, not when the next connection reaps this one
   connection->finished = true;
 }
 
-bool Server::handle_frame(Connection* connection, const std::string& peer, Frame& frame) {
+bool Server::handle_frame(Connection* connection, const Caller& caller, Frame& frame) {
   int fd = connection->fd.get();
+  const std::string& peer = caller.holder;
   const FrameHeader& h = frame.header;
   Capability capability;
   if (frame.payload.size() == capability.bytes.size()) {
@@ -212,16 +259,16 @@ bool Server::handle_frame(Connection* connection, const std::string& peer, Frame
     case FrameType::kRegionQuery:
       return serve_region_query(*connection, peer, h, capability);
     case FrameType::kCall:
-      return serve_call(fd, peer, h, frame.payload);
+      return serve_call(fd, caller, h, frame.payload);
     case FrameType::kNotify:
       stats_->notifications_received++;
-      hooks_.deliver_notification(Notification{peer, std::move(frame.payload)});
+      hooks_.deliver_notification(Notification{caller.name, std::move(frame.payload)});
       return true;
     default:
       stats_->rejected_requests++;
       send_error(fd, h.id,
                  InvalidArgument(std::string("unexpected frame ") + frame_type_name(h.type) +
-                                 " from agent " + peer))
+                                 " from agent " + caller.name))
           .ignore_error();
       return false;
   }
@@ -240,7 +287,8 @@ bool Server::serve_read(int fd, const std::string& peer, const FrameHeader& h,
                         const Capability& capability) {
   auto region = accessible_region(peer, h, capability, /*write=*/false);
   if (!region.ok()) return send_error(fd, h.id, region.status()).ok();
-  Deadline reply_deadline = Deadline::never();  // data replies rely on the peer reading
+  // A peer that stops reading loses the connection, not a server thread.
+  Deadline reply_deadline = Deadline::after_ms(config_.data_timeout_ms);
   FrameHeader reply = reply_header(FrameType::kReadData, h.id);
   reply.length = h.length;
   if (!send_frame(fd, reply, std::string(), reply_deadline).ok()) return false;
@@ -257,8 +305,9 @@ bool Server::serve_read(int fd, const std::string& peer, const FrameHeader& h,
 
 bool Server::serve_write(int fd, const std::string& peer, const FrameHeader& h,
                          const Capability& capability) {
-  auto region = accessible_region(peer, h, capability, /*write=*/true);
+  auto region = regions_->begin_write(h.region, h.offset, h.length, peer, capability, fd);
   if (!region.ok()) {
+    stats_->rejected_requests++;
     // The refused data is drained to keep the stream in sync, up to kMaxDrainBytes.
     if (h.length > kMaxDrainBytes) {
       send_error(fd, h.id, region.status()).ignore_error();
@@ -267,9 +316,10 @@ bool Server::serve_write(int fd, const std::string& peer, const FrameHeader& h,
     if (!drain(fd, h.length)) return false;
     return send_error(fd, h.id, region.status()).ok();
   }
-  Status got =
-      recv_all(fd, (*region)->data + h.offset, h.length, Deadline::never(), "receive WRITE data");
-  if (!got.ok()) return false;
+  Status got = recv_all(fd, (*region)->data + h.offset, h.length,
+                        Deadline::after_ms(config_.data_timeout_ms), "receive WRITE data");
+  regions_->end_write(capability, fd);
+  if (!got.ok()) return false;  // stalled, hung up, or cut by a revoke: the stream is lost
   return send_frame(fd, reply_header(FrameType::kWriteAck, h.id), std::string(),
                     Deadline::after_ms(kReplyTimeoutMs))
       .ok();
@@ -307,11 +357,11 @@ bool Server::serve_region_query(const Connection& connection, const std::string&
       .ok();
 }
 
-bool Server::serve_call(int fd, const std::string& peer, const FrameHeader& h,
+bool Server::serve_call(int fd, const Caller& caller, const FrameHeader& h,
                         std::string_view payload) {
   Result<std::string> answer =
       hooks_.handle_call
-          ? hooks_.handle_call(peer, payload)
+          ? hooks_.handle_call(caller, payload)
           : Result<std::string>(Status(StatusCode::kFailedPrecondition,
                                        "agent " + config_.name + " serves no calls"));
   if (!answer.ok()) return send_error(fd, h.id, answer.status()).ok();

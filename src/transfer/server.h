@@ -3,6 +3,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <functional>
 #include <list>
@@ -24,8 +25,8 @@ namespace ecx::transfer {
 struct ServerHooks {
   std::function<AgentMetadata()> metadata;
   std::function<void(Notification)> deliver_notification;
-  std::function<Result<std::string>(const std::string&, std::string_view)> handle_call;
-  std::function<void(const std::string&)> peer_gone;
+  std::function<Result<std::string>(const Caller&, std::string_view)> handle_call;
+  std::function<void(const std::string&)> peer_gone;  // the peer's holder identity
 };
 
 class Server {
@@ -50,15 +51,20 @@ class Server {
   struct Connection {
     UniqueFd fd;
     bool unix_socket = false;
+    std::chrono::steady_clock::time_point accepted_at;
     std::thread thread;
-    bool finished = false;  // guarded by Server::mu_
+    bool handshaking = true;  // guarded by Server::mu_
+    bool cut = false;         // guarded by Server::mu_; shut down to make room
+    bool finished = false;    // guarded by Server::mu_
   };
 
   Server(const AgentConfig& config, RegionTable* regions, StatsCounters* stats, ServerHooks hooks);
   void accept_loop(int listen_fd, bool unix_socket);
+  void make_room_for_handshake_locked(bool unix_socket);
   void serve(Connection* connection);
   // Handles one request frame; returns false when the connection must close.
-  bool handle_frame(Connection* connection, const std::string& peer, Frame& frame);
+  // Grants are checked against `caller.holder`, the peer's authenticated identity.
+  bool handle_frame(Connection* connection, const Caller& caller, Frame& frame);
   // The region a READ or WRITE `h` may access; a refusal counts as a rejected request.
   Result<std::shared_ptr<RegionEntry>> accessible_region(const std::string& peer,
                                                          const FrameHeader& h,
@@ -70,7 +76,7 @@ class Server {
                    const Capability& capability);
   bool serve_region_query(const Connection& connection, const std::string& peer,
                           const FrameHeader& h, const Capability& capability);
-  bool serve_call(int fd, const std::string& peer, const FrameHeader& h, std::string_view payload);
+  bool serve_call(int fd, const Caller& caller, const FrameHeader& h, std::string_view payload);
   void reap_finished();
 
   const AgentConfig config_;

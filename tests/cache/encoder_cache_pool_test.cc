@@ -113,6 +113,27 @@ TEST_F(PoolTest, FullOfPinsIsResourceExhaustedNotCorruption) {
   EXPECT_TRUE(pool_->put(hash_of(2), kSeedItem, payload(kSeedItem, 2)).ok());
 }
 
+TEST_F(PoolTest, OnePeerCannotPileUpPinsWithoutBound) {
+  pool_.reset();
+  pool_ = std::move(EncoderCachePool::create(agent_.get(), {.name = "e-0",
+                                                            .capacity_bytes = 64 << 20,
+                                                            .require_grant = true,
+                                                            .max_pins_per_holder = 8})
+                        .value());
+  ASSERT_TRUE(pool_->put(hash_of(1), kSeedItem, payload(kSeedItem, 1)).ok());
+  for (int i = 0; i < 8; ++i) ASSERT_TRUE(pool_->pin_for_peer(hash_of(1), "greedy#01").ok());
+  auto over = pool_->pin_for_peer(hash_of(1), "greedy#01");
+  EXPECT_EQ(over.status().code(), StatusCode::kResourceExhausted) << over.status().to_string();
+  // Others are not charged for it, and params' pins have their own, larger share.
+  EXPECT_TRUE(pool_->pin_for_peer(hash_of(1), "modest#02").ok());
+  for (int i = 0; i < 9; ++i) ASSERT_TRUE(pool_->pin_for_peer(hash_of(1), "").ok());
+  // A pin that ends makes room again.
+  EXPECT_EQ(pool_->release_holder("greedy#01"), 8u);
+  EXPECT_TRUE(pool_->pin_for_peer(hash_of(1), "greedy#01").ok());
+  // A peer that calls itself "params" ends none of params' pins.
+  EXPECT_EQ(pool_->release_holder("params#03"), 0u);
+}
+
 TEST_F(PoolTest, LeasesExpireAndHoldersRelease) {
   make_pool(16 << 20, std::chrono::milliseconds(50));
   ASSERT_TRUE(pool_->put(hash_of(0), kSeedItem, payload(kSeedItem, 0)).ok());

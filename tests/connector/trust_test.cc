@@ -192,7 +192,7 @@ class BrokenProducer {
     ac.compat_hash = compat_hash;
     ac.auth_secret = kSecret;
     agent_ = std::move(transfer::Agent::create(ac).value());
-    agent_->set_call_handler([this](const std::string&, std::string_view) {
+    agent_->set_call_handler([this](const transfer::Caller&, std::string_view) {
       std::lock_guard lock(mu_);
       return Result<std::string>(reply_);
     });

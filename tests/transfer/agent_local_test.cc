@@ -160,11 +160,10 @@ TEST_P(AgentLocalTest, ConcurrentReadersEachGetTheirOwnBytes) {
 }
 
 TEST_P(AgentLocalTest, CallsAndErrorsTravelBothWays) {
-  producer_->set_call_handler(
-      [](const std::string& from, std::string_view req) -> Result<std::string> {
-        if (req == "fail") return Status(StatusCode::kEvicted, "block generation 7 != expected 6");
-        return from + ":" + std::string(req);
-      });
+  producer_->set_call_handler([](const Caller& from, std::string_view req) -> Result<std::string> {
+    if (req == "fail") return Status(StatusCode::kEvicted, "block generation 7 != expected 6");
+    return from.name + ":" + std::string(req);
+  });
   auto ok = consumer_->call("producer", "ping", Deadline::after_ms(20000));
   ASSERT_TRUE(ok.ok()) << ok.status().to_string();
   EXPECT_EQ(*ok, "consumer:ping");
@@ -179,7 +178,7 @@ TEST_P(AgentLocalTest, CallHonoursItsDeadline) {
   std::condition_variable cv;
   bool release = false;   // guarded by mu
   bool returned = false;  // guarded by mu
-  producer_->set_call_handler([&](const std::string&, std::string_view) -> Result<std::string> {
+  producer_->set_call_handler([&](const Caller&, std::string_view) -> Result<std::string> {
     std::unique_lock lock(mu);
     cv.wait_for(lock, std::chrono::seconds(20), [&] { return release; });
     returned = true;

@@ -56,6 +56,23 @@ bool mapped(const std::string& name_part) {
   return ss.str().find(name_part) != std::string::npos;
 }
 
+// Shakes hands over a raw tcp socket as `name` (with a fresh session), as a peer's
+// agent would, and returns the connection for the test to speak frames on.
+UniqueFd raw_peer(const Agent& server, const std::string& name) {
+  auto address = parse_host_port(server.metadata().tcp_endpoint).value();
+  auto fd = connect_tcp(address, Deadline::after_ms(5000));
+  EXPECT_TRUE(fd.ok()) << fd.status().to_string();
+  if (!fd.ok()) return UniqueFd();
+  AgentMetadata me;
+  me.name = name;
+  me.protocol_version = kProtocolVersion;
+  me.compat_hash = "ecx";
+  me.session = Capability::random().hex();
+  auto peer = client_handshake(fd->get(), me, "", 0, Deadline::after_ms(5000));
+  EXPECT_TRUE(peer.ok()) << peer.status().to_string();
+  return std::move(*fd);
+}
+
 // Waits until `done` holds or the deadline passes (for effects with no event to wait on,
 // such as a reaper thread unmapping memory). Returns whether it held.
 template <typename F>
@@ -311,14 +328,7 @@ TEST(Bounds, ConnectionsOverTheCapAreRefusedWithAClearError) {
   auto server = std::move(Agent::create(c).value());
   auto address = parse_host_port(server->metadata().tcp_endpoint).value();
   std::vector<UniqueFd> held;
-  for (int i = 0; i < 2; ++i) {
-    auto fd = connect_tcp(address, Deadline::after_ms(5000));
-    ASSERT_TRUE(fd.ok());
-    auto challenge = recv_frame(fd->get(), Deadline::after_ms(5000));  // served: challenged
-    ASSERT_TRUE(challenge.ok());
-    EXPECT_EQ(challenge->header.type, static_cast<uint16_t>(FrameType::kChallenge));
-    held.push_back(std::move(*fd));
-  }
+  for (int i = 0; i < 2; ++i) held.push_back(raw_peer(*server, "holder-" + std::to_string(i)));
   auto third = connect_tcp(address, Deadline::after_ms(5000));
   ASSERT_TRUE(third.ok());
   auto refused = recv_frame(third->get(), Deadline::after_ms(5000));
@@ -349,6 +359,7 @@ TEST(Bounds, AnIdleConnectionIsClosedAfterTheHandshake) {
   me.name = "sleeper";
   me.protocol_version = kProtocolVersion;
   me.compat_hash = "ecx";
+  me.session = "0b";
   ASSERT_TRUE(client_handshake(fd->get(), me, "", 0, Deadline::after_ms(5000)).ok());
   // Nothing sent: the server closes; recv sees EOF well before this deadline.
   auto f = recv_frame(fd->get(), Deadline::after_ms(10000));
@@ -398,6 +409,149 @@ TEST(Bounds, AHeaderCannotMakeTheServerAllocateWhatItAnnounces) {
   }
   char c;
   EXPECT_LE(::recv(fd->get(), &c, 1, 0), 0);
+}
+
+TEST(Bounds, StalledHandshakesDoNotKeepTheDeploymentsAgentsOut) {
+  AgentConfig c = local_config("server");
+  c.max_handshakes = 4;
+  auto server = std::move(Agent::create(c).value());
+  auto address = parse_host_port(server->metadata().tcp_endpoint).value();
+  // 3 times the handshake slots in connections that take the challenge and never answer
+  // (each would hold its slot for the 10 s hello timeout).
+  std::vector<UniqueFd> stalled;
+  for (int i = 0; i < 12; ++i) {
+    auto fd = connect_tcp(address, Deadline::after_ms(5000));
+    ASSERT_TRUE(fd.ok());
+    stalled.push_back(std::move(*fd));
+  }
+  // A real agent still gets in, within a deadline shorter than the hello timeout: the
+  // oldest stalled handshakes were cut to make room for it.
+  auto client = std::move(Agent::create(local_config("client")).value());
+  Status s = client
+                 ->connect(server->metadata(),
+                           {.backend = Backend::kTcp, .deadline = Deadline::after_ms(5000)})
+                 .status();
+  EXPECT_TRUE(s.ok()) << s.to_string();
+  EXPECT_GE(server->stats().connections_refused, 8u);
+}
+
+TEST(Bounds, APeerThatStopsReadingLosesItsConnectionNotAServerThread) {
+  AgentConfig c = local_config("server");
+  c.max_connections = 1;
+  c.data_timeout_ms = 300;
+  auto server = std::move(Agent::create(c).value());
+  auto region = server->allocate(8 << 20, {.remote_read = true}).value();
+  UniqueFd greedy = raw_peer(*server, "greedy");
+  // Pipelined READs of 8 MiB each, and never a byte read back: the server's send fills
+  // the socket buffers and blocks.
+  for (uint64_t i = 0; i < 8; ++i) {
+    FrameHeader h;
+    h.type = static_cast<uint16_t>(FrameType::kRead);
+    h.id = i;
+    h.region = region.id;
+    h.length = region.length;
+    ASSERT_TRUE(send_frame(greedy.get(), h, std::string(), Deadline::after_ms(5000)).ok());
+  }
+  // The only connection slot frees once the send deadline cuts the greedy peer off, long
+  // before its 60 s idle timeout.
+  auto client = std::move(Agent::create(local_config("client")).value());
+  Status again = Status(StatusCode::kResourceExhausted, "");
+  EXPECT_TRUE(eventually(
+      [&] {
+        again = client->connect(server->metadata(), {.backend = Backend::kTcp}).status();
+        return again.ok();
+      },
+      Deadline::after_ms(20000)))
+      << again.to_string();
+}
+
+TEST(Grants, NoByteOfAWriteLandsInAWindowAfterItIsRevoked) {
+  auto server = std::move(Agent::create(local_config("consumer")).value());
+  constexpr uint64_t kWindow = 1 << 20;
+  auto region = server->allocate(kWindow, {.remote_write = true, .require_grant = true}).value();
+  auto window = server->grant(region.id, 0, kWindow, /*write=*/true, "producer").value();
+  UniqueFd producer = raw_peer(*server, "producer");
+  // A lying producer starts its WRITE, sends half, and stalls.
+  FrameHeader h;
+  h.type = static_cast<uint16_t>(FrameType::kWrite);
+  h.region = region.id;
+  h.length = kWindow;
+  std::string cap(reinterpret_cast<const char*>(window.bytes.data()), window.bytes.size());
+  ASSERT_TRUE(send_frame(producer.get(), h, cap, Deadline::after_ms(5000)).ok());
+  std::vector<char> half(kWindow / 2, 'X');
+  ASSERT_TRUE(
+      send_all(producer.get(), half.data(), half.size(), Deadline::after_ms(5000), "data").ok());
+  auto* bytes = reinterpret_cast<const char*>(region.data);
+  ASSERT_TRUE(eventually([&] { return bytes[kWindow / 2 - 1] == 'X'; }, Deadline::after_ms(10000)));
+  // The consumer gives up on the load and revokes the window; then another image's bytes
+  // go into the block.
+  server->revoke(window);
+  std::memset(region.data, 'Y', kWindow);
+  // The producer sends the rest: none of it lands, and it gets no WRITE_ACK.
+  send_all(producer.get(), half.data(), half.size(), Deadline::after_ms(2000), "data")
+      .ignore_error();
+  auto ack = recv_frame(producer.get(), Deadline::after_ms(5000));
+  EXPECT_FALSE(ack.ok() && ack->header.type == static_cast<uint16_t>(FrameType::kWriteAck));
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // were a thread still writing
+  for (uint64_t i = 0; i < kWindow; i += 4096) ASSERT_EQ(bytes[i], 'Y') << "offset " << i;
+  EXPECT_EQ(bytes[kWindow - 1], 'Y');
+}
+
+TEST(Identity, APeerThatDeclaresAnotherAgentsNameCannotEndWhatThatAgentHolds) {
+  auto server = std::move(Agent::create(local_config("producer")).value());
+  std::mutex mu;
+  std::vector<std::string> callers, gone;
+  server->set_call_handler([&](const Caller& caller, std::string_view) -> Result<std::string> {
+    std::lock_guard lock(mu);
+    callers.push_back(caller.holder);
+    return std::string("ok");
+  });
+  server->set_peer_gone_handler([&](const std::string& holder) {
+    std::lock_guard lock(mu);
+    gone.push_back(holder);
+  });
+  auto real = std::move(Agent::create(local_config("consumer")).value());
+  auto impostor = std::move(Agent::create(local_config("consumer")).value());
+  auto params = std::move(Agent::create(local_config("params")).value());
+  for (Agent* a : {real.get(), impostor.get(), params.get()}) {
+    ASSERT_TRUE(a->connect(server->metadata(), {.backend = Backend::kTcp}).ok());
+    ASSERT_TRUE(a->call("producer", "hello", Deadline::after_ms(10000)).ok());
+  }
+  std::string real_holder, impostor_holder;
+  {
+    std::lock_guard lock(mu);
+    ASSERT_EQ(callers.size(), 3u);
+    real_holder = callers[0];
+    impostor_holder = callers[1];
+  }
+  // Same declared name, two identities; and "params" is not the holder of params' pins.
+  EXPECT_EQ(real_holder.rfind("consumer#", 0), 0u) << real_holder;
+  EXPECT_NE(real_holder, impostor_holder);
+  EXPECT_NE(callers[2], "params");
+  impostor->shutdown();
+  params->shutdown();
+  ASSERT_TRUE(eventually(
+      [&] {
+        std::lock_guard lock(mu);
+        return gone.size() >= 2;
+      },
+      Deadline::after_ms(10000)));
+  std::lock_guard lock(mu);
+  for (const auto& g : gone) {
+    EXPECT_NE(g, real_holder);
+    EXPECT_NE(g, "params");
+  }
+}
+
+TEST(Identity, UnixSocketNamesCannotBeGuessed) {
+  auto a = std::move(Agent::create(local_config("guess")).value());
+  auto b = std::move(Agent::create(local_config("guess")).value());
+  std::string ea = a->metadata().shm_endpoint, eb = b->metadata().shm_endpoint;
+  ASSERT_FALSE(ea.empty());
+  // No pid and no counter: 32 random hex digits after the name.
+  EXPECT_EQ(ea.find(std::to_string(::getpid())), std::string::npos) << ea;
+  EXPECT_EQ(ea.size(), std::string("ecx-guess-").size() + 32) << ea;
+  EXPECT_NE(ea.substr(10), eb.substr(10));
 }
 
 }  // namespace

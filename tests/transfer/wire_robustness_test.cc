@@ -38,6 +38,7 @@ class WireRobustnessTest : public ::testing::Test {
     me.name = "raw-client";
     me.protocol_version = kProtocolVersion;
     me.compat_hash = "ecx";
+    me.session = "0a";
     auto peer = client_handshake(fd, me, "", 0, Deadline::after_ms(5000));
     ASSERT_TRUE(peer.ok()) << peer.status().to_string();
   }

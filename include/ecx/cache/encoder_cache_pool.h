@@ -31,6 +31,9 @@ struct PoolConfig {
   // Peers reach blocks only through grants (pin_for_peer; RegionAccess::require_grant):
   // a peer cannot read, or map, what it was not handed.
   bool require_grant = false;
+  // Most live pins one peer (pin_for_peer's holder) may hold; more are refused with
+  // kResourceExhausted. Pins handed out in params (no holder) may number 16 times this.
+  size_t max_pins_per_holder = 4096;
   // Where the arena lives. kCuda: CUDA device memory of this process's current device,
   // registered as MemoryKind::kCuda, so peers reach it over ucx only (the agent needs
   // ucx.enable with a UCX that has CUDA support, e.g. library "wheel"). The pool writes

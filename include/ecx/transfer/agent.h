@@ -59,9 +59,17 @@ struct AgentConfig {
   // response; it never crosses the wire). Empty: no secret, and the agent listens on
   // loopback only (tcp_host is forced to 127.0.0.1, with a warning).
   std::string auth_secret;
-  int max_connections = 256;        // served connections at once; more are refused
+  // Served connections at once, per listener (unix, tcp); more are refused.
+  int max_connections = 256;
+  // Connections still shaking hands, per listener, counted apart from max_connections:
+  // when they are all taken, the oldest is dropped for the newcomer, so peers that never
+  // finish a handshake cannot keep the deployment's own agents out.
+  int max_handshakes = 32;
   int64_t idle_timeout_ms = 60000;  // a served connection with no frame for this long closes
-  UcxConfig ucx;                    // the ucx backend (off unless ucx.enable)
+  // Longest one READ reply or one WRITE's data may take to move; a peer that stalls the
+  // stream longer loses the connection (and the server thread is free again).
+  int64_t data_timeout_ms = 30000;
+  UcxConfig ucx;  // the ucx backend (off unless ucx.enable)
 };
 
 struct ConnectOptions {
@@ -78,11 +86,19 @@ struct RemoteView {
   std::shared_ptr<const void> keepalive;
 };
 
-// Serves CALL requests from peers: (caller agent name, request) -> reply or error.
-using CallHandler = std::function<Result<std::string>(const std::string&, std::string_view)>;
+// Who sent a request: the agent name it declared (to address it back), and `holder`,
+// the identity of its authenticated process ("name#session", AgentMetadata::holder()).
+// Grants and pins handed to a caller are held by `holder`, never by a declared name.
+struct Caller {
+  std::string name;
+  std::string holder;
+};
+// Serves CALL requests from peers: (caller, request) -> reply or error.
+using CallHandler = std::function<Result<std::string>(const Caller&, std::string_view)>;
 // Receives notifications on the connection's thread, in order with that peer's calls.
 using NotificationHandler = std::function<void(Notification)>;
-// Told when a peer that connected to this agent goes away (its process died or closed).
+// Told when a peer that connected to this agent goes away (its process died or closed),
+// with the peer's holder identity (Caller::holder).
 using PeerGoneHandler = std::function<void(const std::string&)>;
 
 class Agent {
@@ -108,8 +124,8 @@ class Agent {
 
   // Lets peers reach [offset, offset + length) of a region with RegionAccess::require_grant:
   // READ (and WRITE when `write`) with the returned capability. `holder` empty: any
-  // authenticated peer that presents it; else only the agent of that name. Valid until
-  // revoke() or deregister(region).
+  // authenticated peer that presents it; else only the peer of that identity
+  // (Caller::holder). Valid until revoke() or deregister(region).
   virtual Result<Capability> grant(uint32_t region_id, uint64_t offset, uint64_t length, bool write,
                                    const std::string& holder) = 0;
   // Ends a grant; later requests with it fail with kPermissionDenied. Idempotent.

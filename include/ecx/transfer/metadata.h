@@ -32,7 +32,14 @@ struct AgentMetadata {
   std::string tcp_endpoint;  // "host:port", empty when tcp is off
   std::string ucx_address;   // UCX worker address (hex), empty when ucx is off
   std::vector<RegionInfo> regions;
+  // Sent only in the handshake, never published: a random value of the agent's process
+  // (hex), bound to its proof of the secret. With the name it is the peer's identity
+  // (holder()), by which a server keys the grants and pins it hands that peer.
+  std::string session;
 
+  // "name#session": who holds a peer's grants and pins. A peer that declares another's
+  // name does not know its session, so it cannot take or end what that one holds.
+  std::string holder() const { return name + "#" + session; }
   std::string to_json() const;
   // Parses and validates untrusted text: types, sizes, counts, ports. Never throws.
   static Result<AgentMetadata> parse(std::string_view json);

@@ -86,11 +86,11 @@ Result<std::vector<EtcdEndpoint>> parse_etcd_endpoints(const std::string& text) 
     std::string url = text.substr(start, comma == std::string::npos ? comma : comma - start);
     start = comma == std::string::npos ? text.size() + 1 : comma + 1;
     if (url.empty()) continue;
-    std::string rest = url;
-    if (rest.rfind("http://", 0) != 0) {
-      return InvalidArgument("etcd endpoint must be http://host:port: " + url);
-    }
-    rest = rest.substr(7);
+    Status bad =
+        InvalidArgument("etcd endpoint must be http://host:port or https://host:port: " + url);
+    const bool tls = url.rfind("https://", 0) == 0;
+    if (!tls && url.rfind("http://", 0) != 0) return bad;
+    std::string rest = url.substr(tls ? 8 : 7);
     while (!rest.empty() && rest.back() == '/') rest.pop_back();
     size_t colon = rest.rfind(':');
     int port = 0;
@@ -100,9 +100,9 @@ Result<std::vector<EtcdEndpoint>> parse_etcd_endpoints(const std::string& text) 
     }
     if (colon == std::string::npos || colon == 0 || port <= 0 || port > 65535 ||
         rest.find('/') != std::string::npos) {
-      return InvalidArgument("etcd endpoint must be http://host:port: " + url);
+      return bad;
     }
-    out.push_back({rest.substr(0, colon), port});
+    out.push_back({rest.substr(0, colon), port, tls});
   }
   if (out.empty()) return InvalidArgument("no etcd endpoint in '" + text + "'");
   return out;
@@ -121,15 +121,39 @@ std::string prefix_range_end(const std::string& prefix) {
   return std::string(1, '\0');  // every key (etcd's convention)
 }
 
-EtcdClient::EtcdClient(std::vector<EtcdEndpoint> endpoints, std::chrono::milliseconds timeout)
+struct EtcdClient::TokenState {
+  std::mutex mu;
+  std::string token;  // guarded by mu; empty: authenticate before the next call
+};
+
+EtcdClient::EtcdClient(std::vector<EtcdEndpoint> endpoints, std::chrono::milliseconds timeout,
+                       EtcdAccess access)
     : endpoints_(std::move(endpoints)),
       timeout_(timeout),
+      access_(std::move(access)),
+      token_(std::make_shared<TokenState>()),
       preferred_(std::make_shared<std::atomic<size_t>>(0)) {}
 
 Result<EtcdClient> EtcdClient::create(const std::string& endpoints,
-                                      std::chrono::milliseconds timeout) {
+                                      std::chrono::milliseconds timeout, EtcdAccess access) {
   ECX_ASSIGN_OR_RETURN(auto parsed, parse_etcd_endpoints(endpoints));
-  return EtcdClient(std::move(parsed), timeout);
+  if (!access.user.empty() && access.password.empty()) {
+    return InvalidArgument("etcd user '" + access.user + "' has no password");
+  }
+  return EtcdClient(std::move(parsed), timeout, std::move(access));
+}
+
+std::unique_ptr<httplib::Client> EtcdClient::http_client(
+    const EtcdEndpoint& at, std::chrono::milliseconds read_timeout) const {
+  auto cli = std::make_unique<httplib::Client>(at.url());
+  if (at.tls) {
+    if (!access_.ca_file.empty()) cli->set_ca_cert_path(access_.ca_file.c_str());
+    cli->enable_server_certificate_verification(true);
+  }
+  cli->set_connection_timeout(timeout_);
+  cli->set_read_timeout(read_timeout);
+  cli->set_write_timeout(timeout_);
+  return cli;
 }
 
 EtcdEndpoint EtcdClient::endpoint() const {
@@ -153,23 +177,63 @@ Status gateway_error(const EtcdEndpoint& at, const std::string& path, int http_s
   }
   std::string what =
       "etcd " + at.url() + path + " answered " + std::to_string(http_status) + ": " + message;
-  if (code == 5) return NotFound(what);         // gRPC NOT_FOUND (a lease that ended)
+  if (code == 5) return NotFound(what);  // gRPC NOT_FOUND (a lease that ended)
+  // gRPC UNAUTHENTICATED (a token that expired) and PERMISSION_DENIED.
+  if (code == 16 || code == 7) return PermissionDenied(what);
   if (code == 3) return InvalidArgument(what);  // gRPC INVALID_ARGUMENT
   return Unavailable(what);
 }
 
+// Whether etcd refused a call for its token (expired, or none sent while auth is on).
+bool token_refused(const Status& s) {
+  const std::string& m = s.message();
+  return m.find("invalid auth token") != std::string::npos ||
+         m.find("user name is empty") != std::string::npos;
+}
+
 }  // namespace
 
+Result<std::string> EtcdClient::authenticate() {
+  json body = {{"name", access_.user}, {"password", access_.password}};
+  auto answer = post_once("/v3/auth/authenticate", body.dump(), "");
+  if (!answer.ok()) return answer.status().with_context("etcd user '" + access_.user + "'");
+  auto doc = parse_json_object(*answer, "etcd authenticate answer", kAnswerLimits);
+  if (!doc.ok()) return doc.status();
+  std::string token = read_string(*doc, "token");
+  if (token.empty()) return Unavailable("etcd authenticate: no token in the answer");
+  return token;
+}
+
+Result<std::string> EtcdClient::token() {
+  if (access_.user.empty()) return std::string();
+  std::lock_guard lock(token_->mu);  // one authentication at a time; the others wait for it
+  if (token_->token.empty()) {
+    ECX_ASSIGN_OR_RETURN(token_->token, authenticate());
+  }
+  return token_->token;
+}
+
 Result<std::string> EtcdClient::post(const std::string& path, const std::string& body) {
+  ECX_ASSIGN_OR_RETURN(std::string token, this->token());
+  auto answer = post_once(path, body, token);
+  if (answer.ok() || access_.user.empty() || !token_refused(answer.status())) return answer;
+  {
+    std::lock_guard lock(token_->mu);
+    if (token_->token == token) token_->token.clear();  // unless another call renewed it
+  }
+  ECX_ASSIGN_OR_RETURN(token, this->token());
+  return post_once(path, body, token);
+}
+
+Result<std::string> EtcdClient::post_once(const std::string& path, const std::string& body,
+                                          const std::string& token) {
   std::string errors;
   size_t first = preferred_->load();
   for (size_t i = 0; i < endpoints_.size(); ++i) {
     size_t index = (first + i) % endpoints_.size();
     const EtcdEndpoint& at = endpoints_[index];
-    httplib::Client cli(at.host, at.port);
-    cli.set_connection_timeout(timeout_);
-    cli.set_read_timeout(timeout_);
-    cli.set_write_timeout(timeout_);
+    auto client = http_client(at, timeout_);
+    httplib::Client& cli = *client;
     // The status and body as they arrive: the gateway ends its error answers with a
     // chunked trailer (Grpc-Trailer-Content-Type) that cpp-httplib 0.11 reports as a Read
     // error after the whole body has come.
@@ -180,6 +244,7 @@ Result<std::string> EtcdClient::post(const std::string& path, const std::string&
     req.path = path;
     req.body = body;
     req.set_header("Content-Type", "application/json");
+    if (!token.empty()) req.set_header("Authorization", token);
     req.response_handler = [&](const httplib::Response& r) {
       status = r.status;
       return true;

@@ -15,12 +15,14 @@ constexpr size_t kMaxLineBytes = size_t{64} << 20;
 
 EtcdWatch::EtcdWatch(EtcdEndpoint endpoint, std::string prefix, int64_t start_revision,
                      std::chrono::milliseconds connect_timeout,
-                     std::chrono::milliseconds idle_timeout)
+                     std::chrono::milliseconds idle_timeout, std::string token, std::string ca_file)
     : endpoint_(std::move(endpoint)),
       prefix_(std::move(prefix)),
       start_revision_(start_revision),
       connect_timeout_(connect_timeout),
-      idle_timeout_(idle_timeout) {}
+      idle_timeout_(idle_timeout),
+      token_(std::move(token)),
+      ca_file_(std::move(ca_file)) {}
 
 EtcdWatch::~EtcdWatch() { cancel(); }
 
@@ -90,7 +92,11 @@ bool EtcdWatch::handle_line(const std::string& line, const OnEvents& events, Sta
 }
 
 Status EtcdWatch::run(const OnEvents& events) {
-  httplib::Client cli(endpoint_.host, endpoint_.port);
+  httplib::Client cli(endpoint_.url());
+  if (endpoint_.tls) {
+    if (!ca_file_.empty()) cli.set_ca_cert_path(ca_file_.c_str());
+    cli.enable_server_certificate_verification(true);
+  }
   cli.set_connection_timeout(connect_timeout_);
   cli.set_read_timeout(idle_timeout_);
   cli.set_write_timeout(connect_timeout_);
@@ -109,6 +115,7 @@ Status EtcdWatch::run(const OnEvents& events) {
   req.path = "/v3/watch";
   req.body = json{{"create_request", create}}.dump();
   req.set_header("Content-Type", "application/json");
+  if (!token_.empty()) req.set_header("Authorization", token_);
 
   int http_status = 0;
   std::string buffer;  // bytes of the line not yet complete

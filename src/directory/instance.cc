@@ -3,6 +3,8 @@
 #include <charconv>
 #include <nlohmann/json.hpp>
 
+#include "ecx/common/auth.h"
+#include "ecx/common/bytes.h"
 #include "ecx/common/json_reader.h"
 
 namespace ecx::directory {
@@ -20,12 +22,44 @@ std::string instance_key(const std::string& root, const Instance& instance) {
 }
 
 std::string instance_value(const Instance& i) {
-  return json{{"id", i.id},
-              {"url", i.url},
-              {"role", i.role},
-              {"model", i.model},
-              {"compat_hash", i.compat_hash}}
-      .dump();
+  json j = {{"id", i.id},
+            {"url", i.url},
+            {"role", i.role},
+            {"model", i.model},
+            {"compat_hash", i.compat_hash}};
+  if (!i.nonce.empty()) j["nonce"] = i.nonce;
+  if (!i.mac.empty()) j["mac"] = i.mac;
+  return j.dump();
+}
+
+namespace {
+
+Mac record_mac(const Instance& i, const std::string& key, const std::string& secret) {
+  return hmac_sha256(secret,
+                     {"ecx-member-v1", key, i.id, i.url, i.role, i.model, i.compat_hash, i.nonce});
+}
+
+}  // namespace
+
+void sign_instance(Instance& instance, const std::string& key, const std::string& secret) {
+  std::string nonce = random_bytes(16);
+  instance.nonce = hex_encode(nonce.data(), nonce.size());
+  instance.mac = mac_hex(record_mac(instance, key, secret));
+}
+
+Status verify_instance(const Instance& instance, const std::string& key,
+                       const std::string& secret) {
+  Status denied = PermissionDenied("etcd key " + key +
+                                   ": the record is not signed with this deployment's secret");
+  if (instance.nonce.empty() || instance.mac.empty()) return denied;
+  auto mac = parse_mac_hex(instance.mac);
+  if (!mac.ok() || !macs_equal(*mac, record_mac(instance, key, secret))) return denied;
+  return Status::Ok();
+}
+
+std::string prove_instance(const Instance& instance, const std::string& challenge,
+                           const std::string& secret) {
+  return mac_hex(hmac_sha256(secret, {"ecx-prove-v1", challenge, instance.id, instance.url}));
 }
 
 Status check_http_url(const std::string& url) {
@@ -56,6 +90,8 @@ Result<Instance> parse_instance(std::string_view key, std::string_view value,
   ECX_ASSIGN_OR_RETURN(out.role, r.string("role", Presence::kRequired, 32));
   ECX_ASSIGN_OR_RETURN(out.model, r.string("model", Presence::kRequired, 256));
   ECX_ASSIGN_OR_RETURN(out.compat_hash, r.string("compat_hash", Presence::kRequired, 256));
+  ECX_ASSIGN_OR_RETURN(out.nonce, r.string("nonce", Presence::kOptional, 64));
+  ECX_ASSIGN_OR_RETURN(out.mac, r.string("mac", Presence::kOptional, 64));
   if (out.role != "encoder" && out.role != "pd") {
     return InvalidArgument(where + ": role '" + out.role + "' is neither encoder nor pd");
   }

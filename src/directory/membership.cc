@@ -51,6 +51,13 @@ std::optional<Instance> MembershipWatcher::usable(const KeyValue& kv) {
     why = "model '" + parsed->model + "' is not '" + options_.model + "'";
   } else if (parsed->compat_hash != options_.compat_hash) {
     why = "compat_hash '" + parsed->compat_hash + "' is not '" + options_.compat_hash + "'";
+  } else if (Status signed_by_us = options_.secret
+                                       ? verify_instance(*parsed, kv.key, *options_.secret)
+                                       : Status::Ok();
+             !signed_by_us.ok()) {
+    why = signed_by_us.message();
+  } else if (!members_.count(kv.key) && members_.size() >= options_.max_members) {
+    why = "already " + std::to_string(members_.size()) + " members, the most followed";
   } else {
     rejected_.erase(kv.key);
     return *parsed;
@@ -109,8 +116,11 @@ void MembershipWatcher::run() {
       lock.unlock();
       if (failing) spdlog::info("event=etcd_reachable prefix={} watching again", prefix_);
       failing = false;
-      auto watch = std::make_shared<EtcdWatch>(client_.endpoint(), prefix_, *revision + 1,
-                                               client_.timeout(), options_.idle_rewatch);
+      // read_all() has just authenticated, if etcd wants it: the token is fresh.
+      auto token = client_.token();
+      auto watch = std::make_shared<EtcdWatch>(
+          client_.endpoint(), prefix_, *revision + 1, client_.timeout(), options_.idle_rewatch,
+          token.ok() ? *token : std::string(), client_.access().ca_file);
       lock.lock();
       if (stop_) break;
       watch_ = watch;

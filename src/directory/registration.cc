@@ -47,11 +47,28 @@ Clock::time_point Registration::step() {
   auto now = Clock::now();
   if (lease_ != 0) {
     auto ttl = client_.keep_alive(lease_);
-    if (ttl.ok()) {
+    Status held = ttl.ok() ? still_ours() : ttl.status();
+    if (held.ok()) {
       if (outage_) spdlog::info("event=etcd_reachable key={} lease={}", key_, lease_);
       outage_ = false;
       backoff_ = std::chrono::milliseconds(100);
       return now + interval_;
+    }
+    if (ttl.ok() && held.code() == StatusCode::kNotFound) {
+      // Deleted or overwritten by someone else while our lease lives: put ours back.
+      spdlog::warn("event=key_lost key={} lease={} reason=\"{}\": registering again", key_, lease_,
+                   held.message());
+      Status put = client_.put(key_, value_, lease_);
+      if (put.ok()) {
+        spdlog::info("event=reregistered key={} lease={}", key_, lease_);
+        return now + interval_;
+      }
+      held = put;
+    }
+    if (!held.ok() && ttl.ok()) {
+      unreachable(held);
+      backoff_ = std::min(backoff_ * 2, interval_);
+      return Clock::now() + backoff_;
     }
     if (ttl.status().code() != StatusCode::kNotFound) {
       unreachable(ttl.status());
@@ -86,6 +103,15 @@ Clock::time_point Registration::step() {
   }
   cv_.notify_all();
   return Clock::now() + interval_;
+}
+
+Status Registration::still_ours() {
+  ECX_ASSIGN_OR_RETURN(RangeResult now, client_.get(key_));
+  if (now.kvs.empty()) return NotFound("the key was deleted");
+  if (now.kvs[0].value != value_ || now.kvs[0].lease != lease_) {
+    return NotFound("the key holds another value");
+  }
+  return Status::Ok();
 }
 
 void Registration::deregister() {

@@ -333,7 +333,8 @@ int run_encoder_service(const EncoderServiceConfig& config) {
   server.work("POST", "/v1/ec/release",
               [&e](const HttpRequest& req, HttpResponse& res) { e.handle_release(req, res); });
   add_common_routes(server, config.common, "encoder", [&e] { return e.render_metrics(); });
-  int rc = serve_registered(server, config.directory, config.common, "encoder", e.compat_hash());
+  int rc = serve_registered(server, config.directory, config.common, config.engine, "encoder",
+                            e.compat_hash());
   e.drain();  // graceful: consumers finish reading what we handed out
   return rc;
 }

@@ -3,8 +3,12 @@
 #include <algorithm>
 #include <chrono>
 #include <memory>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <optional>
 #include <thread>
 
+#include "ecx/common/auth.h"
 #include "ecx/common/log.h"
 #include "ecx/directory/instance.h"
 #include "ecx/directory/registration.h"
@@ -32,12 +36,65 @@ std::string advertised_url(const DirectoryConfig& directory, const CommonService
   return "http://" + (v6 ? "[" + common.host + "]" : common.host) + ":" + std::to_string(port);
 }
 
+// The nonce of GET /v1/ecx/prove?nonce=N: 64 hex digits (32 random bytes).
+Result<std::string> challenge_of(const std::string& query) {
+  const std::string key = "nonce=";
+  if (query.rfind(key, 0) != 0) return InvalidArgument("expected ?nonce=<64 hex digits>");
+  std::string nonce = query.substr(key.size());
+  if (nonce.size() != 64 || nonce.find_first_not_of("0123456789abcdef") != std::string::npos) {
+    return InvalidArgument("nonce must be 64 lower-case hex digits");
+  }
+  return nonce;
+}
+
+// Who this instance is, once it listens: what it proves to proxies.
+struct ProvenSelf {
+  std::mutex mu;
+  std::optional<directory::Instance> self;  // guarded by mu
+};
+
+void add_prove_route(HttpServer& server, std::shared_ptr<ProvenSelf> proven, std::string secret) {
+  server.fast("GET", "/v1/ecx/prove", [proven, secret](const HttpRequest& req, HttpResponse& res) {
+    auto nonce = challenge_of(req.query);
+    if (!nonce.ok()) {
+      send_error(res, 400, "invalid_request_error", nonce.status().message());
+      return;
+    }
+    std::lock_guard lock(proven->mu);
+    if (!proven->self) {
+      send_error(res, 503, "unavailable", "not registered yet");
+      return;
+    }
+    const directory::Instance& self = *proven->self;
+    res.set_content(nlohmann::json{{"id", self.id},
+                                   {"url", self.url},
+                                   {"proof", directory::prove_instance(self, *nonce, secret)}}
+                        .dump(),
+                    "application/json");
+  });
+}
+
 }  // namespace
+
+Result<directory::EtcdAccess> etcd_access(const DirectoryConfig& directory) {
+  directory::EtcdAccess access;
+  access.ca_file = directory.etcd_cacert;
+  access.user = directory.etcd_user;
+  if (access.user.empty()) return access;
+  ECX_ASSIGN_OR_RETURN(access.password,
+                       load_secret(directory.etcd_password, directory.etcd_password_file));
+  if (access.password.empty()) {
+    return InvalidArgument("--etcd-user " + access.user +
+                           " needs a password: ECX_ETCD_PASSWORD or --etcd-password-file");
+  }
+  return access;
+}
 
 Status check_instance_directory(const DirectoryConfig& directory,
                                 const CommonServiceConfig& common) {
   if (directory.etcd.empty()) return Status::Ok();
   ECX_RETURN_IF_ERROR(directory::parse_etcd_endpoints(directory.etcd).status());
+  ECX_RETURN_IF_ERROR(etcd_access(directory).status());
   if (directory.etcd_ttl_s < 1) {
     return InvalidArgument("--etcd-ttl must be at least 1 second, not " +
                            std::to_string(directory.etcd_ttl_s));
@@ -53,16 +110,25 @@ Status check_instance_directory(const DirectoryConfig& directory,
 }
 
 int serve_registered(HttpServer& server, const DirectoryConfig& directory,
-                     const CommonServiceConfig& common, const std::string& role,
-                     const std::string& compat_hash) {
+                     const CommonServiceConfig& common, const EngineConfig& engine,
+                     const std::string& role, const std::string& compat_hash) {
   if (directory.etcd.empty()) return server.serve_until_signal();
+  auto secret = load_secret(engine.auth_token, engine.auth_token_file);
+  if (!secret.ok()) {  // the connector read it already; kept as a message, not a crash
+    spdlog::error("event=secret_unreadable error=\"{}\"", secret.status().message());
+    return 2;
+  }
+  auto proven = std::make_shared<ProvenSelf>();
+  add_prove_route(server, proven, *secret);
   std::unique_ptr<directory::Registration> registration;
   ServeHooks hooks;
   hooks.on_listening = [&](int port) {
     // Each call well inside the lease: a keep-alive must land before the TTL runs out.
     auto timeout =
         std::chrono::milliseconds(std::clamp(directory.etcd_ttl_s * 1000 / 3, 100, 1000));
-    auto client = directory::EtcdClient::create(directory.etcd, timeout);
+    auto access = etcd_access(directory);
+    auto client = access.ok() ? directory::EtcdClient::create(directory.etcd, timeout, *access)
+                              : Result<directory::EtcdClient>(access.status());
     if (!client.ok()) {  // checked at start-up; kept as a message, not a crash
       spdlog::error("event=etcd_config error=\"{}\"", client.status().message());
       return;
@@ -70,6 +136,11 @@ int serve_registered(HttpServer& server, const DirectoryConfig& directory,
     directory::Instance self{make_id(role), advertised_url(directory, common, port), role,
                              common.model, compat_hash};
     std::string key = directory::instance_key(directory.etcd_prefix, self);
+    directory::sign_instance(self, key, *secret);
+    {
+      std::lock_guard lock(proven->mu);
+      proven->self = self;
+    }
     spdlog::info("event=registering key={} url={} compat_hash={} etcd={}", key, self.url,
                  compat_hash, directory.etcd);
     registration = std::make_unique<directory::Registration>(

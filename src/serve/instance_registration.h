@@ -6,6 +6,7 @@
 #include <string>
 
 #include "ecx/common/status.h"
+#include "ecx/directory/etcd_client.h"
 #include "ecx/serve/services.h"
 #include "serve/http_server.h"
 
@@ -22,8 +23,16 @@ Status check_instance_directory(const DirectoryConfig& directory,
 // first registration, or after 2 s when etcd does not answer: the instance serves
 // anyway and keeps trying), and the lease is revoked on SIGTERM/SIGINT before the drain.
 // REQUIRES: check_instance_directory(directory, common) is ok.
+//
+// The record is signed with the deployment secret (`engine`'s; directory::sign_instance),
+// and the server answers proxies' challenges (GET /v1/ecx/prove?nonce=N) with
+// directory::prove_instance: only then does a proxy route here.
 int serve_registered(HttpServer& server, const DirectoryConfig& directory,
-                     const CommonServiceConfig& common, const std::string& role,
-                     const std::string& compat_hash);
+                     const CommonServiceConfig& common, const EngineConfig& engine,
+                     const std::string& role, const std::string& compat_hash);
+
+// How E, PD and the proxy reach etcd (--etcd-cacert, --etcd-user, and the password from
+// ECX_ETCD_PASSWORD or --etcd-password-file, a file only its owner can read).
+Result<directory::EtcdAccess> etcd_access(const DirectoryConfig& directory);
 
 }  // namespace ecx::serve

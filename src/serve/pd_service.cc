@@ -227,7 +227,8 @@ int run_pd_service(const PdServiceConfig& config) {
   server.work("POST", "/v1/chat/completions",
               [&](const HttpRequest& req, HttpResponse& res) { (*pd)->handle_chat(req, res); });
   add_common_routes(server, config.common, "pd", [&] { return (*pd)->render_metrics(); });
-  return serve_registered(server, config.directory, config.common, "pd", (*pd)->compat_hash());
+  return serve_registered(server, config.directory, config.common, config.engine, "pd",
+                          (*pd)->compat_hash());
 }
 
 }  // namespace ecx::serve

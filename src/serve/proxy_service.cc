@@ -37,6 +37,7 @@
 #include <optional>
 #include <set>
 
+#include "ecx/common/auth.h"
 #include "ecx/common/checksum.h"
 #include "ecx/common/json_reader.h"
 #include "ecx/common/log.h"
@@ -47,6 +48,7 @@
 #include "serve/encoder_client.h"
 #include "serve/http_client.h"
 #include "serve/http_server.h"
+#include "serve/instance_registration.h"
 #include "serve/metrics.h"
 #include "serve/openai_request.h"
 #include "serve/upstream.h"
@@ -265,7 +267,10 @@ void Proxy::encodes_done(const Call& call) {
 }
 
 UpstreamList Proxy::pd_order(const UpstreamList& pds) {
-  UpstreamList order = pds;
+  UpstreamList order;
+  for (const auto& pd : pds) {
+    if (!pd->must_prove() || pd->proven()) order.push_back(pd);  // never an unproven member
+  }
   std::stable_sort(order.begin(), order.end(), [](const auto& a, const auto& b) {
     if (a->reachable() != b->reachable()) return a->reachable();
     return a->in_flight.load() < b->in_flight.load();
@@ -513,6 +518,7 @@ std::string Proxy::upstreams_json() const {
                       {"role", u->role},
                       {"source", u->source},
                       {"reachable", u->reachable()},
+                      {"proven", !u->must_prove() || u->proven()},
                       {"in_flight", u->in_flight.load()},
                       {"last_error", u->last_error()}});
     }
@@ -536,9 +542,11 @@ Result<UpstreamList> make_upstreams(const std::vector<std::string>& urls, const 
 // proxy starts with its static upstreams and takes the others when etcd answers).
 std::unique_ptr<directory::MembershipWatcher> watch_membership(const ProxyServiceConfig& config,
                                                                directory::EtcdClient etcd,
+                                                               const std::string& secret,
                                                                Proxy& proxy,
                                                                UpstreamProber& prober) {
   directory::MembershipOptions options;
+  options.secret = secret;  // only records the deployment signed
   options.root = config.directory.etcd_prefix;
   options.model = config.common.model;
   options.compat_hash = config.compat_hash;
@@ -579,9 +587,17 @@ int run_proxy_service(const ProxyServiceConfig& config) {
     std::cerr << "ecx serve proxy: --pd needs at least one URL (or --etcd, to find PDs there)\n";
     return 2;
   }
+  auto secret = load_secret(config.auth_token, config.auth_token_file);
+  if (!secret.ok()) {
+    std::cerr << "ecx serve proxy: " << secret.status().message() << "\n";
+    return 2;
+  }
   std::optional<directory::EtcdClient> etcd;
   if (!config.directory.etcd.empty()) {
-    auto client = directory::EtcdClient::create(config.directory.etcd, kEtcdTimeout);
+    auto access = etcd_access(config.directory);
+    auto client = access.ok()
+                      ? directory::EtcdClient::create(config.directory.etcd, kEtcdTimeout, *access)
+                      : Result<directory::EtcdClient>(access.status());
     if (!client.ok()) {
       std::cerr << "ecx serve proxy: --etcd: " << client.status().message() << "\n";
       return 2;
@@ -591,7 +607,7 @@ int run_proxy_service(const ProxyServiceConfig& config) {
   Proxy proxy(config, std::move(*encoders), std::move(*pds));
   // Probed every 250 ms until the server has stopped (the prober is destroyed after it),
   // following membership.
-  UpstreamProber prober(proxy.probed(), UpstreamProber::Options{});
+  UpstreamProber prober(proxy.probed(), UpstreamProber::Options{.secret = *secret});
   // Requests run at once (each waits on E and PD without a thread); the rest queue.
   HttpServer server(config.common, "proxy", 64);
   server.async_work("POST", "/v1/chat/completions",
@@ -606,7 +622,7 @@ int run_proxy_service(const ProxyServiceConfig& config) {
       [&] { return proxy.health(); });
   // Declared after what its callback uses: it stops first.
   std::unique_ptr<directory::MembershipWatcher> watcher;
-  if (etcd) watcher = watch_membership(config, std::move(*etcd), proxy, prober);
+  if (etcd) watcher = watch_membership(config, std::move(*etcd), *secret, proxy, prober);
   // Probed once before listening, so /health is right from the first request.
   prober.wait_first_round(Deadline::after_ms(2000));
   return server.serve_until_signal();

@@ -3,8 +3,12 @@
 #include <httplib.h>
 
 #include <algorithm>
+#include <nlohmann/json.hpp>
 
+#include "ecx/common/auth.h"
+#include "ecx/common/bytes.h"
 #include "ecx/common/log.h"
+#include "ecx/directory/instance.h"
 
 namespace ecx::serve {
 
@@ -29,11 +33,56 @@ void Upstream::mark_up(const std::string& note) {
   last_error_ = note;
 }
 
+namespace {
+
+// Asks an upstream found in etcd to prove it holds the deployment secret: a fresh
+// challenge, answered for the id and url it registered. Ok when the proof holds.
+Status challenge(Upstream& upstream, httplib::Client& cli, const std::string& secret) {
+  std::string bytes = random_bytes(32);
+  const std::string nonce = hex_encode(bytes.data(), bytes.size());
+  auto res = cli.Get("/v1/ecx/prove?nonce=" + nonce);
+  if (!res) return Unavailable("/v1/ecx/prove: " + httplib::to_string(res.error()));
+  if (res->status != 200) {
+    return PermissionDenied("/v1/ecx/prove answered " + std::to_string(res->status) +
+                            " (not an ecx instance of this deployment)");
+  }
+  auto doc = nlohmann::json::parse(res->body, nullptr, false);
+  if (!doc.is_object() || !doc["proof"].is_string()) {
+    return PermissionDenied("/v1/ecx/prove: no proof in the answer");
+  }
+  directory::Instance claimed;
+  claimed.id = upstream.instance_id;
+  claimed.url = upstream.url;
+  auto proof = parse_mac_hex(doc["proof"].get<std::string>());
+  auto expected = parse_mac_hex(directory::prove_instance(claimed, nonce, secret));
+  if (!proof.ok() || !macs_equal(*proof, *expected)) {
+    return PermissionDenied("/v1/ecx/prove: the proof of the deployment secret for " +
+                            upstream.instance_id + " does not hold");
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
 void probe_upstream(Upstream& upstream, const UpstreamProber::Options& options) {
   httplib::Client cli(upstream.host, upstream.port);
   cli.set_connection_timeout(options.connect_timeout);
   cli.set_read_timeout(options.read_timeout);
   cli.set_write_timeout(options.read_timeout);
+  if (upstream.must_prove() && !upstream.proven()) {
+    Status proven = challenge(upstream, cli, options.secret);
+    if (!proven.ok()) {
+      if (proven.code() == StatusCode::kPermissionDenied) {
+        spdlog::warn("event=member_refused role={} id={} url={} reason=\"{}\"", upstream.role,
+                     upstream.instance_id, upstream.url, proven.message());
+      }
+      upstream.mark_down(proven.message());
+      return;
+    }
+    upstream.mark_proven();
+    spdlog::info("event=member_proven role={} id={} url={}", upstream.role, upstream.instance_id,
+                 upstream.url);
+  }
   auto res = cli.Get("/health");
   if (res) {
     if (res->status == 200) {
@@ -56,60 +105,45 @@ void probe_upstream(Upstream& upstream, const UpstreamProber::Options& options) 
 }
 
 UpstreamProber::UpstreamProber(std::vector<std::shared_ptr<Upstream>> upstreams, Options options)
-    : options_(options) {
-  std::lock_guard lock(mu_);
-  for (auto& u : upstreams) start(std::move(u));
+    : options_(std::move(options)) {
+  {
+    std::lock_guard lock(mu_);
+    for (auto& u : upstreams) add_locked(u);
+  }
+  for (int i = 0; i < std::max(1, options_.threads); ++i) {
+    threads_.emplace_back([this] { run(); });
+  }
 }
 
 UpstreamProber::~UpstreamProber() {
-  std::vector<std::unique_ptr<Probe>> all;
   {
     std::lock_guard lock(mu_);
     stop_ = true;
-    for (auto& [key, probe] : probes_) all.push_back(std::move(probe));
-    for (auto& probe : retired_) all.push_back(std::move(probe));
-    probes_.clear();
-    retired_.clear();
   }
   cv_.notify_all();
-  for (auto& probe : all) probe->thread.join();
+  for (auto& t : threads_) t.join();
 }
 
-void UpstreamProber::start(std::shared_ptr<Upstream> upstream) {
-  const Upstream* key = upstream.get();
-  if (probes_.count(key)) return;  // listed twice: probed once
-  auto probe = std::make_unique<Probe>();
-  probe->upstream = std::move(upstream);
-  Probe* p = probe.get();
-  probes_.emplace(key, std::move(probe));
-  p->thread = std::thread([this, p] { run(p); });
+void UpstreamProber::add_locked(const std::shared_ptr<Upstream>& upstream) {
+  if (probes_.count(upstream.get())) return;  // listed twice: probed once
+  auto probe = std::make_shared<Probe>();
+  probe->upstream = upstream;
+  probe->due = Clock::now();
+  probes_.emplace(upstream.get(), std::move(probe));
 }
 
 void UpstreamProber::update(const std::vector<std::shared_ptr<Upstream>>& upstreams) {
-  std::vector<std::unique_ptr<Probe>> finished;
   {
     std::lock_guard lock(mu_);
     if (stop_) return;
-    finished = std::move(retired_);
-    retired_.clear();
     std::map<const Upstream*, bool> listed;
     for (const auto& u : upstreams) listed[u.get()] = true;
     for (auto it = probes_.begin(); it != probes_.end();) {
-      if (listed.count(it->first)) {
-        ++it;
-        continue;
-      }
-      it->second->stop = true;
-      retired_.push_back(std::move(it->second));
-      it = probes_.erase(it);
+      it = listed.count(it->first) ? std::next(it) : probes_.erase(it);
     }
-    for (const auto& u : upstreams) {
-      start(u);
-    }
+    for (const auto& u : upstreams) add_locked(u);
   }
   cv_.notify_all();
-  // Told to stop by an earlier update: done, or within one probe of it.
-  for (auto& probe : finished) probe->thread.join();
 }
 
 size_t UpstreamProber::size() const {
@@ -125,17 +159,29 @@ bool UpstreamProber::wait_first_round(Deadline deadline) {
   });
 }
 
-void UpstreamProber::run(Probe* probe) {
+void UpstreamProber::run() {
   std::unique_lock lock(mu_);
-  while (!stop_ && !probe->stop) {
-    lock.unlock();
-    probe_upstream(*probe->upstream, options_);
-    lock.lock();
-    if (!probe->probed) {
-      probe->probed = true;
-      cv_.notify_all();
+  while (!stop_) {
+    std::shared_ptr<Probe> next;  // the one due first that no thread holds
+    for (const auto& [key, probe] : probes_) {
+      if (!probe->busy && (!next || probe->due < next->due)) next = probe;
     }
-    cv_.wait_for(lock, options_.interval, [&] { return stop_ || probe->stop; });
+    if (!next) {
+      cv_.wait(lock);
+      continue;
+    }
+    if (next->due > Clock::now()) {
+      cv_.wait_until(lock, next->due);
+      continue;
+    }
+    next->busy = true;
+    lock.unlock();
+    probe_upstream(*next->upstream, options_);
+    lock.lock();
+    next->busy = false;
+    next->probed = true;
+    next->due = Clock::now() + options_.interval;
+    cv_.notify_all();
   }
 }
 

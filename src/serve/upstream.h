@@ -20,19 +20,27 @@ namespace ecx::serve {
 class Upstream {
  public:
   Upstream(std::string role, std::string url, std::string host, int port,
-           std::string source = "static")
+           std::string source = "static", std::string instance_id = "")
       : role(std::move(role)),
         url(std::move(url)),
         host(std::move(host)),
         port(port),
-        source(std::move(source)) {}
+        source(std::move(source)),
+        instance_id(std::move(instance_id)) {}
 
   const std::string role;  // "encoder" or "pd"
   const std::string url;   // "http://HOST:PORT"
   const std::string host;
   const int port;
   const std::string source;       // how the proxy knows it: "static" (flags) or "etcd"
+  const std::string instance_id;  // the id it registered under (etcd members)
   std::atomic<int> in_flight{0};  // requests forwarded and not yet answered
+
+  // Static upstreams are trusted by configuration; one found in etcd gets traffic only
+  // once it has proven the deployment secret (GET /v1/ecx/prove, in the prober).
+  bool must_prove() const { return source == "etcd"; }
+  bool proven() const { return proven_.load(std::memory_order_acquire); }
+  void mark_proven() { proven_.store(true, std::memory_order_release); }
 
   // True when the last probe (or forwarded request) reached it. Never blocks.
   bool reachable() const { return reachable_.load(std::memory_order_acquire); }
@@ -45,26 +53,32 @@ class Upstream {
 
  private:
   std::atomic<bool> reachable_{false};
+  std::atomic<bool> proven_{false};
   mutable std::mutex mu_;
   std::string last_error_;  // guarded by mu_
 };
 
 using UpstreamList = std::vector<std::shared_ptr<Upstream>>;
 
-// Checks `GET /health` of each upstream every `interval` on a thread of its own and
-// keeps the upstream's reachable flag:
+// Checks `GET /health` of each upstream every `interval` and keeps the upstream's
+// reachable flag:
 //   - it cannot connect (refused, connect timeout) or /health answers non-200: down;
 //   - it answers 200, or accepts the connection but answers later than
 //     `read_timeout` (busy serving requests): up.
-// The set probed follows membership (update()). Every probe is bounded by
-// connect_timeout + read_timeout; the destructor stops the threads and joins them within
-// that bound.
+// An upstream found in etcd is first challenged (must_prove()): it stays down until it
+// answers GET /v1/ecx/prove?nonce=N with the proof of the deployment secret for its
+// registered id and url (directory::prove_instance).
+// The set probed follows membership (update()). A fixed pool of `threads` does every
+// probe, whatever the number of upstreams. Every probe is bounded by connect_timeout +
+// read_timeout; the destructor stops the threads and joins them within that bound.
 class UpstreamProber {
  public:
   struct Options {
     std::chrono::milliseconds interval{250};
     std::chrono::milliseconds connect_timeout{250};
     std::chrono::milliseconds read_timeout{500};
+    int threads = 4;
+    std::string secret;  // the deployment secret, to check members' proofs
   };
 
   UpstreamProber(std::vector<std::shared_ptr<Upstream>> upstreams, Options options);
@@ -75,9 +89,8 @@ class UpstreamProber {
   // Waits until every upstream probed now has been probed once, or `deadline`. True if
   // all were.
   bool wait_first_round(Deadline deadline);
-  // Probes exactly `upstreams` from now on: one not probed yet at once, on a thread of
-  // its own; one no longer listed no more (its thread ends after the probe in progress).
-  // Called by one thread at a time.
+  // Probes exactly `upstreams` from now on: one not probed yet at once; one no longer
+  // listed no more (after the probe in progress, if any).
   void update(const std::vector<std::shared_ptr<Upstream>>& upstreams);
   // How many upstreams are probed now.
   size_t size() const;
@@ -85,23 +98,23 @@ class UpstreamProber {
  private:
   struct Probe {
     std::shared_ptr<Upstream> upstream;
-    bool probed = false;  // probed at least once; guarded by mu_
-    bool stop = false;    // guarded by mu_
-    std::thread thread;
+    Clock::time_point due;  // guarded by mu_
+    bool probed = false;    // probed at least once; guarded by mu_
+    bool busy = false;      // a thread probes it now; guarded by mu_
   };
-  void start(std::shared_ptr<Upstream> upstream);  // REQUIRES: mu_ held
-  void run(Probe* probe);
+  void add_locked(const std::shared_ptr<Upstream>& upstream);
+  // A pool thread: probes whatever is due first, until stop.
+  void run();
 
   const Options options_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
   bool stop_ = false;                                         // guarded by mu_
-  std::map<const Upstream*, std::unique_ptr<Probe>> probes_;  // guarded by mu_
-  // Told to stop, not joined yet (update() joins them, outside mu_); guarded by mu_.
-  std::vector<std::unique_ptr<Probe>> retired_;
+  std::map<const Upstream*, std::shared_ptr<Probe>> probes_;  // guarded by mu_
+  std::vector<std::thread> threads_;                          // started last
 };
 
-// One probe of `upstream` as described above; updates its flag.
+// One probe of `upstream` as described above; updates its flags.
 void probe_upstream(Upstream& upstream, const UpstreamProber::Options& options);
 
 }  // namespace ecx::serve

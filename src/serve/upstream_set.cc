@@ -41,7 +41,8 @@ UpstreamList merge(const UpstreamList& before, const std::string& role,
   for (const directory::Instance& instance : instances) {
     if (instance.role != role || listed(instance.url)) continue;
     auto kept = discovered_before.find(instance.url);
-    if (kept != discovered_before.end()) {
+    // The same instance (a restarted one at the URL proves itself again).
+    if (kept != discovered_before.end() && kept->second->instance_id == instance.id) {
       out.push_back(kept->second);
       discovered_before.erase(kept);
       continue;
@@ -52,8 +53,8 @@ UpstreamList merge(const UpstreamList& before, const std::string& role,
                    host_port.status().message());
       continue;
     }
-    auto added =
-        std::make_shared<Upstream>(role, instance.url, host_port->first, host_port->second, "etcd");
+    auto added = std::make_shared<Upstream>(role, instance.url, host_port->first, host_port->second,
+                                            "etcd", instance.id);
     out.push_back(added);
     change.added.push_back(std::move(added));
   }

@@ -51,14 +51,19 @@ TEST(EtcdCodec, Base64RoundTripsBytesAndRejectsWhatIsNotBase64) {
   EXPECT_FALSE(base64_decode("a!cd").ok());
 }
 
-TEST(EtcdCodec, EndpointsAreHttpHostPortOnly) {
+TEST(EtcdCodec, EndpointsAreHttpOrHttpsHostPortOnly) {
   auto two = parse_etcd_endpoints("http://127.0.0.1:2379,http://h2:2380/");
   ASSERT_TRUE(two.ok()) << two.status().message();
   ASSERT_EQ(two->size(), 2u);
   EXPECT_EQ((*two)[1].host, "h2");
   EXPECT_EQ((*two)[1].port, 2380);
-  for (const char* bad : {"", "127.0.0.1:2379", "https://h:1", "http://h", "http://h:0",
-                          "http://h:99999", "http://h:12/v3", "http://:12"}) {
+  EXPECT_FALSE((*two)[1].tls);
+  auto tls = parse_etcd_endpoints("https://10.0.0.1:2379");
+  ASSERT_TRUE(tls.ok()) << tls.status().message();
+  EXPECT_TRUE((*tls)[0].tls);
+  EXPECT_EQ((*tls)[0].url(), "https://10.0.0.1:2379");
+  for (const char* bad : {"", "127.0.0.1:2379", "ftp://h:1", "http://h", "http://h:0",
+                          "http://h:99999", "http://h:12/v3", "http://:12", "https://h"}) {
     EXPECT_FALSE(parse_etcd_endpoints(bad).ok()) << bad;
   }
   EXPECT_EQ(prefix_range_end("/a/"), "/a0");
@@ -193,6 +198,29 @@ TEST_F(EtcdTest, ARegistrationWhoseLeaseEndedRegistersAgain) {
   EXPECT_NE(again->kvs[0].lease, first->kvs[0].lease);
 }
 
+TEST_F(EtcdTest, ARegistrationPutsBackItsKeyWhenSomeoneDeletesOrReplacesIt) {
+  KeyRecorder keys(prefix_);
+  std::string key = prefix_ + "/instance";
+  Registration registration(test_etcd_client(), key, "mine", 3);
+  ASSERT_TRUE(registration.wait_registered(Deadline::after_ms(5000)));
+  auto ours = [&](const KeyRecorder::Keys& k) {
+    auto at = k.find(key);
+    return at != k.end() && at->second.value == "mine";
+  };
+  // Deleted behind its back (its lease lives on): back within a renewal (TTL / 3).
+  ASSERT_EQ(client_.delete_key(key).value(), 1);
+  ASSERT_TRUE(keys.wait(Deadline::after_ms(4000),
+                        [&](const KeyRecorder::Keys& k) { return !k.count(key); }));
+  EXPECT_TRUE(keys.wait(Deadline::after_ms(4000), ours));
+  // Replaced by another value: ours again.
+  ASSERT_TRUE(client_.put(key, "rogue").ok());
+  ASSERT_TRUE(keys.wait(Deadline::after_ms(4000), [&](const KeyRecorder::Keys& k) {
+    auto at = k.find(key);
+    return at != k.end() && at->second.value == "rogue";
+  }));
+  EXPECT_TRUE(keys.wait(Deadline::after_ms(4000), ours));
+}
+
 TEST(EtcdUnreachable, CallsFailWithinTheirTimeoutAndARegistrationNeverBlocks) {
   // A port nothing listens on (the fixture's peer port + 10).
   auto client = EtcdClient::create("http://127.0.0.1:23802", std::chrono::milliseconds(300));
@@ -249,6 +277,72 @@ TEST(EtcdWatchInput, FieldsOfTheWrongTypeEndTheWatchWithAStatusNotACrash) {
   EXPECT_EQ(seen[0].kv.key, "/ecx/m/instances/pd/pd-1");
   EXPECT_FALSE(ended.ok());
   EXPECT_NE(ended.message().find("etcd watch"), std::string::npos) << ended.message();
+}
+
+// etcd as a deployment should run it: TLS with a CA of its own, and authentication on,
+// whose tokens expire (2 s here; etcd's default is 300 s).
+TEST(EtcdSecure, OverTlsWithAUserWhoseTokenExpiresEveryCallStillWorks) {
+  auto client = EtcdClient::create(ecx::testing::secure_etcd_url(), std::chrono::seconds(2),
+                                   ecx::testing::secure_etcd_access());
+  ASSERT_TRUE(client.ok()) << client.status().to_string();
+  const std::string key = unique_prefix("secure") + "/k";
+  ASSERT_TRUE(client->put(key, "one").ok());
+  // Past the token's life: the next call is refused for its token, authenticates again
+  // and is retried.
+  std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+  auto read = client->get(key);
+  ASSERT_TRUE(read.ok()) << read.status().to_string();
+  ASSERT_EQ(read->kvs.size(), 1u);
+  EXPECT_EQ(read->kvs[0].value, "one");
+  // A watch carries the token too.
+  auto token = client->token();
+  ASSERT_TRUE(token.ok());
+  EtcdWatch watch(client->endpoint(), key, read->revision + 1, std::chrono::seconds(2),
+                  std::chrono::seconds(10), *token, ecx::testing::secure_etcd_access().ca_file);
+  std::vector<WatchEvent> seen;
+  std::thread writer([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    EXPECT_TRUE(client->put(key, "two").ok());
+  });
+  Status ended = watch.run([&](const std::vector<WatchEvent>& batch, int64_t) {
+    seen.insert(seen.end(), batch.begin(), batch.end());
+    watch.cancel(std::chrono::milliseconds(0));
+  });
+  writer.join();
+  ASSERT_FALSE(seen.empty()) << ended.to_string();
+  EXPECT_EQ(seen[0].kv.value, "two");
+  EXPECT_TRUE(client->delete_key(key).ok());
+}
+
+TEST(EtcdSecure, NoUserAWrongPasswordOrAnUntrustedCertificateIsRefusedWithAClearError) {
+  const auto url = ecx::testing::secure_etcd_url();
+  const auto access = ecx::testing::secure_etcd_access();
+  const std::string key = unique_prefix("secure") + "/k";
+  auto anonymous = EtcdClient::create(url, std::chrono::seconds(2), {.ca_file = access.ca_file});
+  ASSERT_TRUE(anonymous.ok());
+  Status s = anonymous->put(key, "x");
+  EXPECT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("user name is empty"), std::string::npos) << s.to_string();
+
+  auto wrong = EtcdClient::create(url, std::chrono::seconds(2),
+                                  {.ca_file = access.ca_file, .user = "ecx", .password = "nope"});
+  ASSERT_TRUE(wrong.ok());
+  s = wrong->put(key, "x");
+  EXPECT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("etcd user 'ecx'"), std::string::npos) << s.to_string();
+
+  // Without the CA, etcd's certificate is not trusted: no request is sent.
+  EtcdAccess no_ca = access;
+  no_ca.ca_file.clear();
+  auto untrusting = EtcdClient::create(url, std::chrono::seconds(2), no_ca);
+  ASSERT_TRUE(untrusting.ok());
+  s = untrusting->put(key, "x");
+  EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.to_string();
+
+  // The user may not touch keys outside its prefix.
+  auto user = EtcdClient::create(url, std::chrono::seconds(2), access);
+  ASSERT_TRUE(user.ok());
+  EXPECT_EQ(user->put("/elsewhere", "x").code(), StatusCode::kPermissionDenied);
 }
 
 }  // namespace

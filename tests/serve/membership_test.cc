@@ -313,5 +313,112 @@ TEST_F(MembershipThroughEtcd, ANewPdGetsRequestsADrainingOneNoneAndADeadOneLeave
   EXPECT_EQ(res->status, 200) << res->body;
 }
 
+// Flags of a service that reaches the secure test etcd (https, user and password).
+std::vector<std::string> secure_flags(const std::string& connector, const std::string& prefix) {
+  std::vector<std::string> out = plain_flags(connector);
+  const std::string dir = ecx::testing::secure_etcd_dir();
+  out.insert(out.end(), {"--etcd", ecx::testing::secure_etcd_url(), "--etcd-prefix", prefix,
+                         "--etcd-ttl", std::to_string(kTtl), "--etcd-cacert", dir + "/ca.pem",
+                         "--etcd-user", "ecx", "--etcd-password-file", dir + "/ecx.password"});
+  return out;
+}
+
+// What an attacker who can write to etcd (but does not hold the deployment secret) tries:
+// records of its own, a real record pointed elsewhere, the proxy listed as a PD, the
+// real PD's key deleted and overwritten. Only the deployment's instances get traffic,
+// and the real PD puts its key back.
+TEST(MembershipThroughSecureEtcd, OnlyInstancesThatProveTheSecretGetTrafficAndKeysComeBack) {
+  use_new_stack_secret();  // E, PD and the proxy share it; nobody else knows it
+  const std::string secret = std::getenv("ECX_AUTH_TOKEN");
+  const std::string prefix = ecx::testing::unique_prefix("secure-serve");
+  const std::string instances = directory::instances_prefix(prefix, "ecx-tiny-vl");
+  auto etcd = directory::EtcdClient::create(
+      ecx::testing::secure_etcd_url(), std::chrono::seconds(2), ecx::testing::secure_etcd_access());
+  ASSERT_TRUE(etcd.ok()) << etcd.status().to_string();
+
+  // The attacker's service: answers anything, and counts what reaches it.
+  httplib::Server rogue;
+  std::atomic<int> rogue_hits{0};
+  auto answer = [&](const httplib::Request&, httplib::Response& res) {
+    rogue_hits++;
+    res.set_content(R"({"choices":[{"message":{"content":"rogue"}}]})", "application/json");
+  };
+  rogue.Get(".*", answer);
+  rogue.Post(".*", answer);
+  int rogue_port = rogue.bind_to_any_port("127.0.0.1");
+  ASSERT_GT(rogue_port, 0);
+  std::thread rogue_thread([&] { rogue.listen_after_bind(); });
+  const std::string rogue_url = "http://127.0.0.1:" + std::to_string(rogue_port);
+
+  Service proxy, encoder, pd;
+  ASSERT_TRUE(start(proxy, "proxy", secure_flags("p2p", prefix)).ok());
+  ASSERT_TRUE(start(encoder, "encoder", secure_flags("p2p", prefix)).ok());
+  ASSERT_TRUE(start(pd, "pd", secure_flags("p2p", prefix)).ok());
+  ASSERT_TRUE(poll_until(Deadline::after_ms(10000),
+                         [&] { return routed_to(proxy, encoder) && routed_to(proxy, pd); }));
+  auto registered = etcd->range_prefix(instances + "pd/");
+  ASSERT_TRUE(registered.ok() && registered->kvs.size() == 1u);
+  const directory::KeyValue real_pd = registered->kvs[0];
+  auto real = directory::parse_instance(real_pd.key, real_pd.value, instances).value();
+  EXPECT_FALSE(real.mac.empty());
+
+  // (a) records of its own, unsigned, for a PD and an encoder;
+  for (const char* role : {"pd", "encoder"}) {
+    directory::Instance fake{std::string(role) + "-rogue", rogue_url, role, "ecx-tiny-vl",
+                             real.compat_hash};
+    ASSERT_TRUE(
+        etcd->put(directory::instance_key(prefix, fake), directory::instance_value(fake)).ok());
+  }
+  // (b) the real PD's signed record, copied with the rogue's URL;
+  directory::Instance moved = real;
+  moved.id = "pd-moved";
+  moved.url = rogue_url;
+  ASSERT_TRUE(
+      etcd->put(directory::instance_key(prefix, moved), directory::instance_value(moved)).ok());
+  // (c) the proxy itself as a PD, even signed with the secret (a misconfiguration).
+  directory::Instance self{"pd-self", proxy.url, "pd", "ecx-tiny-vl", real.compat_hash};
+  const std::string self_key = directory::instance_key(prefix, self);
+  directory::sign_instance(self, self_key, secret);
+  ASSERT_TRUE(etcd->put(self_key, directory::instance_value(self)).ok());
+
+  // The proxy challenged (c) and refused it; (a) and (b) never became members.
+  ASSERT_TRUE(poll_until(Deadline::after_ms(10000), [&] {
+    json u = upstream(proxy, proxy.url);
+    return u.is_object() && u["proven"] == false && !u["last_error"].get<std::string>().empty();
+  })) << upstream(proxy, proxy.url);
+  EXPECT_EQ(upstream(proxy, proxy.url)["reachable"], false);
+  EXPECT_TRUE(upstream(proxy, rogue_url).is_null());
+  for (int i = 0; i < 6; ++i) {
+    auto res = chat(proxy, image_request(40 + i));
+    ASSERT_TRUE(res);
+    EXPECT_EQ(res->status, 200) << res->body;
+    EXPECT_EQ(res->body.find("rogue"), std::string::npos);
+  }
+
+  // The real PD's key deleted, then overwritten: the PD puts its own back each time.
+  auto pd_record = [&] {
+    auto now = etcd->get(real_pd.key);
+    return now.ok() && now->kvs.size() == 1u ? now->kvs[0].value : std::string();
+  };
+  ASSERT_EQ(etcd->delete_key(real_pd.key).value(), 1);
+  EXPECT_TRUE(poll_until(Deadline::after_ms((kTtl + 1) * 1000),
+                         [&] { return pd_record() == real_pd.value; }));
+  directory::Instance hijack = real;
+  hijack.url = rogue_url;
+  hijack.mac.clear();
+  ASSERT_TRUE(etcd->put(real_pd.key, directory::instance_value(hijack)).ok());
+  EXPECT_TRUE(poll_until(Deadline::after_ms((kTtl + 1) * 1000),
+                         [&] { return pd_record() == real_pd.value; }));
+  ASSERT_TRUE(poll_until(Deadline::after_ms(10000), [&] { return routed_to(proxy, pd); }));
+  auto res = chat(proxy, image_request(50));
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 200) << res->body;
+  EXPECT_EQ(rogue_hits.load(), 0) << "the rogue service was sent traffic";
+
+  rogue.stop();
+  rogue_thread.join();
+  etcd->delete_prefix(prefix).status().ignore_error();
+}
+
 }  // namespace
 }  // namespace ecx::serve

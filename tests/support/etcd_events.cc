@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <cstdlib>
+#include <fstream>
 
 namespace ecx::testing {
 
@@ -23,6 +24,19 @@ Status test_etcd_health() {
   return Unavailable(
       "no etcd at " + test_etcd_url() +
       " (CTest starts one: tests/support/etcd_fixture.sh): " + read.status().message());
+}
+
+std::string secure_etcd_url() {
+  return "https://127.0.0.1:" + std::to_string(ECX_TEST_ETCD_SECURE_PORT);
+}
+
+std::string secure_etcd_dir() { return ECX_TEST_ETCD_SECURE_DIR; }
+
+directory::EtcdAccess secure_etcd_access() {
+  std::ifstream in(secure_etcd_dir() + "/ecx.password");
+  std::string password;
+  std::getline(in, password);
+  return {secure_etcd_dir() + "/ca.pem", "ecx", password};
 }
 
 std::string unique_prefix(const std::string& what) {

@@ -23,6 +23,12 @@ std::string test_etcd_url();
 directory::EtcdClient test_etcd_client();
 // True when the test etcd answers (a test without it fails with this message).
 Status test_etcd_health();
+// The secure test etcd (fixture etcd_secure, tests/support/etcd_fixture.sh start-secure):
+// https:// with a CA of its own, authentication on, user "ecx" limited to /ecx-test/,
+// tokens that expire after 2 s.
+std::string secure_etcd_url();
+std::string secure_etcd_dir();  // ca.pem and ecx.password are here
+directory::EtcdAccess secure_etcd_access();
 // A key prefix no other test uses: "/ecx-test/<what>-<pid>-<n>".
 std::string unique_prefix(const std::string& what);
 

@@ -173,6 +173,7 @@ TEST(SealedMemory, APeerCannotMapTheArenaWritableNorResizeIt) {
   me.name = "hostile";
   me.protocol_version = kProtocolVersion;
   me.compat_hash = "ecx";
+  me.session = "0c";
   auto channel = ControlChannel::open(std::move(*fd), true, me, "", Deadline::after_ms(5000), {});
   ASSERT_TRUE(channel.ok()) << channel.status().to_string();
   auto grant = (*channel)->query_region(peer->source_region(), {}, Deadline::after_ms(5000));

@@ -84,6 +84,15 @@ void add_connector_flag(CLI::App* app, std::string& connector) {
       ->capture_default_str();
 }
 
+// The deployment secret (docs/SECURITY.md): a file, or ECX_AUTH_TOKEN.
+void add_secret_flags(CLI::App* app, std::string& token, std::string& token_file) {
+  app->add_option("--auth-token-file", token_file,
+                  "File holding the deployment secret (mode 600); or set ECX_AUTH_TOKEN")
+      ->envname("ECX_AUTH_TOKEN_FILE");
+  // The secret itself only from the environment: a command line is visible to `ps`.
+  if (const char* t = std::getenv("ECX_AUTH_TOKEN")) token = t;
+}
+
 // The model and connector flags of E and PD.
 void add_engine_flags(CLI::App* app, ecx::serve::EngineConfig& c) {
   add_connector_flag(app, c.connector);
@@ -92,11 +101,7 @@ void add_engine_flags(CLI::App* app, ecx::serve::EngineConfig& c) {
       ->envname("ECX_EC_CONFIG");
   app->add_option("--weights", c.weights, "Model weights (safetensors); default: seeded")
       ->envname("ECX_WEIGHTS");
-  app->add_option("--auth-token-file", c.auth_token_file,
-                  "File holding the deployment secret (mode 600); or set ECX_AUTH_TOKEN")
-      ->envname("ECX_AUTH_TOKEN_FILE");
-  // The secret itself only from the environment: a command line is visible to `ps`.
-  if (const char* token = std::getenv("ECX_AUTH_TOKEN")) c.auth_token = token;
+  add_secret_flags(app, c.auth_token, c.auth_token_file);
 }
 
 void add_max_model_len_flag(CLI::App* app, int64_t& max_model_len) {
@@ -126,6 +131,15 @@ void add_directory_flags(CLI::App* app, ecx::serve::DirectoryConfig& c, bool ins
                   "Root of the keys: <prefix>/<model>/instances/<role>/<id>")
       ->envname("ECX_ETCD_PREFIX")
       ->capture_default_str();
+  app->add_option("--etcd-cacert", c.etcd_cacert,
+                  "CA bundle (PEM) that signed etcd's certificate, for https:// endpoints")
+      ->envname("ECX_ETCD_CACERT");
+  app->add_option("--etcd-user", c.etcd_user, "etcd user, when etcd's authentication is on")
+      ->envname("ECX_ETCD_USER");
+  app->add_option("--etcd-password-file", c.etcd_password_file,
+                  "File holding the etcd user's password (mode 600); or set ECX_ETCD_PASSWORD")
+      ->envname("ECX_ETCD_PASSWORD_FILE");
+  if (const char* password = std::getenv("ECX_ETCD_PASSWORD")) c.etcd_password = password;
   if (!instance) {
     app->add_option("--etcd-ttl,--advertise-url", unused,
                     "Not used by this role (accepted, so one config file can serve every role)");
@@ -204,9 +218,10 @@ void add_proxy_command(CLI::App* serve, ServeCommands& cmds, std::string& log_le
   CLI::App* s = serve->add_subcommand("proxy", "The proxy service");
   add_common_flags(s, cmds.proxy.common);
   add_connector_flag(s, cmds.proxy.connector);
-  for (const char* flag : {"--ec-config", "--weights", "--auth-token-file"}) {
+  for (const char* flag : {"--ec-config", "--weights"}) {
     s->add_option(flag, cmds.unused_text, kUnused);
   }
+  add_secret_flags(s, cmds.proxy.auth_token, cmds.proxy.auth_token_file);
   s->add_option("--max-model-len", cmds.unused_number, kUnused);
   add_request_timeout_flag(s, cmds.proxy.request_timeout_ms);
   s->add_option("--log-level", log_level, "trace, debug, info, warn, error, off");

@@ -12,22 +12,39 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
 #include "ecx/common/status.h"
 
+namespace httplib {
+class Client;
+}
+
 namespace ecx::directory {
 
-// Where an etcd member answers: http://host:port.
+// Where an etcd member answers: http://host:port, or https://host:port (tls).
 struct EtcdEndpoint {
   std::string host;
   int port = 0;
-  std::string url() const { return "http://" + host + ":" + std::to_string(port); }
+  bool tls = false;
+  std::string url() const {
+    return std::string(tls ? "https://" : "http://") + host + ":" + std::to_string(port);
+  }
 };
 
-// "http://host:port[,http://host:port...]" -> endpoints. Only http:// with a port.
+// "http(s)://host:port[,http(s)://host:port...]" -> endpoints. A scheme and a port each.
 Result<std::vector<EtcdEndpoint>> parse_etcd_endpoints(const std::string& text);
+
+// How to reach etcd beyond its endpoints: whom to trust for https://, and who we are
+// when etcd's authentication is on (etcd 3.4's JSON gateway takes a user and password,
+// not a client certificate's identity: etcd-io/etcd#10392).
+struct EtcdAccess {
+  std::string ca_file;  // PEM bundle of the CA that signed etcd's certificate; empty: system's
+  std::string user;     // empty: no authentication
+  std::string password;
+};
 
 // One key as etcd holds it.
 struct KeyValue {
@@ -50,7 +67,8 @@ class EtcdClient {
  public:
   // `endpoints` as parse_etcd_endpoints reads them; `timeout` bounds each call (connect
   // and answer).
-  static Result<EtcdClient> create(const std::string& endpoints, std::chrono::milliseconds timeout);
+  static Result<EtcdClient> create(const std::string& endpoints, std::chrono::milliseconds timeout,
+                                   EtcdAccess access = {});
 
   // A lease of `ttl_s` seconds; its id.
   Result<int64_t> grant_lease(int64_t ttl_s);
@@ -74,6 +92,16 @@ class EtcdClient {
   // The endpoint calls go to first (the last one that answered).
   EtcdEndpoint endpoint() const;
   std::chrono::milliseconds timeout() const { return timeout_; }
+  const EtcdAccess& access() const { return access_; }
+
+  // An HTTP(S) client of `at` with this client's CA and timeouts (read: `read_timeout`).
+  std::unique_ptr<httplib::Client> http_client(const EtcdEndpoint& at,
+                                               std::chrono::milliseconds read_timeout) const;
+  // The token etcd issued to our user (authenticating when there is none yet): what
+  // requests carry in their Authorization header. Empty without a user. etcd's tokens
+  // expire (300 s by default): a call refused for its token authenticates again and is
+  // retried once.
+  Result<std::string> token();
 
   // One POST of `body` (JSON) to `path` (e.g. "/v3/kv/put"); the answer's JSON text.
   // Connection failures try the next endpoint. Errors: Unavailable (no answer, or a
@@ -81,12 +109,20 @@ class EtcdClient {
   Result<std::string> post(const std::string& path, const std::string& body);
 
  private:
-  EtcdClient(std::vector<EtcdEndpoint> endpoints, std::chrono::milliseconds timeout);
+  struct TokenState;
+  EtcdClient(std::vector<EtcdEndpoint> endpoints, std::chrono::milliseconds timeout,
+             EtcdAccess access);
   Result<RangeResult> range(const std::string& key, const std::string& range_end);
   Result<int64_t> delete_range(const std::string& key, const std::string& range_end);
+  // One POST to the endpoints in turn, with `token` (if any) as its Authorization.
+  Result<std::string> post_once(const std::string& path, const std::string& body,
+                                const std::string& token);
+  Result<std::string> authenticate();
 
   std::vector<EtcdEndpoint> endpoints_;
   std::chrono::milliseconds timeout_;
+  EtcdAccess access_;
+  std::shared_ptr<TokenState> token_;  // shared by copies of this client
   // The index of the endpoint to try first; shared by copies of this client.
   std::shared_ptr<std::atomic<size_t>> preferred_;
 };

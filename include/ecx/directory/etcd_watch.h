@@ -37,8 +37,10 @@ class EtcdWatch {
   // `idle_timeout`: a stream silent for that long ends (DeadlineExceeded); the caller
   // re-reads and watches again, which also notices an etcd that vanished without
   // closing the connection.
+  // `token` (EtcdClient::token()) when etcd's auth is on; `ca_file` for https://.
   EtcdWatch(EtcdEndpoint endpoint, std::string prefix, int64_t start_revision,
-            std::chrono::milliseconds connect_timeout, std::chrono::milliseconds idle_timeout);
+            std::chrono::milliseconds connect_timeout, std::chrono::milliseconds idle_timeout,
+            std::string token = {}, std::string ca_file = {});
   ~EtcdWatch();
   EtcdWatch(const EtcdWatch&) = delete;
   EtcdWatch& operator=(const EtcdWatch&) = delete;
@@ -60,6 +62,8 @@ class EtcdWatch {
   const int64_t start_revision_;
   const std::chrono::milliseconds connect_timeout_;
   const std::chrono::milliseconds idle_timeout_;
+  const std::string token_;
+  const std::string ca_file_;
 
   std::atomic<bool> cancelled_{false};
   std::mutex mu_;

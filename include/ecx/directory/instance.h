@@ -16,7 +16,23 @@ struct Instance {
   std::string role;         // "encoder" or "pd"
   std::string model;        // the served model name
   std::string compat_hash;  // the connector's compatibility hash
+  // The proof that the deployment wrote the record (sign_instance): a fresh random nonce
+  // (hex) and an HMAC (hex) under the deployment secret over the key, every field above
+  // and the nonce. Empty in a record nobody signed.
+  std::string nonce;
+  std::string mac;
 };
+
+// Signs `instance`'s record for `key` (instance_key) with `secret`: a new nonce and mac.
+void sign_instance(Instance& instance, const std::string& key, const std::string& secret);
+// Ok when `instance` (as found at `key`) was signed with `secret`; PermissionDenied if not.
+Status verify_instance(const Instance& instance, const std::string& key, const std::string& secret);
+// What an instance answers a proxy's challenge (GET /v1/ecx/prove?nonce=N, N 64 hex
+// digits) with: an HMAC (hex) under `secret` over N and the instance's id and url. Only
+// a process that holds the secret can answer, so a record pointing at a service that
+// does not (or at the proxy itself) is never routed to.
+std::string prove_instance(const Instance& instance, const std::string& challenge,
+                           const std::string& secret);
 
 // "<root>/<model>/instances/".
 std::string instances_prefix(const std::string& root, const std::string& model);

@@ -32,6 +32,11 @@ struct MembershipOptions {
   std::string root = "/ecx";  // the key layout's root
   std::string model;          // watches <root>/<model>/instances/
   std::string compat_hash;    // instances with another one are left out
+  // When set, records not signed with this deployment secret (verify_instance) are left
+  // out: only the deployment's own instances join. (Unset: every well-formed record.)
+  std::optional<std::string> secret;
+  // Most members followed at once; records past it are left out (logged).
+  size_t max_members = 1024;
   std::chrono::milliseconds max_backoff{2000};
   // A watch with no message for this long is read and watched again.
   std::chrono::milliseconds idle_rewatch{60000};

@@ -4,7 +4,8 @@
 //
 // etcd being away does not stop anything else: the thread retries (with backoff, each
 // call bounded by the client's timeout), logs when etcd is unreachable and when it is
-// back, and registers again (new lease) if the old lease ended meanwhile.
+// back, and registers again (new lease) if the old lease ended meanwhile. Each renewal
+// also reads the key back: one deleted or overwritten by someone else is put back.
 #pragma once
 
 #include <condition_variable>
@@ -39,6 +40,9 @@ class Registration {
   void run();
   // One step of the thread; the time of the next one.
   Clock::time_point step();
+  // Ok when the key still holds our value under our lease; NotFound (saying what
+  // happened) when it was deleted or replaced; the client's error otherwise.
+  Status still_ours();
   // Logs that etcd could not be reached (once per outage).
   void unreachable(const Status& s);
 

@@ -61,6 +61,13 @@ struct DirectoryConfig {
   // E/PD: the URL others reach this instance at; empty = http://HOST:PORT as it listens
   // (required when HOST is 0.0.0.0 or ::).
   std::string advertise_url;
+  // etcd over https:// (the CA that signed its certificate), and etcd's own
+  // authentication when it is on: a user, and its password from ECX_ETCD_PASSWORD or a
+  // file only its owner can read.
+  std::string etcd_cacert;
+  std::string etcd_user;
+  std::string etcd_password;
+  std::string etcd_password_file;
 };
 
 struct EncoderServiceConfig {
@@ -95,6 +102,10 @@ struct ProxyServiceConfig {
   // The compatibility hash instances found through etcd must carry; empty = the
   // reference model's for --model (what E and PD use unless --ec-config sets another).
   std::string compat_hash;
+  // The deployment secret: instances found in etcd must prove they hold it (their
+  // signed record, and an answer to the proxy's challenge) before they get traffic.
+  std::string auth_token;
+  std::string auth_token_file;
   int64_t encode_timeout_ms = 30000;    // proxy -> E, per image
   int64_t request_timeout_ms = 120000;  // proxy -> PD
 };

@@ -41,14 +41,20 @@ void shut_down(Service& s) {
 
 }  // namespace
 
+// Lines a service may print before its "listening on" line.
+constexpr int kMaxLinesBeforeListening = 64;
+
 Result<RunningService> spawn_service(const std::vector<std::string>& argv, Deadline deadline) {
   ECX_ASSIGN_OR_RETURN(Subprocess p, Subprocess::spawn(argv));
-  ECX_ASSIGN_OR_RETURN(std::string line, p.read_line(deadline));
-  auto at = line.find("listening on http://");
-  if (at == std::string::npos) {
-    return Internal((argv.size() > 2 ? argv[2] : argv[0]) + " did not start: " + line);
+  // Log lines may come first (a warning, etcd registration): skip up to a few of them.
+  std::string seen;
+  for (int i = 0; i < kMaxLinesBeforeListening; ++i) {
+    ECX_ASSIGN_OR_RETURN(std::string line, p.read_line(deadline));
+    auto at = line.find("listening on http://");
+    if (at != std::string::npos) return RunningService{std::move(p), line.substr(at + 13), seen};
+    seen += line + "\n";
   }
-  return RunningService{std::move(p), line.substr(at + 13)};
+  return Internal((argv.size() > 2 ? argv[2] : argv[0]) + " did not start: " + seen);
 }
 
 void use_new_stack_secret() {

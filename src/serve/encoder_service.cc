@@ -314,6 +314,8 @@ std::string EncoderService::render_metrics() {
 int run_encoder_service(const EncoderServiceConfig& config) {
   block_shutdown_signals();
   set_log_level(config.common.log_level).ignore_error();
+  const bool secured = announce_secret("encoder", config.engine.auth_token,
+                                       config.engine.auth_token_file, config.engine.ec_config);
   if (Status s = check_instance_directory(config.directory, config.common); !s.ok()) {
     std::cerr << "ecx serve encoder: " << s.message() << "\n";
     return 2;
@@ -332,7 +334,7 @@ int run_encoder_service(const EncoderServiceConfig& config) {
               [&e](const HttpRequest& req, HttpResponse& res) { e.handle_chat(req, res); });
   server.work("POST", "/v1/ec/release",
               [&e](const HttpRequest& req, HttpResponse& res) { e.handle_release(req, res); });
-  add_common_routes(server, config.common, "encoder", [&e] { return e.render_metrics(); });
+  add_common_routes(server, config.common, "encoder", secured, [&e] { return e.render_metrics(); });
   int rc = serve_registered(server, config.directory, config.common, config.engine, "encoder",
                             e.compat_hash());
   e.drain();  // graceful: consumers finish reading what we handed out

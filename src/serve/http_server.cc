@@ -161,14 +161,40 @@ std::string HttpServer::render_metrics() const {
   return out.str();
 }
 
+bool announce_secret(const std::string& role, const std::string& token,
+                     const std::string& token_file, const std::string& ec_config) {
+  bool secured = !token.empty() || !token_file.empty();
+  if (!secured && !ec_config.empty()) {
+    json ec = json::parse(ec_config, nullptr, false);
+    const json* extra = ec.is_object() && ec.contains("extra") ? &ec["extra"] : nullptr;
+    secured = extra != nullptr && extra->is_object() &&
+              (extra->contains("auth_token") || extra->contains("auth_token_file"));
+  }
+  if (!secured) {
+    spdlog::warn(
+        "event=insecure service={} reason=\"no deployment secret (ECX_AUTH_TOKEN or "
+        "--auth-token-file): any process that reaches its agents or the directory is "
+        "trusted as part of the deployment; see docs/SECURITY.md\"",
+        role);
+  }
+  return secured;
+}
+
 void add_common_routes(HttpServer& server, const CommonServiceConfig& config,
-                       const std::string& role, const std::function<std::string()>& metrics,
+                       const std::string& role, bool secured,
+                       const std::function<std::string()>& metrics,
                        std::function<HealthReport()> health) {
   // Structured logs: key=value, one line per request (written by the server).
   spdlog::set_pattern("ts=%Y-%m-%dT%H:%M:%S.%e level=%l service=" + role + " pid=%P %v");
-  server.fast("GET", "/health", [role, health](const HttpRequest&, HttpResponse& res) {
+  server.fast("GET", "/health", [role, health, secured](const HttpRequest&, HttpResponse& res) {
     HealthReport report{200, json{{"status", "ok"}, {"role", role}}};
     if (health) report = health();
+    report.body["auth"] = secured ? "secret" : "none";
+    if (!secured) {
+      report.body["warnings"].push_back(
+          "no deployment secret: any process that reaches this service's agents or "
+          "directory is trusted (set ECX_AUTH_TOKEN or --auth-token-file)");
+    }
     res.status = report.http_status;
     res.set_content(safe_dump(report.body), "application/json");
   });
@@ -177,9 +203,15 @@ void add_common_routes(HttpServer& server, const CommonServiceConfig& config,
     res.set_content(json{{"object", "list"}, {"data", json::array({entry})}}.dump(),
                     "application/json");
   });
-  server.fast("GET", "/metrics", [metrics, &server](const HttpRequest&, HttpResponse& res) {
-    res.set_content(metrics() + server.render_metrics(), "text/plain; version=0.0.4");
-  });
+  server.fast(
+      "GET", "/metrics", [metrics, &server, secured](const HttpRequest&, HttpResponse& res) {
+        std::string auth =
+            "# HELP ecx_auth_secret_configured 1 when the service runs with a deployment secret\n"
+            "# TYPE ecx_auth_secret_configured gauge\n"
+            "ecx_auth_secret_configured " +
+            std::string(secured ? "1" : "0") + "\n";
+        res.set_content(metrics() + auth + server.render_metrics(), "text/plain; version=0.0.4");
+      });
 }
 
 void block_shutdown_signals() {

@@ -92,11 +92,21 @@ class HttpServer {
   int port_ = 0;
 };
 
+// Whether a service runs with a deployment secret: ECX_AUTH_TOKEN, --auth-token-file,
+// or one in the connector config (`ec_config`'s extra.auth_token / auth_token_file).
+// When not, it says so at once, as its first log line (secure by default: an operator
+// who forgot the secret sees it), and returns false for add_common_routes.
+bool announce_secret(const std::string& role, const std::string& token,
+                     const std::string& token_file, const std::string& ec_config = "");
+
 // Installs /health, /v1/models and /metrics as fast routes, with one log line per
 // request. Without `health`, /health answers 200 {"status":"ok","role":ROLE}; with it,
-// what it reports (it must not block). `metrics` must not block either.
+// what it reports (it must not block). `metrics` must not block either. Without a
+// deployment secret (`secured` false) /health says so ("auth": "none", and a warning)
+// and /metrics reports ecx_auth_secret_configured 0.
 void add_common_routes(HttpServer& server, const CommonServiceConfig& config,
-                       const std::string& role, const std::function<std::string()>& metrics,
+                       const std::string& role, bool secured,
+                       const std::function<std::string()>& metrics,
                        std::function<HealthReport()> health = {});
 
 // Blocks SIGTERM/SIGINT in the calling thread (and so in every thread it creates later);

@@ -213,6 +213,8 @@ std::string PdService::render_metrics() {
 int run_pd_service(const PdServiceConfig& config) {
   block_shutdown_signals();
   set_log_level(config.common.log_level).ignore_error();
+  const bool secured = announce_secret("pd", config.engine.auth_token,
+                                       config.engine.auth_token_file, config.engine.ec_config);
   if (Status s = check_instance_directory(config.directory, config.common); !s.ok()) {
     std::cerr << "ecx serve pd: " << s.message() << "\n";
     return 2;
@@ -226,7 +228,7 @@ int run_pd_service(const PdServiceConfig& config) {
   HttpServer server(config.common, "pd", 4);
   server.work("POST", "/v1/chat/completions",
               [&](const HttpRequest& req, HttpResponse& res) { (*pd)->handle_chat(req, res); });
-  add_common_routes(server, config.common, "pd", [&] { return (*pd)->render_metrics(); });
+  add_common_routes(server, config.common, "pd", secured, [&] { return (*pd)->render_metrics(); });
   return serve_registered(server, config.directory, config.common, config.engine, "pd",
                           (*pd)->compat_hash());
 }

@@ -576,6 +576,7 @@ std::unique_ptr<directory::MembershipWatcher> watch_membership(const ProxyServic
 int run_proxy_service(const ProxyServiceConfig& config) {
   block_shutdown_signals();
   set_log_level(config.common.log_level).ignore_error();
+  const bool secured = announce_secret("proxy", config.auth_token, config.auth_token_file);
   auto encoders = make_upstreams(config.encoders, "encoder");
   auto pds = make_upstreams(config.pd, "pd");
   if (!encoders.ok() || !pds.ok()) {
@@ -618,7 +619,7 @@ int run_proxy_service(const ProxyServiceConfig& config) {
     res.set_content(proxy.upstreams_json(), "application/json");
   });
   add_common_routes(
-      server, config.common, "proxy", [&] { return proxy.render_metrics(); },
+      server, config.common, "proxy", secured, [&] { return proxy.render_metrics(); },
       [&] { return proxy.health(); });
   // Declared after what its callback uses: it stops first.
   std::unique_ptr<directory::MembershipWatcher> watcher;

@@ -40,7 +40,7 @@ struct Upstream {
     config.max_queued = max_queued;
     config.idle_timeout_s = idle_timeout_s;
     server = std::make_unique<HttpServer>(config, "upstream", workers);
-    add_common_routes(*server, config, "upstream", [] { return std::string(); });
+    add_common_routes(*server, config, "upstream", /*secured=*/true, [] { return std::string(); });
   }
   void start() {
     auto p = server->start();

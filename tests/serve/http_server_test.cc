@@ -60,7 +60,7 @@ struct TestServer {
     config.max_body_bytes = max_body;
     config.max_connections = max_connections;
     server = std::make_unique<HttpServer>(config, "test", workers);
-    add_common_routes(*server, config, "test", [] { return std::string(); });
+    add_common_routes(*server, config, "test", /*secured=*/true, [] { return std::string(); });
   }
   void start() {
     auto p = server->start();

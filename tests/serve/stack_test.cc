@@ -61,7 +61,12 @@ class Stack {
     argv.insert(argv.end(), flags.begin(), flags.end());
     ECX_ASSIGN_OR_RETURN(Subprocess p, Subprocess::spawn(argv));
     s.process.emplace(std::move(p));
-    ECX_ASSIGN_OR_RETURN(std::string line, s.process->read_line(Deadline::after_ms(60000)));
+    Deadline deadline = Deadline::after_ms(60000);
+    std::string line;
+    // Log lines (a warning of a service without a secret) may come before it.
+    for (int i = 0; i < 64 && line.find("listening on http://") == std::string::npos; ++i) {
+      ECX_ASSIGN_OR_RETURN(line, s.process->read_line(deadline));
+    }
     auto at = line.rfind(':');
     if (line.find("listening on http://") == std::string::npos || at == std::string::npos) {
       return Internal(role + " did not start: " + line);

@@ -124,5 +124,48 @@ TEST_F(TrustStack, AClientCannotChooseTheEmbeddingsThePdUses) {
       << metrics->body;
 }
 
+// Secure by default: a service started without the deployment secret says so in its
+// first log line, in /health and in a metric; with the secret, /health and the metric
+// say it has one.
+TEST(SecureByDefault, AServiceWithoutASecretSaysSoInItsFirstLogLineHealthAndMetrics) {
+  std::string saved = std::getenv("ECX_AUTH_TOKEN") ? std::getenv("ECX_AUTH_TOKEN") : "";
+  for (bool with_secret : {false, true}) {
+    if (with_secret) {
+      use_new_stack_secret();
+    } else {
+      ::unsetenv("ECX_AUTH_TOKEN");
+    }
+    std::string ec = R"({"connector":"p2p","extra":{"pool_bytes":"64MiB"}})";
+    auto pd = spawn_service({ECX_BINARY, "serve", "pd", "--port", "0", "--ec-config", ec},
+                            Deadline::after_ms(60000));
+    ASSERT_TRUE(pd.ok()) << pd.status().to_string();
+    httplib::Client cli(pd->url);
+    auto health = cli.Get("/health");
+    auto metrics = cli.Get("/metrics");
+    stop_service(pd->process, Deadline::after_ms(10000));
+    ASSERT_TRUE(health && metrics);
+    json h = json::parse(health->body, nullptr, false);
+    const std::string first_line = pd->before.substr(0, pd->before.find('\n'));
+    if (with_secret) {
+      EXPECT_EQ(h["auth"], "secret") << health->body;
+      EXPECT_FALSE(h.contains("warnings")) << health->body;
+      EXPECT_NE(metrics->body.find("ecx_auth_secret_configured 1"), std::string::npos);
+      EXPECT_EQ(first_line.find("event=insecure"), std::string::npos) << first_line;
+    } else {
+      EXPECT_EQ(h["auth"], "none") << health->body;
+      ASSERT_TRUE(h["warnings"].is_array()) << health->body;
+      EXPECT_NE(h["warnings"][0].get<std::string>().find("no deployment secret"),
+                std::string::npos);
+      EXPECT_NE(metrics->body.find("ecx_auth_secret_configured 0"), std::string::npos);
+      EXPECT_NE(first_line.find("event=insecure service=pd"), std::string::npos) << first_line;
+    }
+  }
+  if (saved.empty()) {
+    ::unsetenv("ECX_AUTH_TOKEN");
+  } else {
+    ::setenv("ECX_AUTH_TOKEN", saved.c_str(), 1);
+  }
+}
+
 }  // namespace
 }  // namespace ecx::serve

@@ -113,7 +113,8 @@ struct ProxyServiceConfig {
 // A service started as a child process, once it listens.
 struct RunningService {
   Subprocess process;
-  std::string url;  // "http://HOST:PORT"
+  std::string url;     // "http://HOST:PORT"
+  std::string before;  // what it printed before that line (log lines), one per line
 };
 // Starts `argv` (an `ecx serve ...` command line) and waits, until `deadline`, for its
 // "listening on http://HOST:PORT" line.

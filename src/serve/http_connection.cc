@@ -29,6 +29,9 @@ using nlohmann::json;
 
 namespace {
 
+// The least share of connections one client may hold (ServerState::client_share).
+constexpr int64_t kMinClientShare = 256;
+
 // A quarter of physical memory (4 GiB when unknown): the default budget of request bodies.
 uint64_t quarter_of_memory() {
   long pages = ::sysconf(_SC_PHYS_PAGES);
@@ -57,6 +60,26 @@ bool ServerState::reserve_body(uint64_t bytes) {
 }
 
 void ServerState::release_body(uint64_t bytes) { buffered_bytes_ -= bytes; }
+
+bool ServerState::has_room(uint64_t bytes) const {
+  uint64_t held = buffered_bytes_.load();
+  return held <= max_buffered_bytes && bytes <= max_buffered_bytes - held;
+}
+
+int64_t ServerState::client_share() const {
+  return std::max<int64_t>(kMinClientShare, max_connections / 4);
+}
+
+bool ServerState::join_client(const std::string& client) {
+  std::lock_guard lock(clients_mu_);
+  return ++connections_by_client_[client] <= client_share();
+}
+
+void ServerState::leave_client(const std::string& client) {
+  std::lock_guard lock(clients_mu_);
+  auto it = connections_by_client_.find(client);
+  if (it != connections_by_client_.end() && --it->second <= 0) connections_by_client_.erase(it);
+}
 
 void ServerState::begin_request() {
   std::lock_guard lock(mu_);
@@ -110,10 +133,13 @@ class Connection : public std::enable_shared_from_this<Connection> {
  public:
   Connection(ServerState& state, tcp::socket socket)
       : state_(state),
+        client_(client_of(socket)),
         stream_(std::move(socket)),
-        over_capacity_(++state_.open_connections > state_.max_connections) {}
+        over_share_(!state_.join_client(client_)),
+        over_capacity_(++state_.open_connections > state_.max_connections || over_share_) {}
   ~Connection() {
     release_body();
+    state_.leave_client(client_);
     state_.open_connections--;
   }
 
@@ -170,7 +196,19 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void pump(const std::shared_ptr<ChunkStream>& chunks);
   void end_stream(const std::shared_ptr<ChunkStream>& chunks, bool send_last);
 
+  // The client's address: its share of connections is counted by it.
+  static std::string client_of(const tcp::socket& socket) {
+    beast::error_code ec;
+    auto peer = socket.remote_endpoint(ec);
+    return ec ? std::string("?") : peer.address().to_string();
+  }
+  // Takes the body budget up to kBodyStep bytes past what has arrived (never past what
+  // the request declared); false when the budget has no room.
+  bool reserve_more();
+  void on_body_bytes(beast::error_code ec);
+
   ServerState& state_;
+  const std::string client_;
   beast::tcp_stream stream_;
   beast::flat_buffer buffer_;
   std::optional<http::request_parser<http::string_body>> parser_;
@@ -181,11 +219,22 @@ class Connection : public std::enable_shared_from_this<Connection> {
   size_t bytes_in_ = 0;
   int stream_status_ = 200;
   std::shared_ptr<ChunkStream> chunks_;  // the streamed answer, once started
-  // Opened past --max-connections: one request (work refused), then closed.
+  // Opened past its client's share, or past --max-connections: one request (work
+  // refused), then closed.
+  const bool over_share_;
   const bool over_capacity_;
+  uint64_t declared_ = 0;  // body bytes the request being read announced (or may send)
   uint64_t reserved_ = 0;  // of the body budget, for the request being answered
   bool linger_ = false;    // its body was refused unread: linger() once answered
 };
+
+// The body budget is charged in steps of this many bytes as a body arrives, and each
+// byte kBodyCopies times: the body, its parsed form and what is made of it (decoded
+// images, the re-encoded request a proxy forwards) together stay within the budget.
+constexpr uint64_t kBodyStep = 64 << 10;
+constexpr uint64_t kBodyCopies = 4;
+// Longest a body may pause between two reads before the connection is closed.
+constexpr std::chrono::seconds kBodyStepTimeout{10};
 
 // How long a connection whose body was refused unread drops what still comes.
 constexpr std::chrono::seconds kLinger{2};
@@ -208,10 +257,22 @@ void Connection::on_header(beast::error_code ec) {
   // A length over --max-body-bytes has failed above; a chunked body may be up to it.
   uint64_t bytes =
       parser_->content_length().value_or(parser_->chunked() ? state_.max_body_bytes : 0);
-  if (bytes > 0 && !state_.reserve_body(bytes)) return refuse_body(bytes);
-  reserved_ = bytes;
+  declared_ = bytes;
   const auto& head = parser_->get();
-  if (bytes == 0 || !beast::iequals(head[http::field::expect], "100-continue")) return read_body();
+  const bool wants_go_ahead = beast::iequals(head[http::field::expect], "100-continue");
+  if (bytes > 0) {
+    // The budget is charged as the body arrives (reserve_more), one step ahead: headers
+    // that announce a large body and send nothing hold one step, until
+    // kBodyStepTimeout. Refused before the body is sent: one that could never fit, and,
+    // for a client that waits for the go-ahead, one that does not fit now.
+    const uint64_t whole = bytes * kBodyCopies;
+    const bool known = parser_->content_length().has_value();
+    if ((known && whole > state_.max_buffered_bytes) ||
+        (wants_go_ahead && !state_.has_room(whole)) || !reserve_more()) {
+      return refuse_body(bytes);
+    }
+  }
+  if (bytes == 0 || !wants_go_ahead) return read_body();
   // The client waits for a go-ahead before it sends the body (curl does past 1 MiB).
   auto go_ahead =
       std::make_shared<http::response<http::empty_body>>(http::status::continue_, head.version());
@@ -222,10 +283,29 @@ void Connection::on_header(beast::error_code ec) {
                     });
 }
 
+bool Connection::reserve_more() {
+  uint64_t arrived = parser_->get().body().size();
+  uint64_t want = std::min(declared_, arrived + kBodyStep) * kBodyCopies;
+  if (want <= reserved_) return true;
+  if (!state_.reserve_body(want - reserved_)) return false;
+  reserved_ = want;
+  return true;
+}
+
 void Connection::read_body() {
-  http::async_read(
+  if (parser_->is_done()) return on_read({});
+  // The body must keep coming: a client that stalls it loses the connection.
+  stream_.expires_after(kBodyStepTimeout);
+  http::async_read_some(
       stream_, buffer_, *parser_,
-      [self = shared_from_this()](beast::error_code ec, size_t) { self->on_read(ec); });
+      [self = shared_from_this()](beast::error_code ec, size_t) { self->on_body_bytes(ec); });
+}
+
+void Connection::on_body_bytes(beast::error_code ec) {
+  if (ec) return read_failed(ec);
+  if (parser_->is_done()) return on_read({});
+  if (!reserve_more()) return refuse_body(declared_);
+  read_body();
 }
 
 void Connection::refuse_body(uint64_t bytes) {
@@ -339,8 +419,12 @@ void Connection::refuse_work(const HttpRequest& req) {
   state_.connections_refused++;
   HttpResponse res = error_response(
       503, "server_busy",
-      state_.role + " holds " + std::to_string(state_.max_connections) +
-          " connections, its limit (--max-connections, or the open-files limit); retry later");
+      over_share_ ? "this client (" + client_ + ") holds more than its share of " + state_.role +
+                        "'s connections (" + std::to_string(state_.client_share()) +
+                        ", a quarter of --max-connections); retry later"
+                  : state_.role + " holds " + std::to_string(state_.max_connections) +
+                        " connections, its limit (--max-connections, or the open-files limit); "
+                        "retry later");
   res.set_header("Retry-After", "1");
   send(std::move(res), req.method, req.path, req.body.size(), false);
 }

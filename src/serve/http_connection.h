@@ -11,6 +11,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <unordered_map>
 #include <utility>
 
 #include "ecx/common/deadline.h"
@@ -56,10 +57,22 @@ struct ServerState {
   std::atomic<uint64_t> accept_errors{0};        // accept() failed (out of file descriptors)
   std::atomic<uint64_t> buffered_rejected{0};    // 503: the bodies held reached the budget
 
+  // One client (source address) may hold this many connections: a quarter of
+  // max_connections, at least 256, so one busy client is not refused while there is room
+  // and one greedy client cannot take every connection. Past it, it is refused work.
+  int64_t client_share() const;
+  // Counts a connection of `client`; false when the client is past its share (the
+  // connection is still counted: leave_client() when it closes).
+  bool join_client(const std::string& client);
+  void leave_client(const std::string& client);
+
   // The budget of request bodies held at once (max_buffered_bytes): takes `bytes` of it,
-  // or nothing and false when they would pass it.
+  // or nothing and false when they would pass it. A body is charged as it arrives (in
+  // steps, kBodyCopies times each byte: its parsed and re-encoded copies count too).
   bool reserve_body(uint64_t bytes);
   void release_body(uint64_t bytes);
+  // Whether `bytes` more would fit now (nothing is taken).
+  bool has_room(uint64_t bytes) const;
   uint64_t buffered_bytes() const { return buffered_bytes_.load(); }
 
   // Admitted work routes not yet answered (queued, running or streaming).
@@ -72,6 +85,8 @@ struct ServerState {
   std::mutex mu_;
   std::condition_variable idle_cv_;
   int64_t in_flight_ = 0;  // guarded by mu_
+  std::mutex clients_mu_;
+  std::unordered_map<std::string, int64_t> connections_by_client_;  // guarded by clients_mu_
   std::atomic<uint64_t> buffered_bytes_{0};
 };
 

@@ -408,8 +408,9 @@ bool send_all(int fd, const std::string& data) {
 TEST(HttpServerTest, ABodyPastTheBufferBudgetGets503AndTheBudgetComesBack) {
   Gate gate;
   Counter started;
+  // Each body byte is charged 4 times (the body and the copies made of it).
   TestServer t(/*workers=*/2, /*max_queued=*/10, /*max_body=*/16 << 20,
-               /*max_connections=*/100, /*max_buffered=*/1 << 20);
+               /*max_connections=*/100, /*max_buffered=*/4 << 20);
   t.server->work("POST", "/work", [&](const HttpRequest& req, HttpResponse& res) {
     if (req.body.size() == 600'000) {  // holds one worker; the other serves the rest
       started.add();
@@ -423,7 +424,7 @@ TEST(HttpServerTest, ABodyPastTheBufferBudgetGets503AndTheBudgetComesBack) {
     return res ? res->status : -1;
   });
   ASSERT_TRUE(started.wait_for(1));
-  EXPECT_EQ(metric_in(t.server->render_metrics(), "ecx_http_buffered_bytes"), 600'000);
+  EXPECT_EQ(metric_in(t.server->render_metrics(), "ecx_http_buffered_bytes"), 4 * 600'000);
   auto refused = t.client().Post("/work", std::string(8 << 20, 'b'), "text/plain");
   expect_json_error(refused, 503);
   ASSERT_TRUE(refused);
@@ -473,6 +474,63 @@ TEST(HttpServerTest, ExpectContinueGetsTheGoAheadOrTheRefusalBeforeTheBody) {
   EXPECT_EQ(refused.rfind("HTTP/1.1 503", 0), 0u) << refused;
   EXPECT_NE(refused.find("--max-buffered-bytes"), std::string::npos) << refused;
   ::close(fd);
+}
+
+// The budget is taken by bytes that arrive, not by what headers announce: connections
+// that announce the largest body and send nothing leave room for everyone else.
+TEST(HttpServerTest, IdleClientsAnnouncingLargeBodiesCannotTakeTheBodyBudget) {
+  TestServer t(/*workers=*/2, /*max_queued=*/10, /*max_body=*/64 << 20,
+               /*max_connections=*/1000, /*max_buffered=*/256 << 20);
+  t.server->work("POST", "/work", [](const HttpRequest& req, HttpResponse& res) {
+    res.set_content("{\"got\":" + std::to_string(req.body.size()) + "}", "application/json");
+  });
+  t.start();
+  std::vector<int> idle;
+  for (int i = 0; i < 100; ++i) {
+    int fd = connect_loopback(t.port);
+    ASSERT_GE(fd, 0);
+    ASSERT_TRUE(send_all(fd, "POST /work HTTP/1.1\r\nHost: t\r\nContent-Length: 67108864\r\n\r\n"));
+    idle.push_back(fd);
+  }
+  // All 100 announced 64 MiB (25 GiB in all, 100 times the budget) and sent nothing.
+  ASSERT_TRUE(t.wait_metric("ecx_http_open_connections", [](double v) { return v >= 100; }));
+  for (int i = 0; i < 5; ++i) {
+    auto res = t.client().Post("/work", std::string(1 << 20, 'x'), "text/plain");
+    ASSERT_TRUE(res) << httplib::to_string(res.error());
+    EXPECT_EQ(res->status, 200) << res->body;
+  }
+  EXPECT_LT(metric_in(t.server->render_metrics(), "ecx_http_buffered_bytes"), 64 << 20);
+  for (int fd : idle) ::close(fd);
+}
+
+// One client (address) holds at most its share of the connections (a quarter of
+// --max-connections, at least 256): past it, it is refused work while another client
+// is still served.
+TEST(HttpServerTest, OneClientCannotTakeEveryConnection) {
+  TestServer t(/*workers=*/2, /*max_queued=*/10, /*max_body=*/1 << 20,
+               /*max_connections=*/1024);
+  t.server->work("POST", "/work", [](const HttpRequest&, HttpResponse& res) {
+    res.set_content("{}", "application/json");
+  });
+  t.start();
+  std::vector<int> held;
+  for (int i = 0; i < 256; ++i) {
+    int fd = connect_loopback(t.port);
+    ASSERT_GE(fd, 0);
+    held.push_back(fd);
+  }
+  ASSERT_TRUE(t.wait_metric("ecx_http_open_connections", [](double v) { return v >= 256; }));
+  auto greedy = t.client().Post("/work", "{}", "application/json");  // from 127.0.0.1 too
+  expect_json_error(greedy, 503);
+  ASSERT_TRUE(greedy);
+  EXPECT_NE(greedy->body.find("share"), std::string::npos) << greedy->body;
+  // Another client (127.0.0.2, also loopback) is served.
+  httplib::Client other("127.0.0.1", t.port);
+  other.set_interface("127.0.0.2");
+  auto served = other.Post("/work", "{}", "application/json");
+  ASSERT_TRUE(served) << httplib::to_string(served.error());
+  EXPECT_EQ(served->status, 200) << served->body;
+  for (int fd : held) ::close(fd);
 }
 
 }  // namespace

@@ -88,8 +88,16 @@ Result<std::vector<Block>> resolve_blocks(const Weights& w, const std::string& p
 }
 
 // x [rows, d] in place. Keys/values of earlier positions may come from a cache (LM).
-void run_block(const Block& b, std::vector<float>& x, int rows, int heads, bool causal,
-               std::vector<float>* k_cache, std::vector<float>* v_cache) {
+// Query rows of one piece of an encoder's attention, between two cancellation checks.
+constexpr int kAttentionChunkRows = 256;
+
+// One transformer block on x [rows, d]. With `cancelled` (the encoder's, never causal),
+// the attention runs in pieces of kAttentionChunkRows query rows (each row is computed
+// alone, so the result is the same) and stops early, returning false, once it answers
+// true.
+bool run_block(const Block& b, std::vector<float>& x, int rows, int heads, bool causal,
+               std::vector<float>* k_cache, std::vector<float>* v_cache,
+               const std::function<bool()>* cancelled = nullptr) {
   const int d = b.d;
   std::vector<float> h(x);
   ops::layer_norm(h.data(), rows, d, b.ln1_g, b.ln1_b);
@@ -114,7 +122,16 @@ void run_block(const Block& b, std::vector<float>& x, int rows, int heads, bool 
     kv_rows = offset + rows;
   }
   std::vector<float> att(static_cast<size_t>(rows) * d);
-  ops::attention(q.data(), keys, values, att.data(), rows, kv_rows, d, heads, causal, offset);
+  if (cancelled != nullptr && *cancelled && !causal) {
+    for (int r0 = 0; r0 < rows; r0 += kAttentionChunkRows) {
+      if ((*cancelled)()) return false;
+      const int n = std::min(kAttentionChunkRows, rows - r0);
+      const size_t at = static_cast<size_t>(r0) * d;
+      ops::attention(q.data() + at, keys, values, att.data() + at, n, kv_rows, d, heads, false, 0);
+    }
+  } else {
+    ops::attention(q.data(), keys, values, att.data(), rows, kv_rows, d, heads, causal, offset);
+  }
   std::vector<float> proj(att.size());
   ops::matmul(att.data(), b.out, proj.data(), rows, d, d);
   ops::add(x.data(), proj.data(), proj.size());
@@ -125,6 +142,7 @@ void run_block(const Block& b, std::vector<float>& x, int rows, int heads, bool 
   ops::gelu(f.data(), f.size());
   ops::matmul(f.data(), b.fc2, proj.data(), rows, b.ff, d);
   ops::add(x.data(), proj.data(), proj.size());
+  return true;
 }
 
 }  // namespace
@@ -327,7 +345,9 @@ TensorMeta VisionEncoder::output_meta(const PreparedImage& image) const {
   return TensorMeta{DType::kBF16, {image.tokens(), impl_->config.embed_dim}};
 }
 
-Status VisionEncoder::encode(const PreparedImage& image, std::span<std::byte> out) const {
+Status VisionEncoder::encode(const PreparedImage& image, std::span<std::byte> out,
+                             const std::function<bool()>& cancelled) const {
+  const Status stopped(StatusCode::kCancelled, "encode cancelled: its request was abandoned");
   const ModelConfig& c = impl_->config;
   TensorMeta meta = output_meta(image);
   if (out.size() != meta.byte_size()) {
@@ -364,8 +384,13 @@ Status VisionEncoder::encode(const PreparedImage& image, std::span<std::byte> ou
   // 2x2 merge: consecutive m*m patch rows form one token row of width m*m*dv.
   std::vector<float> merged(static_cast<size_t>(tokens) * dv);
   ops::matmul(x.data(), impl_->merge, merged.data(), tokens, m * m * dv, dv);
-  for (const Block& b : impl_->blocks)
-    run_block(b, merged, tokens, c.vit_heads, false, nullptr, nullptr);
+  if (cancelled && cancelled()) return stopped;
+  for (const Block& b : impl_->blocks) {
+    if (!run_block(b, merged, tokens, c.vit_heads, false, nullptr, nullptr, &cancelled)) {
+      return stopped;
+    }
+  }
+  if (cancelled && cancelled()) return stopped;
   std::vector<float> emb(static_cast<size_t>(tokens) * c.embed_dim);
   ops::matmul(merged.data(), impl_->proj, emb.data(), tokens, dv, c.embed_dim);
   auto* dst = reinterpret_cast<uint16_t*>(out.data());

@@ -124,11 +124,17 @@ class EncoderService {
   explicit EncoderService(const EncoderServiceConfig& config) : config_(config) {}
   // The image's params: those of the block this encoder holds, or a new block encoded
   // straight into the connector's pool.
-  Result<Saved> save(const engine::PreparedImage& image, const TensorMeta& meta);
+  Result<Saved> save(const engine::PreparedImage& image, const TensorMeta& meta,
+                     const HttpRequest& req);
   // The two steps both request shapes take, each counting its failures: decode and
   // prepare an image from its bytes; then encode it into the connector (or find it held).
   std::optional<RequestError> prepare(std::string_view bytes, engine::PreparedImage* out);
-  std::optional<RequestError> encode(const engine::PreparedImage& image, Saved* out);
+  // Stops at its next step when `req`'s client has gone (abandoned()).
+  std::optional<RequestError> encode(const engine::PreparedImage& image, const HttpRequest& req,
+                                     Saved* out);
+  // 400 context_length_exceeded for images whose `tokens` (each counted as often as the
+  // request uses it) could never fit the model's context: nothing is encoded for them.
+  std::optional<RequestError> check_fits(int64_t tokens);
   // Every image part of `chat`, prepared, each distinct image once.
   std::optional<RequestError> prepare_all(const ChatRequest& chat, std::vector<ChatImage>* out);
   // Ends the pins of params issued to a request that then failed.
@@ -153,7 +159,8 @@ Result<std::unique_ptr<EncoderService>> EncoderService::create(const EncoderServ
   return e;
 }
 
-Result<Saved> EncoderService::save(const engine::PreparedImage& image, const TensorMeta& meta) {
+Result<Saved> EncoderService::save(const engine::PreparedImage& image, const TensorMeta& meta,
+                                   const HttpRequest& req) {
   auto held = connector_->saved_params(image.mm_hash);
   if (held.ok()) return Saved{std::move(*held), true};
   auto slot = connector_->begin_save(image.mm_hash, meta);
@@ -163,7 +170,8 @@ Result<Saved> EncoderService::save(const engine::PreparedImage& image, const Ten
     return Saved{std::move(params), false};
   }
   if (!slot.ok()) return slot.status();
-  if (Status s = encoder_->encode(image, slot->payload); !s.ok()) {
+  if (Status s = encoder_->encode(image, slot->payload, [&req] { return req.abandoned(); });
+      !s.ok()) {
     connector_->abort_save(*slot);
     return s;
   }
@@ -187,9 +195,21 @@ std::optional<RequestError> EncoderService::prepare(std::string_view bytes,
   return std::nullopt;
 }
 
-std::optional<RequestError> EncoderService::encode(const engine::PreparedImage& image, Saved* out) {
+std::optional<RequestError> EncoderService::check_fits(int64_t tokens) {
+  if (tokens < config_.max_model_len) return std::nullopt;
+  metrics_.add("ecx_encode_failures_total", "reason=\"context_length_exceeded\"", 1);
+  return RequestError{400, "context_length_exceeded",
+                      "the images take " + std::to_string(tokens) +
+                          " tokens; the model's context is " +
+                          std::to_string(config_.max_model_len) +
+                          " (--max-model-len): they could never be served, so they are not "
+                          "encoded"};
+}
+
+std::optional<RequestError> EncoderService::encode(const engine::PreparedImage& image,
+                                                   const HttpRequest& req, Saved* out) {
   TensorMeta meta = encoder_->output_meta(image);
-  auto saved = save(image, meta);
+  auto saved = save(image, meta, req);
   if (!saved.ok()) {
     const Status& s = saved.status();
     metrics_.add("ecx_encode_failures_total",
@@ -218,8 +238,9 @@ void EncoderService::handle_encode(const HttpRequest& req, HttpResponse& res) {
   if (!bytes.ok()) return send_error(res, 400, "invalid_request_error", bytes.status().message());
   engine::PreparedImage prepared;
   if (auto err = prepare(*bytes, &prepared)) return send_error(res, *err);
+  if (auto err = check_fits(prepared.tokens())) return send_error(res, *err);
   Saved saved;
-  if (auto err = encode(prepared, &saved)) return send_error(res, *err);
+  if (auto err = encode(prepared, req, &saved)) return send_error(res, *err);
   double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
   metrics_.observe("ecx_encode_seconds", "", ms / 1000);
   res.set_content(json{{"mm_hash", prepared.mm_hash.str()},
@@ -263,12 +284,17 @@ void EncoderService::handle_chat(const HttpRequest& req, HttpResponse& res) {
   }
   std::vector<ChatImage> images;
   if (auto err = prepare_all(chat, &images)) return send_error(res, *err);
+  int64_t needed = 0;
+  for (const ChatImage& image : images) {
+    needed += static_cast<int64_t>(image.prepared.tokens() * image.item_indices.size());
+  }
+  if (auto err = check_fits(needed)) return send_error(res, *err);
   json by_hash = json::object();
   std::vector<connector::EcTransferParams> issued;
   int64_t tokens = 0;
   for (const ChatImage& image : images) {
     Saved saved;
-    if (auto err = encode(image.prepared, &saved)) {
+    if (auto err = encode(image.prepared, req, &saved)) {
       release_all(issued);
       return send_error(res, *err);
     }

@@ -180,6 +180,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void discard_some(const std::shared_ptr<std::array<char, 16384>>& sink);
   void route(HttpRequest req);
   void queue_work(const HttpHandler& handler, HttpRequest req);
+  // Sets `gone` when the client closes its connection while its request waits or runs.
+  void watch_for_hang_up(const std::shared_ptr<std::atomic<bool>>& gone);
   void queue_async(const AsyncHandler& handler, HttpRequest req);
   // 503: the service's FIFO is full.
   void reject_busy(const HttpRequest& req, size_t max_queued);
@@ -399,10 +401,25 @@ void Connection::queue_work(const HttpHandler& handler, HttpRequest req) {
                 req.path, req.body.size(), false);
   }
   state_.begin_request();
+  auto gone = std::make_shared<std::atomic<bool>>(false);
+  req.client_gone = gone;
   auto shared = std::make_shared<HttpRequest>(std::move(req));
   bool admitted = state_.queue->push(
       [self = shared_from_this(), &handler, shared] { self->run_work(handler, *shared); });
-  if (!admitted) reject_busy(*shared, state_.queue->max_queued());
+  if (!admitted) return reject_busy(*shared, state_.queue->max_queued());
+  watch_for_hang_up(gone);
+}
+
+void Connection::watch_for_hang_up(const std::shared_ptr<std::atomic<bool>>& gone) {
+  // Readable with nothing to read: the client closed its end (a pipelined request
+  // would leave bytes; then nothing is marked).
+  stream_.socket().async_wait(tcp::socket::wait_read,
+                              [self = shared_from_this(), gone](beast::error_code ec) {
+                                if (ec == net::error::operation_aborted) return;
+                                beast::error_code avail_ec;
+                                size_t n = self->stream_.socket().available(avail_ec);
+                                if (ec || avail_ec || n == 0) gone->store(true);
+                              });
 }
 
 void Connection::reject_busy(const HttpRequest& req, size_t max_queued) {
@@ -497,6 +514,16 @@ void Connection::queue_async(const AsyncHandler& handler, HttpRequest req) {
 // On a worker thread.
 void Connection::run_work(const HttpHandler& handler, const HttpRequest& req) {
   HttpResponse res;
+  if (req.abandoned()) {  // its client left while it waited: nobody to do it for
+    state_.abandoned++;
+    keep_alive_ = false;
+    res = error_response(499, "client_closed_request", "the client closed its connection");
+    net::post(stream_.get_executor(), [self = shared_from_this(), res = std::move(res),
+                                       method = req.method, path = req.path]() mutable {
+      self->send(std::move(res), std::move(method), std::move(path), 0, true);
+    });
+    return;
+  }
   res.set_stream_starter([this](HttpResponse& r, const std::string& type) -> StreamWriter& {
     return start_stream(r, type);
   });

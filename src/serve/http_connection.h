@@ -56,6 +56,7 @@ struct ServerState {
   std::atomic<uint64_t> connections_refused{0};  // work refused: too many connections
   std::atomic<uint64_t> accept_errors{0};        // accept() failed (out of file descriptors)
   std::atomic<uint64_t> buffered_rejected{0};    // 503: the bodies held reached the budget
+  std::atomic<uint64_t> abandoned{0};            // queued work dropped: its client had left
 
   // One client (source address) may hold this many connections: a quarter of
   // max_connections, at least 256, so one busy client is not refused while there is room

@@ -120,9 +120,22 @@ void metric_line(std::ostringstream& out, const char* name, const char* type, co
 
 }  // namespace
 
+std::optional<std::string> HttpServer::stuck(std::chrono::milliseconds after) const {
+  const ServerState& s = *state_;
+  if (!s.queue) return std::nullopt;
+  size_t busy = s.queue->busy_longer_than(after);
+  if (busy < static_cast<size_t>(s.queue->workers())) return std::nullopt;
+  return "all " + std::to_string(busy) + " workers have been on one request each for over " +
+         std::to_string(after.count() / 1000) + " s; " + std::to_string(s.queue->waiting()) +
+         " requests wait";
+}
+
 std::string HttpServer::render_metrics() const {
   std::ostringstream out;
   const ServerState& s = *state_;
+  metric_line(out, "ecx_http_abandoned_total", "counter",
+              "queued requests dropped before they ran because their client had left",
+              static_cast<double>(s.abandoned.load()));
   metric_line(out, "ecx_http_rejected_total", "counter",
               "requests refused with 503 because the queue was full (--max-queued)",
               static_cast<double>(s.rejected.load()));
@@ -186,18 +199,26 @@ void add_common_routes(HttpServer& server, const CommonServiceConfig& config,
                        std::function<HealthReport()> health) {
   // Structured logs: key=value, one line per request (written by the server).
   spdlog::set_pattern("ts=%Y-%m-%dT%H:%M:%S.%e level=%l service=" + role + " pid=%P %v");
-  server.fast("GET", "/health", [role, health, secured](const HttpRequest&, HttpResponse& res) {
-    HealthReport report{200, json{{"status", "ok"}, {"role", role}}};
-    if (health) report = health();
-    report.body["auth"] = secured ? "secret" : "none";
-    if (!secured) {
-      report.body["warnings"].push_back(
-          "no deployment secret: any process that reaches this service's agents or "
-          "directory is trusted (set ECX_AUTH_TOKEN or --auth-token-file)");
-    }
-    res.status = report.http_status;
-    res.set_content(safe_dump(report.body), "application/json");
-  });
+  const std::chrono::seconds stuck_after{std::max(1, config.stuck_after_s)};
+  server.fast("GET", "/health",
+              [role, health, secured, &server, stuck_after](const HttpRequest&, HttpResponse& res) {
+                HealthReport report{200, json{{"status", "ok"}, {"role", role}}};
+                if (health) report = health();
+                // Every worker stuck on one request: a new one would only wait. Steer traffic away.
+                if (auto stuck = server.stuck(stuck_after)) {
+                  report.http_status = 503;
+                  report.body["status"] = "degraded";
+                  report.body["reason"] = *stuck;
+                }
+                report.body["auth"] = secured ? "secret" : "none";
+                if (!secured) {
+                  report.body["warnings"].push_back(
+                      "no deployment secret: any process that reaches this service's agents or "
+                      "directory is trusted (set ECX_AUTH_TOKEN or --auth-token-file)");
+                }
+                res.status = report.http_status;
+                res.set_content(safe_dump(report.body), "application/json");
+              });
   server.fast("GET", "/v1/models", [model = config.model](const HttpRequest&, HttpResponse& res) {
     json entry = {{"id", model}, {"object", "model"}, {"created", 0}, {"owned_by", "ecx"}};
     res.set_content(json{{"object", "list"}, {"data", json::array({entry})}}.dump(),

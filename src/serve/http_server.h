@@ -13,9 +13,11 @@
 //         At most `workers` run at once; they hold no thread while they wait.
 #pragma once
 
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -81,6 +83,9 @@ class HttpServer {
 
   // ecx_http_* lines for /metrics: rejected requests, queue depth, threads, connections.
   std::string render_metrics() const;
+  // Why the service is stuck, when every worker has been on one request for longer than
+  // `after` (what /health reports as degraded); nullopt otherwise.
+  std::optional<std::string> stuck(std::chrono::milliseconds after) const;
 
  private:
   struct Running;

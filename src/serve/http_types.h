@@ -3,6 +3,7 @@
 // handler and sends what it left in the response.
 #pragma once
 
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <string>
@@ -18,9 +19,13 @@ struct HttpRequest {
   std::string query;   // the target after '?', undecoded ("" when none)
   std::vector<std::pair<std::string, std::string>> headers;
   std::string body;
+  // Set by the server when the client has gone (closed its connection) while its
+  // request waited or ran: work for it may stop at its next step (abandoned()).
+  std::shared_ptr<const std::atomic<bool>> client_gone;
 
   // The first header called `name` (case-insensitive), or "" when there is none.
   std::string header(std::string_view name) const;
+  bool abandoned() const { return client_gone && client_gone->load(std::memory_order_relaxed); }
 };
 
 // The body of a streamed answer, written chunk by chunk from the worker thread that runs

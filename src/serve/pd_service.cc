@@ -33,6 +33,9 @@ struct Job {
   Prompt prompt;
   json timings = json::object();  // ecx_timings
   RequestHold hold;               // gives back what the request holds, on every path
+  std::shared_ptr<const std::atomic<bool>> client_gone;  // HttpRequest::client_gone
+
+  bool abandoned() const { return client_gone && client_gone->load(std::memory_order_relaxed); }
 };
 
 class PdService {
@@ -86,6 +89,7 @@ Result<std::unique_ptr<PdService>> PdService::create(const PdServiceConfig& conf
 
 void PdService::handle_chat(const HttpRequest& req, HttpResponse& res) {
   auto job = std::make_shared<Job>(prepared_images_, *connector_, make_id("chatcmpl"));
+  job->client_gone = req.client_gone;
   if (auto err = parse_chat_request(req.body, config_.common, &job->request)) {
     metrics_.add("ecx_request_failures_total", "reason=\"bad_request\"", 1);
     return send_error(res, *err);
@@ -155,9 +159,10 @@ void PdService::record(Job& job, const Generation& generation, bool ok) {
 
 void PdService::answer(Job& job, HttpResponse& res) {
   std::string text;
+  // A client that has gone stops the generation at its next token.
   Generation generation = generate(*lm_, job.prompt, job.request, [&](const std::string& t) {
     text += t;
-    return true;
+    return !job.abandoned();
   });
   record(job, generation, generation.status.ok());
   job.hold.release();

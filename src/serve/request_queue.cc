@@ -1,5 +1,7 @@
 #include "serve/request_queue.h"
 
+#include <iterator>
+
 #include <algorithm>
 #include <atomic>
 #include <memory>
@@ -53,12 +55,20 @@ void RequestQueue::work() {
     std::function<void()> job = std::move(jobs_.front());
     jobs_.pop_front();
     ++running_;
+    auto started = started_.insert(std::chrono::steady_clock::now());
     lock.unlock();
     job();
     job = nullptr;  // what the job captured goes before the next one starts
     lock.lock();
+    started_.erase(started);
     --running_;
   }
+}
+
+size_t RequestQueue::busy_longer_than(std::chrono::milliseconds after) const {
+  std::lock_guard lock(mu_);
+  auto since = std::chrono::steady_clock::now() - after;
+  return static_cast<size_t>(std::distance(started_.begin(), started_.lower_bound(since)));
 }
 
 SlotQueue::SlotQueue(size_t slots, size_t max_queued,

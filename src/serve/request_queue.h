@@ -7,11 +7,13 @@
 //                 `slots` requests run at once, each until it calls its Done.
 #pragma once
 
+#include <chrono>
 #include <condition_variable>
 #include <cstddef>
 #include <deque>
 #include <functional>
 #include <mutex>
+#include <set>
 #include <thread>
 #include <vector>
 
@@ -34,6 +36,8 @@ class RequestQueue {
 
   size_t waiting() const;  // queued, not yet started
   size_t running() const;  // on a worker now
+  // Workers that have run their current job for longer than `after`.
+  size_t busy_longer_than(std::chrono::milliseconds after) const;
   int workers() const { return static_cast<int>(threads_.size()); }
   size_t max_queued() const { return max_queued_; }
 
@@ -45,8 +49,10 @@ class RequestQueue {
   std::condition_variable cv_;
   std::deque<std::function<void()>> jobs_;  // guarded by mu_
   size_t running_ = 0;                      // guarded by mu_
-  bool stopping_ = false;                   // guarded by mu_
-  std::vector<std::thread> threads_;        // set in the constructor, joined by stop()
+  // When each running job started; guarded by mu_.
+  std::multiset<std::chrono::steady_clock::time_point> started_;
+  bool stopping_ = false;             // guarded by mu_
+  std::vector<std::thread> threads_;  // set in the constructor, joined by stop()
 };
 
 class SlotQueue {

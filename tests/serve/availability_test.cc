@@ -304,5 +304,76 @@ TEST(ServiceLimits, PastItsConnectionLimitAnEncoderAnswersHealthAndRefusesWork) 
   EXPECT_NE(metrics(encoder).find("ecx_http_connections_refused_total 1"), std::string::npos);
 }
 
+// A /v1/encode body holding a PNG of `side` x `side` black pixels (a few KB that decode
+// to many pixels: the image an attacker sends).
+std::string black_image_body(int side) {
+  engine::Image black;
+  black.width = side;
+  black.height = side;
+  black.rgb.assign(static_cast<size_t>(side) * side * 3, 0);
+  auto png = engine::encode_png(black).value();
+  return json{{"image", engine::make_data_url(png, "image/png")}}.dump();
+}
+
+double metric_value(const std::string& text, const std::string& line_prefix) {
+  auto at = text.find(line_prefix);
+  return at == std::string::npos ? 0 : std::atof(text.c_str() + at + line_prefix.size());
+}
+
+// Work that cannot be served is not done: an image whose tokens could never fit the
+// model's context is refused before it is encoded.
+TEST(EncoderWork, AnImageThatCannotFitTheContextIsRefusedBeforeItIsEncoded) {
+  Service encoder;
+  auto flags = service_flags("p2p");
+  flags.insert(flags.end(), {"--max-model-len", "1024"});
+  ASSERT_TRUE(start(encoder, "encoder", flags).ok());
+  // 1400 x 1400 px: 50 x 50 = 2500 tokens, more than the 1024 of the context.
+  auto refused = encoder.client().Post("/v1/encode", black_image_body(1400), "application/json");
+  ASSERT_TRUE(refused);
+  EXPECT_EQ(refused->status, 400) << refused->body;
+  auto body = json::parse(refused->body, nullptr, false);
+  EXPECT_EQ(body["error"]["type"], "context_length_exceeded") << refused->body;
+  std::string m = metrics(encoder);
+  EXPECT_EQ(metric_value(m, "ecx_encode_failures_total{reason=\"context_length_exceeded\"} "), 1);
+  EXPECT_EQ(metric_value(m, "ecx_encode_requests_total{cache=\"miss\"} "), 0) << "it was encoded";
+  // One that fits (224 x 224 px: 64 tokens) is encoded.
+  auto served = encoder.client().Post("/v1/encode", black_image_body(224), "application/json");
+  ASSERT_TRUE(served);
+  EXPECT_EQ(served->status, 200) << served->body;
+}
+
+// Work whose caller is gone stops: a client that hangs up during a long encode ends it
+// at its next step, and an encoder whose every worker is stuck says so in /health.
+TEST(EncoderWork, AnEncodeWhoseClientLeftStopsAndStuckWorkersMakeHealthDegraded) {
+  Service encoder;
+  auto flags = service_flags("p2p");
+  flags.insert(flags.end(), {"--workers", "1", "--stuck-after-s", "1"});
+  ASSERT_TRUE(start(encoder, "encoder", flags).ok());
+  const std::string huge = black_image_body(2000);  // 71 x 71 = 5041 tokens: seconds
+  // The first caller stays: once its encode has run past --stuck-after-s, /health says
+  // the encoder is degraded (and so a proxy stops sending it work).
+  std::thread staying([&] {
+    auto res = encoder.client(300).Post("/v1/encode", huge, "application/json");
+    EXPECT_TRUE(res);
+  });
+  EXPECT_TRUE(poll_until(Deadline::after_ms(60000), [&] {
+    auto [status, report] = health(encoder);
+    return status == 503 && report["status"] == "degraded";
+  }));
+  staying.join();
+  auto [status, report] = health(encoder);
+  EXPECT_EQ(status, 200) << report;
+  // The second caller hangs up a moment after sending: its encode stops early.
+  {
+    httplib::Client leaving = encoder.client(1);
+    // 100 x 100 = 10000 tokens: a minute or more here, were it not stopped.
+    auto res = leaving.Post("/v1/encode", black_image_body(2800), "application/json");
+    EXPECT_FALSE(res);  // read timeout: the client gave up and closed
+  }
+  EXPECT_TRUE(poll_until(Deadline::after_ms(60000), [&] {
+    return metric_value(metrics(encoder), "ecx_encode_failures_total{reason=\"cancelled\"} ") == 1;
+  })) << metrics(encoder);
+}
+
 }  // namespace
 }  // namespace ecx::serve

@@ -41,6 +41,12 @@ void add_common_flags(CLI::App* app, ecx::serve::CommonServiceConfig& c) {
                   "proxy 64)")
       ->envname("ECX_WORKERS")
       ->capture_default_str();
+  app->add_option("--stuck-after-s", c.stuck_after_s,
+                  "/health answers 503 degraded once every worker has been on one request "
+                  "this long")
+      ->envname("ECX_STUCK_AFTER_S")
+      ->check(CLI::Range(1, 86400))
+      ->capture_default_str();
   app->add_option("--io-threads", c.io_threads, "Threads holding every HTTP connection")
       ->envname("ECX_IO_THREADS")
       ->capture_default_str();
@@ -188,9 +194,8 @@ void add_encoder_command(CLI::App* serve, ServeCommands& cmds, std::string& log_
   add_engine_flags(s, cmds.encoder.engine);
   add_directory_flags(s, cmds.encoder.directory, true, cmds.unused_text);
   s->add_option("--compat-hash", cmds.unused_text, kUnused);
-  for (const char* flag : {"--max-model-len", "--request-timeout-ms"}) {
-    s->add_option(flag, cmds.unused_number, kUnused);
-  }
+  add_max_model_len_flag(s, cmds.encoder.max_model_len);
+  s->add_option("--request-timeout-ms", cmds.unused_number, kUnused);
   s->add_option("--log-level", log_level, "trace, debug, info, warn, error, off");
   s->callback([&cmds, &log_level, exit_code] {
     cmds.encoder.common.log_level = log_level;

@@ -83,8 +83,11 @@ class VisionEncoder {
   Result<PreparedImage> prepare(const Image& image) const;
   // The output tensor's geometry for a prepared image: bf16 [tokens, embed_dim].
   TensorMeta output_meta(const PreparedImage& image) const;
-  // Encodes into `out` (exactly output_meta().byte_size() bytes).
-  Status encode(const PreparedImage& image, std::span<std::byte> out) const;
+  // Encodes into `out` (exactly output_meta().byte_size() bytes). `cancelled`, when set,
+  // is asked between steps and between pieces of the attention: once it answers true the
+  // encode stops with kCancelled (its caller's request was abandoned).
+  Status encode(const PreparedImage& image, std::span<std::byte> out,
+                const std::function<bool()>& cancelled = {}) const;
 
  private:
   struct Impl;

@@ -22,8 +22,10 @@ struct CommonServiceConfig {
   std::string model = "ecx-tiny-vl";  // the served model name
   std::string log_level = "warn";     // trace, debug, info, warn, error, off
   int workers = 0;                    // threads running queued work; 0 = the role's default
-  int io_threads = 2;                 // threads holding every connection (Asio)
-  uint64_t max_queued = 1024;         // waiting requests past which new ones get 503
+  // /health says degraded (503) once every worker has been on one request this long.
+  int stuck_after_s = 30;
+  int io_threads = 2;          // threads holding every connection (Asio)
+  uint64_t max_queued = 1024;  // waiting requests past which new ones get 503
   // Client connections held at once; past it (or past what the open-files limit leaves),
   // a new connection gets /health, /metrics and /v1/models but 503 for work, then closes.
   // 0 = as many as the open-files limit leaves.
@@ -74,6 +76,9 @@ struct EncoderServiceConfig {
   CommonServiceConfig common;
   EngineConfig engine;
   DirectoryConfig directory;
+  // The model's context (prompt + generated tokens), as the PDs have it: images whose
+  // tokens could never fit are refused before they are encoded.
+  int64_t max_model_len = 16384;
 };
 
 struct PdServiceConfig {

@@ -499,9 +499,10 @@ TEST(Grants, NoByteOfAWriteLandsInAWindowAfterItIsRevoked) {
 }
 
 TEST(Identity, APeerThatDeclaresAnotherAgentsNameCannotEndWhatThatAgentHolds) {
-  auto server = std::move(Agent::create(local_config("producer")).value());
+  // Declared before the server: its threads call the handlers until it is destroyed.
   std::mutex mu;
   std::vector<std::string> callers, gone;
+  auto server = std::move(Agent::create(local_config("producer")).value());
   server->set_call_handler([&](const Caller& caller, std::string_view) -> Result<std::string> {
     std::lock_guard lock(mu);
     callers.push_back(caller.holder);

@@ -392,6 +392,7 @@ class EncoderCachePool::Impl {
         if (p->second.mm_hash == e.mm_hash) {
           expiries_.erase({p->second.expiry, p->first});
           forget_capability_locked(p->second.capability);
+          uncount_holder_locked(p->second.holder);
           p = pins_.erase(p);
         } else {
           ++p;
@@ -445,11 +446,15 @@ class EncoderCachePool::Impl {
     expiries_.erase({it->second.expiry, pin_id});
     auto e = entries_.find(it->second.mm_hash);
     if (e != entries_.end() && e->second.pins > 0) e->second.pins--;
-    auto held = pins_per_holder_.find(it->second.holder);
-    if (held != pins_per_holder_.end() && --held->second == 0) pins_per_holder_.erase(held);
+    uncount_holder_locked(it->second.holder);
     forget_capability_locked(it->second.capability);
     pins_.erase(it);
     return true;
+  }
+
+  void uncount_holder_locked(const std::string& holder) {
+    auto held = pins_per_holder_.find(holder);
+    if (held != pins_per_holder_.end() && --held->second == 0) pins_per_holder_.erase(held);
   }
 
   void forget_capability_locked(const transfer::Capability& capability) {

@@ -159,15 +159,24 @@ Result<std::unique_ptr<EncoderService>> EncoderService::create(const EncoderServ
   return e;
 }
 
+// Times a request that finds its image being encoded by another waits for it and, when
+// that one was given up, tries to encode it itself.
+constexpr int kSaveAttempts = 3;
+
 Result<Saved> EncoderService::save(const engine::PreparedImage& image, const TensorMeta& meta,
                                    const HttpRequest& req) {
   auto held = connector_->saved_params(image.mm_hash);
   if (held.ok()) return Saved{std::move(*held), true};
   auto slot = connector_->begin_save(image.mm_hash, meta);
-  if (!slot.ok() && slot.status().code() == StatusCode::kAlreadyExists) {
-    // Encoded concurrently by another request.
-    ECX_ASSIGN_OR_RETURN(auto params, connector_->saved_params(image.mm_hash));
-    return Saved{std::move(params), false};
+  // Encoded concurrently by another request: its params, once ready. If that encode was
+  // given up (its client left), this request encodes the image itself.
+  for (int attempt = 0;
+       attempt < kSaveAttempts && !slot.ok() && slot.status().code() == StatusCode::kAlreadyExists;
+       ++attempt) {
+    auto params = connector_->saved_params(image.mm_hash);
+    if (params.ok()) return Saved{std::move(*params), false};
+    if (req.abandoned()) return params.status();
+    slot = connector_->begin_save(image.mm_hash, meta);
   }
   if (!slot.ok()) return slot.status();
   if (Status s = encoder_->encode(image, slot->payload, [&req] { return req.abandoned(); });

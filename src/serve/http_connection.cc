@@ -132,11 +132,14 @@ void log_request(const std::string& method, const std::string& path, int status,
 class Connection : public std::enable_shared_from_this<Connection> {
  public:
   Connection(ServerState& state, tcp::socket socket)
-      : state_(state),
-        client_(client_of(socket)),
-        stream_(std::move(socket)),
-        over_share_(!state_.join_client(client_)),
-        over_capacity_(++state_.open_connections > state_.max_connections || over_share_) {}
+      : state_(state), client_(client_of(socket)), stream_(std::move(socket)) {
+    const bool within_share = state_.join_client(client_);
+    const int64_t open = ++state_.open_connections;
+    // A client past its share is refused only once the service is half full: alone, a
+    // busy client gets all the room there is.
+    over_share_ = !within_share && open > state_.max_connections / 2;
+    over_capacity_ = over_share_ || open > state_.max_connections;
+  }
   ~Connection() {
     release_body();
     state_.leave_client(client_);
@@ -223,8 +226,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
   std::shared_ptr<ChunkStream> chunks_;  // the streamed answer, once started
   // Opened past its client's share, or past --max-connections: one request (work
   // refused), then closed.
-  const bool over_share_;
-  const bool over_capacity_;
+  bool over_share_ = false;
+  bool over_capacity_ = false;
   uint64_t declared_ = 0;  // body bytes the request being read announced (or may send)
   uint64_t reserved_ = 0;  // of the body budget, for the request being answered
   bool linger_ = false;    // its body was refused unread: linger() once answered
@@ -269,8 +272,18 @@ void Connection::on_header(beast::error_code ec) {
     // for a client that waits for the go-ahead, one that does not fit now.
     const uint64_t whole = bytes * kBodyCopies;
     const bool known = parser_->content_length().has_value();
-    if ((known && whole > state_.max_buffered_bytes) ||
-        (wants_go_ahead && !state_.has_room(whole)) || !reserve_more()) {
+    if (known && whole > state_.max_buffered_bytes) {
+      keep_alive_ = false;
+      linger_ = true;
+      version_ = head.version();
+      return send(error_response(413, "request_too_large",
+                                 "a body of " + std::to_string(bytes) + " bytes takes " +
+                                     std::to_string(whole) + " of the " +
+                                     std::to_string(state_.max_buffered_bytes) +
+                                     " bytes --max-buffered-bytes allows (4 per body byte)"),
+                  std::string(head.method_string()), std::string(head.target()), 0, false);
+    }
+    if ((wants_go_ahead && !state_.has_room(whole)) || !reserve_more()) {
       return refuse_body(bytes);
     }
   }

@@ -124,7 +124,10 @@ std::optional<std::string> HttpServer::stuck(std::chrono::milliseconds after) co
   const ServerState& s = *state_;
   if (!s.queue) return std::nullopt;
   size_t busy = s.queue->busy_longer_than(after);
-  if (busy < static_cast<size_t>(s.queue->workers())) return std::nullopt;
+  // Busy but keeping up is not stuck: it takes requests waiting behind them too.
+  if (busy < static_cast<size_t>(s.queue->workers()) || s.queue->waiting() == 0) {
+    return std::nullopt;
+  }
   return "all " + std::to_string(busy) + " workers have been on one request each for over " +
          std::to_string(after.count() / 1000) + " s; " + std::to_string(s.queue->waiting()) +
          " requests wait";

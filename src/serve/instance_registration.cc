@@ -12,6 +12,7 @@
 #include "ecx/common/log.h"
 #include "ecx/directory/instance.h"
 #include "ecx/directory/registration.h"
+#include "serve/model_setup.h"
 
 namespace ecx::serve {
 
@@ -113,7 +114,7 @@ int serve_registered(HttpServer& server, const DirectoryConfig& directory,
                      const CommonServiceConfig& common, const EngineConfig& engine,
                      const std::string& role, const std::string& compat_hash) {
   if (directory.etcd.empty()) return server.serve_until_signal();
-  auto secret = load_secret(engine.auth_token, engine.auth_token_file);
+  auto secret = deployment_secret(engine);  // the one the connector uses
   if (!secret.ok()) {  // the connector read it already; kept as a message, not a crash
     spdlog::error("event=secret_unreadable error=\"{}\"", secret.status().message());
     return 2;

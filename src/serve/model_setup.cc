@@ -1,5 +1,7 @@
 #include "serve/model_setup.h"
 
+#include "ecx/common/auth.h"
+
 namespace ecx::serve {
 
 Result<ModelBundle> load_model(const CommonServiceConfig& common, const EngineConfig& setup) {
@@ -33,6 +35,20 @@ Result<connector::ConnectorConfig> connector_config(const EngineConfig& setup, c
     }
   }
   return cc;
+}
+
+Result<std::string> deployment_secret(const EngineConfig& setup) {
+  if (!setup.ec_config.empty()) {
+    ECX_ASSIGN_OR_RETURN(auto cc, connector::ConnectorConfig::parse(setup.ec_config));
+    auto token = cc.extra.find("auth_token");
+    auto file = cc.extra.find("auth_token_file");
+    if (token != cc.extra.end() || file != cc.extra.end()) {
+      return load_secret(
+          token != cc.extra.end() && token->is_string() ? token->get<std::string>() : std::string(),
+          file != cc.extra.end() && file->is_string() ? file->get<std::string>() : std::string());
+    }
+  }
+  return load_secret(setup.auth_token, setup.auth_token_file);
 }
 
 }  // namespace ecx::serve

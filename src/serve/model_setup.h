@@ -18,6 +18,11 @@ Result<ModelBundle> load_model(const CommonServiceConfig& common, const EngineCo
 
 // The connector config from --ec-config or --connector, with the model's compatibility
 // hash, an engine id and the deployment secret filled in when absent.
+// The deployment secret E's or PD's connector uses: the connector config's own
+// (extra.auth_token / auth_token_file) first, as connector_config gives it, else
+// ECX_AUTH_TOKEN / --auth-token-file; empty when there is none.
+Result<std::string> deployment_secret(const EngineConfig& setup);
+
 Result<connector::ConnectorConfig> connector_config(const EngineConfig& setup, connector::Role role,
                                                     const engine::ModelConfig& model,
                                                     const std::string& engine_id);

@@ -130,9 +130,15 @@ class AgentImpl final : public Agent {
   // One engine per enabled backend, in the order `auto` tries them.
   std::vector<std::unique_ptr<BackendEngine>> engines_;
   std::string host_id_;
-  // Sent in our handshakes only (AgentMetadata::session): servers key what they hand us
-  // by it, so no other process that declares our name can take or end it.
-  const std::string session_ = hex_encode(random_bytes(16).data(), 16);
+  // Our session with a server (AgentMetadata::session), sent in our handshakes with it
+  // only: an HMAC under a key of this process over the server's name. The server keys
+  // what it hands us by it, so no other process that declares our name can take or end
+  // it, and a server that learns our session with it cannot pose as us to another.
+  std::string session_with(const std::string& server) const {
+    Mac mac = hmac_sha256(session_key_, {"ecx-session-v1", server});
+    return hex_encode(mac.data(), 16);
+  }
+  const std::string session_key_ = random_bytes(32);
   std::atomic<uint64_t> next_connection_id_{1};
 
   mutable std::mutex mu_;
@@ -358,7 +364,7 @@ Result<std::shared_ptr<Peer>> AgentImpl::open_with(BackendEngine& engine, const 
   peer->connection_id = next_connection_id_.fetch_add(1);
   const bool over_unix = engine.control_over_unix(meta, same_host);
   AgentMetadata self = metadata();
-  self.session = session_;
+  self.session = session_with(meta.name);
   ECX_ASSIGN_OR_RETURN(UniqueFd fd, dial_control(meta, over_unix, deadline));
   auto on_death = [this, name = peer->name, id = peer->connection_id](const Status& reason) {
     on_peer_death(name, id, reason);
@@ -606,6 +612,9 @@ Result<RemoteView> AgentImpl::view(const std::string& peer_name, uint32_t region
 Result<std::unique_ptr<Agent>> Agent::create(AgentConfig config) {
   if (config.name.empty()) return InvalidArgument("agent config needs a name");
   if (config.name.size() > 200) return InvalidArgument("agent name longer than 200 characters");
+  if (config.name.find('#') != std::string::npos) {
+    return InvalidArgument("agent name '" + config.name + "' contains '#'");
+  }
   if (!config.enable_shm && !config.enable_tcp) {
     return InvalidArgument("agent '" + config.name + "' has neither shm nor tcp enabled");
   }

@@ -137,8 +137,17 @@ LocalRegion RegionTable::add(std::shared_ptr<RegionEntry> entry) {
 }
 
 Status RegionTable::remove(uint32_t id) {
-  std::lock_guard lock(mu_);
-  std::erase_if(grants_, [id](const auto& g) { return g.second.region == id; });
+  std::unique_lock lock(mu_);
+  std::vector<Capability> ended;
+  for (auto g = grants_.begin(); g != grants_.end();) {
+    if (g->second.region == id) {
+      ended.push_back(g->first);
+      g = grants_.erase(g);
+    } else {
+      ++g;
+    }
+  }
+  for (const auto& capability : ended) end_writes_locked(lock, capability);
   auto it = regions_.find(id);
   if (it == regions_.end()) {
     return NotFound("region " + std::to_string(id) + " is not registered on agent " + agent_name_);
@@ -300,6 +309,11 @@ Result<Capability> RegionTable::grant(uint32_t id, uint64_t offset, uint64_t len
 void RegionTable::revoke(const Capability& capability) {
   std::unique_lock lock(mu_);
   grants_.erase(capability);
+  end_writes_locked(lock, capability);
+}
+
+void RegionTable::end_writes_locked(std::unique_lock<std::mutex>& lock,
+                                    const Capability& capability) {
   auto in_flight = writes_.find(capability);
   if (in_flight == writes_.end()) return;
   // Their streams are cut, so each server thread leaves its recv at once and ends its

@@ -118,6 +118,8 @@ class RegionTable {
   Status check_grant_locked(uint32_t id, uint64_t offset, uint64_t length, bool write,
                             const std::string& peer, const Capability& capability,
                             const std::string& what) const;
+  // Cuts the WRITEs in flight on `capability` and waits (releasing `lock`) until they end.
+  void end_writes_locked(std::unique_lock<std::mutex>& lock, const Capability& capability);
   Result<std::shared_ptr<RegionEntry>> check_access_locked(uint32_t id, uint64_t offset,
                                                            uint64_t length, bool write,
                                                            const std::string& peer,

@@ -83,6 +83,10 @@ Result<AgentMetadata> AgentMetadata::parse(std::string_view text) {
   AgentMetadata m;
   ECX_ASSIGN_OR_RETURN(m.name, r.string("name", Presence::kRequired, kMaxNameLength));
   if (m.name.empty()) return InvalidArgument("agent metadata has an empty name");
+  // '#' separates a name from its session in a peer's identity (AgentMetadata::holder).
+  if (m.name.find('#') != std::string::npos) {
+    return InvalidArgument("agent metadata: name '" + m.name + "' contains '#'");
+  }
   ECX_ASSIGN_OR_RETURN(uint64_t version,
                        r.u64("protocol_version", Presence::kRequired, UINT32_MAX));
   m.protocol_version = static_cast<uint32_t>(version);

@@ -160,12 +160,8 @@ void Server::accept_loop(int listen_fd, bool unix_socket) {
     }
     std::lock_guard lock(mu_);
     if (stopping_) return;
-    make_room_for_handshake_locked(unix_socket);
-    size_t established = 0;
-    for (const auto& c : connections_) {
-      established += (!c.finished && !c.handshaking && c.unix_socket == unix_socket) ? 1 : 0;
-    }
-    if (established >= static_cast<size_t>(std::max(1, config_.max_connections))) {
+    if (established_locked(unix_socket) >=
+        static_cast<size_t>(std::max(1, config_.max_connections))) {
       stats_->connections_refused++;
       send_error(accepted->get(), 0,
                  Status(StatusCode::kResourceExhausted,
@@ -175,6 +171,7 @@ void Server::accept_loop(int listen_fd, bool unix_socket) {
           .ignore_error();
       continue;
     }
+    make_room_for_handshake_locked(unix_socket);
     connections_.emplace_back();
     Connection* c = &connections_.back();
     c->fd = std::move(*accepted);
@@ -188,6 +185,14 @@ void Server::accept_loop(int listen_fd, bool unix_socket) {
 // Peers that never finish their handshake must not keep the deployment's own agents
 // out: when this listener's handshake slots are all taken, the oldest one is cut (its
 // thread fails the handshake at once and ends).
+size_t Server::established_locked(bool unix_socket) const {
+  size_t n = 0;
+  for (const auto& c : connections_) {
+    n += (!c.finished && !c.handshaking && c.unix_socket == unix_socket) ? 1 : 0;
+  }
+  return n;
+}
+
 void Server::make_room_for_handshake_locked(bool unix_socket) {
   Connection* oldest = nullptr;
   size_t handshaking = 0;
@@ -216,7 +221,16 @@ void Server::serve(Connection* connection) {
   } else {
     {
       std::lock_guard lock(mu_);
-      connection->handshaking = false;  // now counted against max_connections
+      // Counted against max_connections from now on; those that finished their handshake
+      // meanwhile may have taken the last places.
+      if (established_locked(connection->unix_socket) >=
+          static_cast<size_t>(std::max(1, config_.max_connections))) {
+        stats_->connections_refused++;
+        connection->fd.reset();
+        connection->finished = true;
+        return;
+      }
+      connection->handshaking = false;
     }
     const Caller caller{accepted->metadata.name, accepted->metadata.holder()};
     const std::string& peer = caller.name;

@@ -61,6 +61,7 @@ class Server {
   Server(const AgentConfig& config, RegionTable* regions, StatsCounters* stats, ServerHooks hooks);
   void accept_loop(int listen_fd, bool unix_socket);
   void make_room_for_handshake_locked(bool unix_socket);
+  size_t established_locked(bool unix_socket) const;  // handshake done, not finished
   void serve(Connection* connection);
   // Handles one request frame; returns false when the connection must close.
   // Grants are checked against `caller.holder`, the peer's authenticated identity.

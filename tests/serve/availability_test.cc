@@ -315,9 +315,10 @@ std::string black_image_body(int side) {
   return json{{"image", engine::make_data_url(png, "image/png")}}.dump();
 }
 
+// The value on the line that starts with `line_prefix` (not a # HELP line), or 0.
 double metric_value(const std::string& text, const std::string& line_prefix) {
-  auto at = text.find(line_prefix);
-  return at == std::string::npos ? 0 : std::atof(text.c_str() + at + line_prefix.size());
+  auto at = text.find("\n" + line_prefix);
+  return at == std::string::npos ? 0 : std::atof(text.c_str() + at + 1 + line_prefix.size());
 }
 
 // Work that cannot be served is not done: an image whose tokens could never fit the
@@ -356,11 +357,19 @@ TEST(EncoderWork, AnEncodeWhoseClientLeftStopsAndStuckWorkersMakeHealthDegraded)
     auto res = encoder.client(300).Post("/v1/encode", huge, "application/json");
     EXPECT_TRUE(res);
   });
+  ASSERT_TRUE(poll_until(Deadline::after_ms(10000), [&] {
+    return metric_value(metrics(encoder), "ecx_http_requests_running ") == 1;
+  })) << metrics(encoder);
+  std::thread waiting([&] {  // behind it in the queue
+    auto res = encoder.client(300).Post("/v1/encode", black_image_body(224), "application/json");
+    EXPECT_TRUE(res);
+  });
   EXPECT_TRUE(poll_until(Deadline::after_ms(60000), [&] {
     auto [status, report] = health(encoder);
     return status == 503 && report["status"] == "degraded";
   }));
   staying.join();
+  waiting.join();
   auto [status, report] = health(encoder);
   EXPECT_EQ(status, 200) << report;
   // The second caller hangs up a moment after sending: its encode stops early.

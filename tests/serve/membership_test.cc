@@ -354,8 +354,11 @@ TEST(MembershipThroughSecureEtcd, OnlyInstancesThatProveTheSecretGetTrafficAndKe
   ASSERT_TRUE(start(proxy, "proxy", secure_flags("p2p", prefix)).ok());
   ASSERT_TRUE(start(encoder, "encoder", secure_flags("p2p", prefix)).ok());
   ASSERT_TRUE(start(pd, "pd", secure_flags("p2p", prefix)).ok());
+  auto joined = Clock::now();
   ASSERT_TRUE(poll_until(Deadline::after_ms(10000),
                          [&] { return routed_to(proxy, encoder) && routed_to(proxy, pd); }));
+  std::printf("[ measure ] PD listening -> proven and routed to: %.3f s\n",
+              seconds(joined, Clock::now()));
   auto registered = etcd->range_prefix(instances + "pd/");
   ASSERT_TRUE(registered.ok() && registered->kvs.size() == 1u);
   const directory::KeyValue real_pd = registered->kvs[0];
@@ -401,19 +404,33 @@ TEST(MembershipThroughSecureEtcd, OnlyInstancesThatProveTheSecretGetTrafficAndKe
     return now.ok() && now->kvs.size() == 1u ? now->kvs[0].value : std::string();
   };
   ASSERT_EQ(etcd->delete_key(real_pd.key).value(), 1);
+  auto deleted = Clock::now();
   EXPECT_TRUE(poll_until(Deadline::after_ms((kTtl + 1) * 1000),
                          [&] { return pd_record() == real_pd.value; }));
+  std::printf("[ measure ] PD key deleted -> put back: %.3f s (TTL %d s)\n",
+              seconds(deleted, Clock::now()), kTtl);
   directory::Instance hijack = real;
   hijack.url = rogue_url;
   hijack.mac.clear();
   ASSERT_TRUE(etcd->put(real_pd.key, directory::instance_value(hijack)).ok());
+  auto replaced = Clock::now();
   EXPECT_TRUE(poll_until(Deadline::after_ms((kTtl + 1) * 1000),
                          [&] { return pd_record() == real_pd.value; }));
   ASSERT_TRUE(poll_until(Deadline::after_ms(10000), [&] { return routed_to(proxy, pd); }));
+  std::printf("[ measure ] PD key replaced -> put back and routed to again: %.3f s\n",
+              seconds(replaced, Clock::now()));
   auto res = chat(proxy, image_request(50));
   ASSERT_TRUE(res);
   EXPECT_EQ(res->status, 200) << res->body;
   EXPECT_EQ(rogue_hits.load(), 0) << "the rogue service was sent traffic";
+
+  // A PD that dies leaves within the lease (plus a second), proof or not.
+  ASSERT_TRUE(pd.process->kill(SIGKILL).ok());
+  auto killed = Clock::now();
+  EXPECT_TRUE(poll_until(Deadline::after_ms((kTtl + 1) * 1000),
+                         [&] { return upstream(proxy, pd.url).is_null(); }));
+  std::printf("[ measure ] PD SIGKILL -> removed from the proxy: %.3f s (TTL %d s)\n",
+              seconds(killed, Clock::now()), kTtl);
 
   rogue.stop();
   rogue_thread.join();

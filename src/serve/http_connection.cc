@@ -5,6 +5,8 @@
 // sent the socket is watched, so the worker learns at once when the client has gone.
 #include "serve/http_connection.h"
 
+#include <sys/socket.h>
+
 #include <unistd.h>
 
 #include <array>
@@ -424,15 +426,20 @@ void Connection::queue_work(const HttpHandler& handler, HttpRequest req) {
 }
 
 void Connection::watch_for_hang_up(const std::shared_ptr<std::atomic<bool>>& gone) {
-  // Readable with nothing to read: the client closed its end (a pipelined request
-  // would leave bytes; then nothing is marked).
-  stream_.socket().async_wait(tcp::socket::wait_read,
-                              [self = shared_from_this(), gone](beast::error_code ec) {
-                                if (ec == net::error::operation_aborted) return;
-                                beast::error_code avail_ec;
-                                size_t n = self->stream_.socket().available(avail_ec);
-                                if (ec || avail_ec || n == 0) gone->store(true);
-                              });
+  stream_.socket().async_wait(tcp::socket::wait_read, [self = shared_from_this(),
+                                                       gone](beast::error_code ec) {
+    if (ec == net::error::operation_aborted) return;
+    // Asked of the kernel, not of the wake-up (which may be spurious): the end of the
+    // stream, or a reset, is a client that left. Bytes (a pipelined request) are
+    // not, and stop the watch; nothing yet means it is still there: watch again.
+    char byte;
+    ssize_t n = ::recv(self->stream_.socket().native_handle(), &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+    if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
+      gone->store(true);
+    } else if (n < 0 && !gone->load()) {
+      self->watch_for_hang_up(gone);
+    }
+  });
 }
 
 void Connection::reject_busy(const HttpRequest& req, size_t max_queued) {

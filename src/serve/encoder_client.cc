@@ -121,6 +121,7 @@ void call_encoder(HttpClient& client, std::shared_ptr<Upstream> e, const EncodeC
   request.body = vllm ? chat_body(call) : safe_dump(json{{"image", call.data_url}});
   request.connect_timeout = std::chrono::milliseconds(std::min<int64_t>(timeout_ms, 5000));
   request.timeout = std::chrono::milliseconds(timeout_ms);
+  request.cancel = call.cancel;
   e->in_flight++;
   client.send(
       e->host, e->port, std::move(request), [e, vllm, done = std::move(done)](ClientResult res) {
@@ -197,6 +198,11 @@ struct Failover : std::enable_shared_from_this<Failover> {
     if (is_client_error(r.http_status)) {
       out.outcome = ImageEncode::kClientError;
       out.result = std::move(r);
+      return end();
+    }
+    if (r.transport == ClientError::kCancelled) {
+      out.why = r.error;
+      out.reason_label = "cancelled";
       return end();
     }
     out.failed_attempts++;

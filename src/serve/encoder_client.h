@@ -27,6 +27,9 @@ struct EncodeCall {
   // derived from its bytes), which the PD's copy of the image carries too.
   std::string model;
   std::string uuid;
+  // The request's client hung up: the call ends (ClientRequest::cancel), and no other
+  // encoder is tried.
+  std::shared_ptr<Cancellation> cancel;
 };
 
 // One encode call: POST /v1/encode (ecx) or POST /v1/chat/completions (vllm).
@@ -52,7 +55,7 @@ struct ImageEncode {
   EncodeResult result;                // the encoder's answer (kEncoded, kClientError)
   std::shared_ptr<Upstream> encoder;  // kEncoded: the encoder that holds the params' pin
   std::string why;                    // kFallback: the last failure
-  std::string reason_label;           // kFallback: no_live_encoder | encoder_failed | timeout
+  std::string reason_label;  // kFallback: no_live_encoder | encoder_failed | timeout | cancelled
   int failed_attempts = 0;
   double ms = 0;
 };

@@ -40,6 +40,8 @@ const char* client_error_name(ClientError error) {
       return "too_large";
     case ClientError::kStopped:
       return "stopped";
+    case ClientError::kCancelled:
+      return "cancelled";
   }
   return "unknown";
 }
@@ -140,20 +142,36 @@ class Exchange : public std::enable_shared_from_this<Exchange> {
 
   void start() {
     conn_ = impl_.take(where_);
-    if (conn_) {
-      reused_ = true;
+    reused_ = static_cast<bool>(conn_);
+    if (reused_) {
       impl_.reuses++;
       conn_executor_ = conn_->stream.get_executor();
-      net::post(conn_executor_, [self = shared_from_this()] { self->write(); });
-      return;
+    } else {
+      conn_executor_ = net::make_strand(impl_.ioc);
+      conn_ = std::make_unique<PooledConnection>(conn_executor_);
     }
-    conn_executor_ = net::make_strand(impl_.ioc);
-    conn_ = std::make_unique<PooledConnection>(conn_executor_);
-    net::post(conn_executor_, [self = shared_from_this()] { self->connect(); });
+    // Told before the first step is posted: a call whose caller is already gone ends
+    // before anything is sent.
+    if (request_.cancel) {
+      request_.cancel->on_cancel([weak = weak_from_this(), executor = conn_executor_] {
+        if (auto self = weak.lock()) {
+          net::post(executor, [self] {
+            self->fail(ClientError::kCancelled, "cancelled: the caller's client has gone", {});
+          });
+        }
+      });
+    }
+    net::post(conn_executor_,
+              [self = shared_from_this()] { self->reused_ ? self->write() : self->connect(); });
   }
 
  private:
+  // False once the call has ended (answered or failed), or its caller has gone (its end
+  // is then on its way): a step still in flight does nothing more.
+  bool live() const { return done_ && !(request_.cancel && request_.cancel->cancelled()); }
+
   void connect() {
+    if (!live()) return;
     reused_ = false;
     impl_.connects++;
     auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline_ - Clock::now());
@@ -179,12 +197,14 @@ class Exchange : public std::enable_shared_from_this<Exchange> {
   }
 
   void on_connected(beast::error_code ec) {
+    if (!live()) return close();
     if (ec) return fail(ClientError::kConnect, "connect to " + where_, ec);
     conn_->stream.socket().set_option(tcp::no_delay(true), ec);
     write();
   }
 
   void write() {
+    if (!live()) return;
     conn_->stream.expires_at(deadline_);
     http::async_write(
         conn_->stream, msg_,
@@ -220,6 +240,7 @@ class Exchange : public std::enable_shared_from_this<Exchange> {
   }
 
   void read_body() {
+    if (!live()) return;
     if (parser_->is_done()) return finish(true);
     auto& body = parser_->get().body();
     body.data = piece_.data();

@@ -8,7 +8,8 @@
 // closed while it sat idle is noticed before it is used (and idle ones are dropped well
 // before the services' --idle-timeout), and a call whose write fails on a pooled
 // connection is sent once more on a new one. A call that fails after its request was
-// written is not repeated: the upstream may have acted on it.
+// written is not repeated: the upstream may have acted on it. A call whose caller has
+// gone (ClientRequest::cancel) ends at once, its connection closed.
 #pragma once
 
 #include <chrono>
@@ -17,6 +18,8 @@
 #include <memory>
 #include <string>
 #include <string_view>
+
+#include "serve/cancellation.h"
 
 namespace ecx::serve {
 
@@ -29,6 +32,10 @@ struct ClientRequest {
   // Without streaming: the whole call, connect included. Streamed: until the headers,
   // then between two pieces of the body.
   std::chrono::milliseconds timeout{30000};
+  // When set and cancelled (the caller's own client has gone), the call ends at once
+  // (kCancelled) and its connection is closed: an upstream ecx service takes that as its
+  // client gone and stops the work.
+  std::shared_ptr<Cancellation> cancel;
 };
 
 enum class ClientError {
@@ -38,6 +45,7 @@ enum class ClientError {
   kTransport,  // the connection failed mid-way, or the answer was not HTTP
   kTooLarge,   // the answer's body is over the client's limit
   kStopped,    // the receiver of a streamed body stopped it
+  kCancelled,  // ClientRequest::cancel was set
 };
 const char* client_error_name(ClientError error);
 

@@ -33,6 +33,8 @@ namespace {
 
 // The least share of connections one client may hold (ServerState::client_share).
 constexpr int64_t kMinClientShare = 256;
+// The least share of the queue one client may have waiting (ServerState::queue_share).
+constexpr size_t kMinQueueShare = 16;
 
 // A quarter of physical memory (4 GiB when unknown): the default budget of request bodies.
 uint64_t quarter_of_memory() {
@@ -81,6 +83,24 @@ void ServerState::leave_client(const std::string& client) {
   std::lock_guard lock(clients_mu_);
   auto it = connections_by_client_.find(client);
   if (it != connections_by_client_.end() && --it->second <= 0) connections_by_client_.erase(it);
+}
+
+size_t ServerState::queue_share(size_t max_queued) {
+  return std::max(kMinQueueShare, max_queued / 4);
+}
+
+bool ServerState::join_queue(const std::string& client, size_t waiting, size_t max_queued) {
+  std::lock_guard lock(clients_mu_);
+  size_t& mine = waiting_by_client_[client];
+  if (mine >= queue_share(max_queued) && waiting * 2 >= max_queued) return false;
+  ++mine;
+  return true;
+}
+
+void ServerState::leave_queue(const std::string& client) {
+  std::lock_guard lock(clients_mu_);
+  auto it = waiting_by_client_.find(client);
+  if (it != waiting_by_client_.end() && --it->second == 0) waiting_by_client_.erase(it);
 }
 
 void ServerState::begin_request() {
@@ -185,11 +205,13 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void discard_some(const std::shared_ptr<std::array<char, 16384>>& sink);
   void route(HttpRequest req);
   void queue_work(const HttpHandler& handler, HttpRequest req);
-  // Sets `gone` when the client closes its connection while its request waits or runs.
-  void watch_for_hang_up(const std::shared_ptr<std::atomic<bool>>& gone);
+  // Cancels `gone` when the client closes its connection while its request waits or
+  // runs (until the next request is read).
+  void watch_for_hang_up(const std::shared_ptr<Cancellation>& gone);
   void queue_async(const AsyncHandler& handler, HttpRequest req);
-  // 503: the service's FIFO is full.
-  void reject_busy(const HttpRequest& req, size_t max_queued);
+  // 503: the service's FIFO is full, or (over_share) this client has its share of it
+  // waiting and it is half full.
+  void reject_busy(const HttpRequest& req, size_t max_queued, bool over_share);
   // 503: this connection is past --max-connections.
   void refuse_work(const HttpRequest& req);
   void run_work(const HttpHandler& handler, const HttpRequest& req);
@@ -230,9 +252,10 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // refused), then closed.
   bool over_share_ = false;
   bool over_capacity_ = false;
-  uint64_t declared_ = 0;  // body bytes the request being read announced (or may send)
-  uint64_t reserved_ = 0;  // of the body budget, for the request being answered
-  bool linger_ = false;    // its body was refused unread: linger() once answered
+  uint64_t declared_ = 0;       // body bytes the request being read announced (or may send)
+  uint64_t reserved_ = 0;       // of the body budget, for the request being answered
+  bool linger_ = false;         // its body was refused unread: linger() once answered
+  uint64_t requests_read_ = 0;  // (strand) a hang-up watch ends once the next is read
 };
 
 // The body budget is charged in steps of this many bytes as a body arrives, and each
@@ -250,6 +273,7 @@ constexpr std::chrono::seconds kLinger{2};
 constexpr std::chrono::seconds kOverCapacityRequestWait{5};
 
 void Connection::read_request() {
+  requests_read_++;
   parser_.emplace();
   parser_->body_limit(state_.max_body_bytes);
   parser_->header_limit(64 * 1024);
@@ -416,38 +440,55 @@ void Connection::queue_work(const HttpHandler& handler, HttpRequest req) {
                 req.path, req.body.size(), false);
   }
   state_.begin_request();
-  auto gone = std::make_shared<std::atomic<bool>>(false);
+  auto gone = std::make_shared<Cancellation>();
   req.client_gone = gone;
   auto shared = std::make_shared<HttpRequest>(std::move(req));
-  bool admitted = state_.queue->push(
-      [self = shared_from_this(), &handler, shared] { self->run_work(handler, *shared); });
-  if (!admitted) return reject_busy(*shared, state_.queue->max_queued());
+  const size_t max_queued = state_.queue->max_queued();
+  if (!state_.join_queue(client_, state_.queue->waiting(), max_queued)) {
+    return reject_busy(*shared, max_queued, /*over_share=*/true);
+  }
+  bool admitted = state_.queue->push([self = shared_from_this(), &handler, shared] {
+    self->state_.leave_queue(self->client_);
+    self->run_work(handler, *shared);
+  });
+  if (!admitted) {
+    state_.leave_queue(client_);
+    return reject_busy(*shared, max_queued, /*over_share=*/false);
+  }
   watch_for_hang_up(gone);
 }
 
-void Connection::watch_for_hang_up(const std::shared_ptr<std::atomic<bool>>& gone) {
-  stream_.socket().async_wait(tcp::socket::wait_read, [self = shared_from_this(),
-                                                       gone](beast::error_code ec) {
-    if (ec == net::error::operation_aborted) return;
-    // Asked of the kernel, not of the wake-up (which may be spurious): the end of the
-    // stream, or a reset, is a client that left. Bytes (a pipelined request) are
-    // not, and stop the watch; nothing yet means it is still there: watch again.
-    char byte;
-    ssize_t n = ::recv(self->stream_.socket().native_handle(), &byte, 1, MSG_PEEK | MSG_DONTWAIT);
-    if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
-      gone->store(true);
-    } else if (n < 0 && !gone->load()) {
-      self->watch_for_hang_up(gone);
-    }
-  });
+void Connection::watch_for_hang_up(const std::shared_ptr<Cancellation>& gone) {
+  stream_.socket().async_wait(
+      tcp::socket::wait_read,
+      [self = shared_from_this(), gone, request = requests_read_](beast::error_code ec) {
+        // Answered, and the next request is being read: nothing to watch for any more.
+        if (ec == net::error::operation_aborted || self->requests_read_ != request) return;
+        // Asked of the kernel, not of the wake-up (which may be spurious): the end of the
+        // stream, or a reset, is a client that left. Bytes (a pipelined request) are
+        // not, and stop the watch; nothing yet means it is still there: watch again.
+        char byte;
+        ssize_t n =
+            ::recv(self->stream_.socket().native_handle(), &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+        if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
+          gone->cancel();
+        } else if (n < 0 && !gone->cancelled()) {
+          self->watch_for_hang_up(gone);
+        }
+      });
 }
 
-void Connection::reject_busy(const HttpRequest& req, size_t max_queued) {
+void Connection::reject_busy(const HttpRequest& req, size_t max_queued, bool over_share) {
   state_.end_request();
   state_.rejected++;
-  HttpResponse res = error_response(503, "server_busy",
-                                    state_.role + " is at capacity: " + std::to_string(max_queued) +
-                                        " requests are waiting (--max-queued); retry later");
+  const std::string queue = std::to_string(max_queued);
+  HttpResponse res = error_response(
+      503, "server_busy",
+      over_share ? "this client (" + client_ + ") has its share of " + state_.role +
+                       "'s queue waiting (" + std::to_string(ServerState::queue_share(max_queued)) +
+                       " of --max-queued " + queue + ") while the queue is half full; retry later"
+                 : state_.role + " is at capacity: " + queue +
+                       " requests are waiting (--max-queued); retry later");
   res.set_header("Retry-After", "1");
   send(std::move(res), req.method, req.path, req.body.size(), false);
 }
@@ -518,9 +559,16 @@ void Connection::queue_async(const AsyncHandler& handler, HttpRequest req) {
                 req.path, req.body.size(), false);
   }
   state_.begin_request();
+  auto gone = std::make_shared<Cancellation>();
+  req.client_gone = gone;
   auto shared = std::make_shared<const HttpRequest>(std::move(req));
+  const size_t max_queued = state_.slots->max_queued();
+  if (!state_.join_queue(client_, state_.slots->waiting(), max_queued)) {
+    return reject_busy(*shared, max_queued, /*over_share=*/true);
+  }
   bool admitted =
       state_.slots->push([self = shared_from_this(), &handler, shared](SlotQueue::Done done) {
+        self->state_.leave_queue(self->client_);
         auto reply = std::make_shared<ConnectionReply>(self, std::move(done), shared);
         try {
           handler(shared, reply);
@@ -528,7 +576,11 @@ void Connection::queue_async(const AsyncHandler& handler, HttpRequest req) {
           reply->respond(error_response(500, "internal_error", e.what()));
         }
       });
-  if (!admitted) reject_busy(*shared, state_.slots->max_queued());
+  if (!admitted) {
+    state_.leave_queue(client_);
+    return reject_busy(*shared, max_queued, /*over_share=*/false);
+  }
+  watch_for_hang_up(gone);
 }
 
 // On a worker thread.

@@ -3,13 +3,14 @@
 // handler and sends what it left in the response.
 #pragma once
 
-#include <atomic>
 #include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
 #include <utility>
 #include <vector>
+
+#include "serve/cancellation.h"
 
 namespace ecx::serve {
 
@@ -20,12 +21,13 @@ struct HttpRequest {
   std::vector<std::pair<std::string, std::string>> headers;
   std::string body;
   // Set by the server when the client has gone (closed its connection) while its
-  // request waited or ran: work for it may stop at its next step (abandoned()).
-  std::shared_ptr<const std::atomic<bool>> client_gone;
+  // request waited or ran: work for it may stop at its next step (abandoned()), and calls
+  // made for it may be told (Cancellation::on_cancel).
+  std::shared_ptr<Cancellation> client_gone;
 
   // The first header called `name` (case-insensitive), or "" when there is none.
   std::string header(std::string_view name) const;
-  bool abandoned() const { return client_gone && client_gone->load(std::memory_order_relaxed); }
+  bool abandoned() const { return client_gone && client_gone->cancelled(); }
 };
 
 // The body of a streamed answer, written chunk by chunk from the worker thread that runs

@@ -171,6 +171,9 @@ class Proxy {
   void finish_stream(const Call& call, const Upstream& pd, const ClientResult& result);
   // The PD did not take the request: gives the params back, counts and sends `res`.
   void answer_not_taken(const Call& call, HttpResponse res);
+  // The client hung up: its calls to E and PD were ended (closing their connections,
+  // so they stop too), and its params are given back.
+  void answer_abandoned(const Call& call);
   // No PD of call.pds took the request: 502 naming what was tried.
   void answer_no_pd(const Call& call);
   void answer_pd_failure(const Call& call, const Upstream& pd, const ClientResult& result);
@@ -203,6 +206,7 @@ std::vector<ImageJob> Proxy::image_jobs(ChatCall& call) const {
       json& forward_part = call.forward["messages"][m]["content"][p];
       forward_part["image_url"] = {{"url", data_url}};
       EncodeCall encode = encode_call(call.chat, part, std::move(data_url), forward_part);
+      encode.cancel = call.req->client_gone;
       uint64_t key = checksum64(part.image_bytes.data(), part.image_bytes.size());
       // (In vllm mode an image is its bytes and its uuid: E must see each uuid the PD does.)
       if (!use_encoders_ || encoders.empty() || !sent.emplace(key, encode.uuid).second) continue;
@@ -214,7 +218,7 @@ std::vector<ImageJob> Proxy::image_jobs(ChatCall& call) const {
 
 EncodeCall Proxy::encode_call(const ChatRequest& chat, const ContentPart& part,
                               std::string data_url, json& forward_part) const {
-  EncodeCall call{config_.upstream_api, std::move(data_url), "", ""};
+  EncodeCall call{config_.upstream_api, std::move(data_url), "", "", {}};
   if (call.api != UpstreamApi::kVllm) return call;
   // vLLM keys an item by its uuid when it has one: E and PD must see the same. It is
   // the image's content hash, never the client's own uuid: vLLM trusts a uuid as the
@@ -230,13 +234,18 @@ void Proxy::encodes_done(const Call& call) {
   EncodedImages& out = call->encoded;
   for (ImageEncode& r : call->encodes) {
     out.ms = std::max(out.ms, r.ms);
+    if (r.outcome == ImageEncode::kEncoded && !r.result.mm_hash.empty()) {
+      out.issued[r.encoder][r.result.mm_hash] = r.result.params;
+    }
+  }
+  if (call->req->abandoned()) return answer_abandoned(call);
+  for (ImageEncode& r : call->encodes) {
     if (r.failed_attempts > 0)
       metrics_.add("ecx_proxy_encoder_errors_total", "", r.failed_attempts);
     switch (r.outcome) {
       case ImageEncode::kEncoded:
         if (r.result.mm_hash.empty()) break;  // the encoder handed nothing over
         out.params[r.result.mm_hash] = r.result.params;
-        out.issued[r.encoder][r.result.mm_hash] = r.result.params;
         break;
       case ImageEncode::kClientError:
         // The client's fault (bad image) keeps its 4xx.
@@ -287,6 +296,7 @@ void Proxy::handle_chat(std::shared_ptr<const HttpRequest> req, std::shared_ptr<
 }
 
 void Proxy::start_chat(const Call& call) {
+  if (call->req->abandoned()) return answer_abandoned(call);  // its client left while it waited
   if (auto err = parse_chat_request(call->req->body, config_.common, &call->chat)) {
     metrics_.add("ecx_proxy_failures_total", "reason=\"bad_request\"", 1);
     HttpResponse res;
@@ -317,6 +327,7 @@ void Proxy::start_chat(const Call& call) {
 }
 
 void Proxy::forward(const Call& call) {
+  if (call->req->abandoned()) return answer_abandoned(call);
   if (call->next_pd >= call->pds.size()) return answer_no_pd(call);
   std::shared_ptr<Upstream> pd = call->pds[call->next_pd++];
   ClientRequest request;
@@ -324,6 +335,7 @@ void Proxy::forward(const Call& call) {
   request.body = call->body;
   request.connect_timeout = kPdConnectTimeout;
   request.timeout = std::chrono::milliseconds(config_.request_timeout_ms);
+  request.cancel = call->req->client_gone;
   pd->in_flight++;
   client_.send(
       pd->host, pd->port, std::move(request),
@@ -336,6 +348,10 @@ void Proxy::forward(const Call& call) {
 
 void Proxy::on_pd_answer(const Call& call, const std::shared_ptr<Upstream>& pd,
                          ClientResult result) {
+  if (result.error == ClientError::kCancelled) {
+    if (call->writer == nullptr) return answer_abandoned(call);
+    call->client_gone = true;  // a streamed answer: ends as one whose client left
+  }
   if (result.error == ClientError::kConnect) {
     pd->mark_down(result.message);
     call->pd_errors += (call->pd_errors.empty() ? "" : "; ") + pd->url + ": " + result.message;
@@ -407,6 +423,13 @@ void Proxy::answer_not_taken(const Call& call, HttpResponse res) {
   releaser_.release(call->encoded.issued);
   count_answer(res.status);
   call->reply->respond(std::move(res));
+}
+
+void Proxy::answer_abandoned(const Call& call) {
+  metrics_.add("ecx_proxy_client_disconnects_total", "", 1);
+  HttpResponse res;
+  send_error(res, 499, "client_closed_request", "the client closed its connection");
+  answer_not_taken(call, std::move(res));
 }
 
 void Proxy::answer_no_pd(const Call& call) {

@@ -92,7 +92,8 @@ Result<AgentMetadata> client_handshake(int fd, const AgentMetadata& self, const 
 }
 
 Result<AcceptedPeer> server_handshake(int fd, const AgentMetadata& self, const std::string& secret,
-                                      Deadline deadline, std::atomic<uint64_t>* refused) {
+                                      Deadline deadline, std::atomic<uint64_t>* refused,
+                                      const std::function<Status()>& admit) {
   const std::string server_nonce = random_bytes(kNonceBytes);
   FrameHeader challenge;
   challenge.type = static_cast<uint16_t>(FrameType::kChallenge);
@@ -130,6 +131,12 @@ Result<AcceptedPeer> server_handshake(int fd, const AgentMetadata& self, const s
     return refuse(Status(StatusCode::kIncompatible, "agent '" + self.name +
                                                         "' does not accept compatibility hash '" +
                                                         peer->compat_hash + "'"));
+  }
+  if (admit) {
+    if (Status admitted = admit(); !admitted.ok()) {
+      send_error(fd, h.id, admitted).ignore_error();
+      return admitted;
+    }
   }
   const std::string own = self.to_json();
   Mac proof = server_proof(secret, server_nonce, client_nonce, own);

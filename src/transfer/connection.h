@@ -47,9 +47,12 @@ struct AcceptedPeer {
 };
 // Server side: challenges, verifies the client's proof and compatibility, answers. On
 // failure the client gets an ERROR frame that reveals neither the secret nor our hash,
-// and `refused` (if set) is counted before it is sent.
+// and `refused` (if set) is counted before it is sent. `admit` (if set) is asked last,
+// before the answer: a peer it refuses gets its status as an ERROR frame, so a peer whose
+// handshake succeeded has already been counted by the server.
 Result<AcceptedPeer> server_handshake(int fd, const AgentMetadata& self, const std::string& secret,
-                                      Deadline deadline, std::atomic<uint64_t>* refused = nullptr);
+                                      Deadline deadline, std::atomic<uint64_t>* refused = nullptr,
+                                      const std::function<Status()>& admit = {});
 
 struct RegionGrant {
   uint64_t length = 0;

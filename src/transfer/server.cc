@@ -210,28 +210,30 @@ void Server::make_room_for_handshake_locked(bool unix_socket) {
 
 void Server::serve(Connection* connection) {
   int fd = connection->fd.get();
+  // Counted against max_connections once its proof is checked, before it is answered:
+  // those that finished their handshake meanwhile may have taken the last places.
+  auto admit = [&]() -> Status {
+    std::lock_guard lock(mu_);
+    if (established_locked(connection->unix_socket) >=
+        static_cast<size_t>(std::max(1, config_.max_connections))) {
+      stats_->connections_refused++;
+      return Status(StatusCode::kResourceExhausted, "agent " + config_.name + " serves at most " +
+                                                        std::to_string(config_.max_connections) +
+                                                        " connections");
+    }
+    connection->handshaking = false;
+    return Status::Ok();
+  };
   auto accepted =
       server_handshake(fd, hooks_.metadata(), config_.auth_secret,
-                       Deadline::after_ms(kHelloTimeoutMs), &stats_->handshakes_rejected);
+                       Deadline::after_ms(kHelloTimeoutMs), &stats_->handshakes_rejected, admit);
   if (!accepted.ok()) {
-    if (accepted.status().code() != StatusCode::kUnavailable &&
-        accepted.status().code() != StatusCode::kDeadlineExceeded) {
+    const StatusCode code = accepted.status().code();
+    if (code != StatusCode::kUnavailable && code != StatusCode::kDeadlineExceeded &&
+        code != StatusCode::kResourceExhausted) {
       spdlog::warn("agent {}: refused handshake: {}", config_.name, accepted.status().to_string());
     }
   } else {
-    {
-      std::lock_guard lock(mu_);
-      // Counted against max_connections from now on; those that finished their handshake
-      // meanwhile may have taken the last places.
-      if (established_locked(connection->unix_socket) >=
-          static_cast<size_t>(std::max(1, config_.max_connections))) {
-        stats_->connections_refused++;
-        connection->fd.reset();
-        connection->finished = true;
-        return;
-      }
-      connection->handshaking = false;
-    }
     const Caller caller{accepted->metadata.name, accepted->metadata.holder()};
     const std::string& peer = caller.name;
     const bool data_only = (accepted->flags & kHelloDataConnection) != 0;

@@ -304,16 +304,16 @@ TEST(ServiceLimits, PastItsConnectionLimitAnEncoderAnswersHealthAndRefusesWork) 
   EXPECT_NE(metrics(encoder).find("ecx_http_connections_refused_total 1"), std::string::npos);
 }
 
-// A /v1/encode body holding a PNG of `side` x `side` black pixels (a few KB that decode
-// to many pixels: the image an attacker sends).
-std::string black_image_body(int side) {
+// A data URL of a PNG of `side` x `side` black pixels (a few KB that decode to many
+// pixels: the image an attacker sends), and a /v1/encode body holding it.
+std::string black_image_url(int side) {
   engine::Image black;
   black.width = side;
   black.height = side;
   black.rgb.assign(static_cast<size_t>(side) * side * 3, 0);
-  auto png = engine::encode_png(black).value();
-  return json{{"image", engine::make_data_url(png, "image/png")}}.dump();
+  return engine::make_data_url(engine::encode_png(black).value(), "image/png");
 }
+std::string black_image_body(int side) { return json{{"image", black_image_url(side)}}.dump(); }
 
 // The value on the line that starts with `line_prefix` (not a # HELP line), or 0.
 double metric_value(const std::string& text, const std::string& line_prefix) {
@@ -382,6 +382,40 @@ TEST(EncoderWork, AnEncodeWhoseClientLeftStopsAndStuckWorkersMakeHealthDegraded)
   EXPECT_TRUE(poll_until(Deadline::after_ms(60000), [&] {
     return metric_value(metrics(encoder), "ecx_encode_failures_total{reason=\"cancelled\"} ") == 1;
   })) << metrics(encoder);
+}
+
+// A client that hangs up on the proxy ends the proxy's calls for it: the encoder sees its
+// connection close and stops the encode, and nothing is forwarded to the PD.
+TEST(ProxyWork, AClientThatHangsUpOnTheProxyStopsItsEncodeAndNothingReachesThePd) {
+  EpdStack stack;
+  ASSERT_TRUE(stack.start_all(1).ok());
+  const Service& encoder = stack.encoders[0];
+  // 2800 x 2800 px: 100 x 100 = 10000 tokens, a minute or more to encode here.
+  json content =
+      json::array({{{"type", "text"}, {"text", "Describe:"}},
+                   {{"type", "image_url"}, {"image_url", {{"url", black_image_url(2800)}}}}});
+  const std::string body = json{
+      {"model", "ecx-tiny-vl"},
+      {"messages", json::array({{{"role", "user"}, {"content", content}}})},
+      {"max_tokens", 4}}.dump();
+  {
+    httplib::Client leaving = stack.proxy.client(1);
+    // The encode has begun before the client gives up (the proxy answers nothing sooner).
+    auto res = leaving.Post("/v1/chat/completions", body, "application/json");
+    EXPECT_FALSE(res) << res->status << " " << res->body;  // read timeout: closed
+  }
+  EXPECT_TRUE(poll_until(Deadline::after_ms(60000), [&] {
+    return metric_value(metrics(encoder), "ecx_encode_failures_total{reason=\"cancelled\"} ") == 1;
+  })) << metrics(encoder);
+  EXPECT_TRUE(poll_until(Deadline::after_ms(10000), [&] {
+    return metric_value(metrics(stack.proxy), "ecx_proxy_client_disconnects_total ") == 1;
+  })) << metrics(stack.proxy);
+  EXPECT_EQ(metric_value(metrics(stack.pd), "ecx_requests_total{status=\"ok\"} "), 0);
+  // The stack serves the next client at once (the encoder's worker is free again).
+  auto served = chat(stack.proxy, image_request(7));
+  ASSERT_TRUE(served);
+  EXPECT_EQ(served->status, 200) << served->body;
+  EXPECT_EQ(metric_value(metrics(stack.pd), "ecx_requests_total{status=\"ok\"} "), 1);
 }
 
 }  // namespace

@@ -329,6 +329,49 @@ TEST(HttpClientTest, AReceiverThatStopsEndsTheCallAndTheUpstreamSeesItGo) {
   EXPECT_TRUE(client_left);
 }
 
+// The proxy's own client hung up: its call ends at once, and the upstream (an ecx
+// service) sees its connection close and takes the work as abandoned.
+TEST(HttpClientTest, ACancelledCallEndsAtOnceAndTheUpstreamSeesItsClientGo) {
+  Gate running;
+  std::atomic<bool> saw_abandoned{false};
+  std::atomic<int> calls{0};
+  Upstream up;
+  up.server->work("POST", "/long", [&](const HttpRequest& req, HttpResponse& res) {
+    calls++;
+    running.open();
+    Deadline deadline = Deadline::after_ms(30000);
+    while (!req.abandoned() && !deadline.expired()) {
+      std::this_thread::sleep_for(milliseconds(10));
+    }
+    saw_abandoned = req.abandoned();
+    res.set_content("{}", "application/json");
+  });
+  up.start();
+  HttpClient client(HttpClient::Options{});
+  ClientRequest long_call = post("/long");
+  long_call.cancel = std::make_shared<Cancellation>();
+  auto cancel = long_call.cancel;
+  std::promise<ClientResult> done;
+  auto result = done.get_future();
+  client.send("127.0.0.1", up.port, std::move(long_call),
+              [&done](ClientResult r) { done.set_value(std::move(r)); });
+  running.wait();
+  cancel->cancel();
+  ASSERT_EQ(result.wait_for(std::chrono::seconds(20)), std::future_status::ready);
+  ClientResult r = result.get();
+  EXPECT_EQ(r.error, ClientError::kCancelled) << r.message;
+  EXPECT_EQ(r.status, 0);
+  EXPECT_EQ(client.counts().idle, 0u);
+  for (int i = 0; i < 600 && !saw_abandoned; ++i) std::this_thread::sleep_for(milliseconds(50));
+  EXPECT_TRUE(saw_abandoned);
+  // A call whose caller is already gone ends without being sent.
+  ClientRequest late = post("/long");
+  late.cancel = cancel;
+  ClientResult never = call(client, up.port, std::move(late));
+  EXPECT_EQ(never.error, ClientError::kCancelled) << never.message;
+  EXPECT_EQ(calls, 1);
+}
+
 TEST(HttpClientTest, ManyCallsAtOnceShareAFewConnections) {
   Upstream up(/*idle_timeout_s=*/60, /*workers=*/4);
   up.server->work("POST", "/echo", [](const HttpRequest& req, HttpResponse& res) {

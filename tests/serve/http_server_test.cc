@@ -152,6 +152,46 @@ TEST(HttpServerTest, HealthAnswersAndOverflowGets503WhileTheQueueIsFull) {
   EXPECT_EQ(statuses, std::vector<int>({200, 200, 200}));
 }
 
+// One client (address) may have a quarter of the queue waiting, at least 16, once the
+// queue is half full: a busy client gets the room there is, and another client still
+// gets in while the first is refused.
+TEST(HttpServerTest, OneClientCannotFillTheQueue) {
+  Gate gate;
+  Counter started;
+  TestServer t(/*workers=*/1, /*max_queued=*/64);
+  t.server->work("POST", "/work", [&](const HttpRequest&, HttpResponse& res) {
+    started.add();
+    gate.wait();
+    res.set_content("{}", "application/json");
+  });
+  t.start();
+  auto from = [&](const char* address) {
+    httplib::Client cli = t.client();
+    cli.set_interface(address);
+    return cli.Post("/work", "{}", "application/json");
+  };
+  constexpr int kGreedy = 33;  // one runs, 32 wait: half the queue, past a share of 16
+  std::vector<std::thread> clients;
+  std::vector<int> statuses(kGreedy + 1, 0);
+  clients.emplace_back([&] { statuses[0] = from("127.0.0.1")->status; });
+  ASSERT_TRUE(started.wait_for(1));
+  for (int i = 1; i < kGreedy; ++i) {
+    clients.emplace_back([&, i] { statuses[i] = from("127.0.0.1")->status; });
+  }
+  ASSERT_TRUE(t.queued(kGreedy - 1));
+  auto refused = from("127.0.0.1");
+  expect_json_error(refused, 503);
+  ASSERT_TRUE(refused);
+  EXPECT_NE(refused->body.find("share"), std::string::npos) << refused->body;
+  EXPECT_EQ(refused->get_header_value("Retry-After"), "1");
+  // Another client still gets a place.
+  clients.emplace_back([&] { statuses[kGreedy] = from("127.0.0.2")->status; });
+  ASSERT_TRUE(t.queued(kGreedy));
+  gate.open();
+  for (auto& c : clients) c.join();
+  EXPECT_EQ(statuses, std::vector<int>(kGreedy + 1, 200));
+}
+
 TEST(HttpServerTest, QueuedRequestsRunInArrivalOrder) {
   Gate gate;
   Counter started;

@@ -2,8 +2,8 @@
 """How much memory large request bodies cost a service, against its body budget.
 
 Starts an E, a PD and a proxy (`build/ecx serve ...`, loopback) and sends N concurrent
-chat requests through the proxy, each holding one large PNG (a body of about --mib MiB).
-E refuses each image before encoding it (its tokens pass --max-model-len), so what is
+chat requests through the proxy, each holding --images large PNGs (a body of about --mib
+MiB). E refuses each image before encoding it (its tokens pass --max-model-len), so what is
 measured is what holding, parsing and forwarding the bodies costs. Reports, per service,
 the peak RSS (VmHWM) over the one before the burst, as a multiple of the body bytes the
 service held at once at most and against --max-buffered-bytes, as JSON on stdout.
@@ -72,6 +72,7 @@ def main():
     ap.add_argument("--binary", default="build/ecx")
     ap.add_argument("--requests", type=int, default=24)
     ap.add_argument("--mib", type=int, default=60)
+    ap.add_argument("--images", type=int, default=3)
     ap.add_argument("--budget-gib", type=float, default=2.0)
     ap.add_argument("--port", type=int, default=18400)
     args = ap.parse_args()
@@ -85,16 +86,18 @@ def main():
         "--encoders", f"http://127.0.0.1:{args.port}", "--pd", f"http://127.0.0.1:{args.port + 1}"])
     procs = {"proxy": proxy, "encoder": e, "pd": pd}
     try:
-        # Pixels for a PNG of about --mib MiB once in base64 (3 bytes a pixel, 4/3 for base64).
-        side = int((args.mib * (1 << 20) * 3 / 4 / 3) ** 0.5)
-        png = png_of_noise(side, side, 7)
-        url = "data:image/png;base64," + base64.b64encode(png).decode()
-        body = json.dumps({"model": "ecx-tiny-vl", "max_tokens": 4, "messages": [{
-            "role": "user", "content": [{"type": "text", "text": "Describe:"},
-                                         {"type": "image_url", "image_url": {"url": url}}]}]}
-                          ).encode()
+        # --images PNGs of about --mib / --images MiB each once in base64 (3 bytes a
+        # pixel, 4/3 for base64); each below the proxy's 20 MiB limit of one image.
+        side = int((args.mib / args.images * (1 << 20) * 3 / 4 / 3) ** 0.5)
+        content = [{"type": "text", "text": "Describe:"}]
+        for i in range(args.images):
+            url = "data:image/png;base64," + base64.b64encode(png_of_noise(side, side, 7 + i)).decode()
+            content.append({"type": "image_url", "image_url": {"url": url}})
+        body = json.dumps({"model": "ecx-tiny-vl", "max_tokens": 4,
+                           "messages": [{"role": "user", "content": content}]}).encode()
         before = {name: rss_kib(p.pid, "VmRSS") for name, p in procs.items()}
         statuses = []
+        errors = {}  # the first error answer of each status
         lock = threading.Lock()
 
         def send():
@@ -105,6 +108,8 @@ def main():
                     status = r.status
             except urllib.error.HTTPError as err:
                 status = err.code
+                with lock:
+                    errors.setdefault(str(status), err.read(300).decode(errors="replace"))
             except Exception as err:  # noqa: BLE001 - reported, not raised
                 status = str(err)
             with lock:
@@ -120,6 +125,7 @@ def main():
         report = {"requests": args.requests, "body_mib": round(len(body) / (1 << 20), 1),
                   "budget_gib": args.budget_gib, "wall_s": round(wall, 1),
                   "statuses": {str(s): statuses.count(s) for s in set(statuses)},
+                  "errors": errors,
                   "services": {}}
         admitted_at_once = min(args.requests, budget // (4 * len(body)))
         for name, p in procs.items():

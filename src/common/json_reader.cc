@@ -53,6 +53,17 @@ std::string safe_dump(const json& j) {
   return j.dump(-1, ' ', false, json::error_handler_t::replace);
 }
 
+std::string safe_dump(const json& j, size_t expected_bytes) {
+  std::string out;
+  out.reserve(expected_bytes);
+  // What json::dump does, into our string (nlohmann exposes no public way to give it one).
+  nlohmann::detail::serializer<json> writer(
+      nlohmann::detail::output_adapter<char, std::string>(out), ' ',
+      json::error_handler_t::replace);
+  writer.dump(j, /*pretty_print=*/false, /*ensure_ascii=*/false, /*indent_step=*/0);
+  return out;
+}
+
 JsonReader::JsonReader(const json& object, std::string where)
     : j_(&object), where_(std::move(where)) {}
 

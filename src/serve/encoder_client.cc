@@ -99,6 +99,19 @@ std::string chat_body(const EncodeCall& call) {
       {{"model", call.model}, {"messages", json::array({message})}, {"stream", false}});
 }
 
+// {"image": URL}: written straight from the URL when it needs no escaping (a data URL is
+// base64), so a large image is not copied into a JSON document first.
+std::string encode_body(std::string_view data_url) {
+  const bool plain = std::all_of(data_url.begin(), data_url.end(), [](char c) {
+    return c != '"' && c != '\\' && static_cast<unsigned char>(c) >= 0x20;
+  });
+  if (!plain) return safe_dump(json{{"image", data_url}});
+  std::string body;
+  body.reserve(data_url.size() + 16);
+  body.append(R"({"image":")").append(data_url).append(R"("})");
+  return body;
+}
+
 // The message of an error answer {"error": {"message": ...}}, or its first 500 bytes.
 std::string error_message(const std::string& body) {
   auto doc = parse_json_object(body, "error answer");
@@ -118,7 +131,7 @@ void call_encoder(HttpClient& client, std::shared_ptr<Upstream> e, const EncodeC
   bool vllm = call.api == UpstreamApi::kVllm;
   ClientRequest request;
   request.target = vllm ? "/v1/chat/completions" : "/v1/encode";
-  request.body = vllm ? chat_body(call) : safe_dump(json{{"image", call.data_url}});
+  request.body = vllm ? chat_body(call) : encode_body(call.data_url);
   request.connect_timeout = std::chrono::milliseconds(std::min<int64_t>(timeout_ms, 5000));
   request.timeout = std::chrono::milliseconds(timeout_ms);
   request.cancel = call.cancel;

@@ -11,6 +11,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "ecx/serve/services.h"
@@ -22,7 +23,9 @@ namespace ecx::serve {
 // What the proxy asks an encoder for one image.
 struct EncodeCall {
   UpstreamApi api = UpstreamApi::kEcx;
-  std::string data_url;
+  // The image, as a view of the request the proxy forwards (which outlives the call):
+  // a large image is held once, not once more per call.
+  std::string_view data_url;
   // vllm: the request's model, and the image's key (the part's own "uuid", else one
   // derived from its bytes), which the PD's copy of the image carries too.
   std::string model;

@@ -172,12 +172,13 @@ class Connection : public std::enable_shared_from_this<Connection> {
     net::dispatch(stream_.get_executor(), [self = shared_from_this()] { self->read_request(); });
   }
 
-  // For an async route's reply, from any thread: sends `res` on the strand.
-  void post_send(HttpResponse res, const HttpRequest& req) {
+  // For an async route's reply, from any thread: sends `res` on the strand (the request's
+  // method, path and body size are for its log line).
+  void post_send(HttpResponse res, std::string method, std::string path, size_t bytes_in) {
     net::post(stream_.get_executor(),
-              [self = shared_from_this(), res = std::move(res), method = req.method,
-               path = req.path, n = req.body.size()]() mutable {
-                self->send(std::move(res), std::move(method), std::move(path), n, true);
+              [self = shared_from_this(), res = std::move(res), method = std::move(method),
+               path = std::move(path), bytes_in]() mutable {
+                self->send(std::move(res), std::move(method), std::move(path), bytes_in, true);
               });
   }
   // Sends head's status and headers, then the chunks of the returned stream until it
@@ -361,7 +362,9 @@ void Connection::refuse_body(uint64_t bytes) {
           " bytes of request bodies; this one's " + std::to_string(bytes) + " would pass " +
           std::to_string(state_.max_buffered_bytes) + " (--max-buffered-bytes); retry later");
   res.set_header("Retry-After", "1");
-  send(std::move(res), std::string(head.method_string()), std::string(head.target()), 0, false);
+  std::string method(head.method_string()), target(head.target());
+  parser_.reset();  // what arrived of the body goes now, and its share of the budget with it
+  send(std::move(res), std::move(method), std::move(target), 0, false);
 }
 
 void Connection::linger() {
@@ -511,9 +514,13 @@ void Connection::refuse_work(const HttpRequest& req) {
 // answered (or ended its stream).
 class ConnectionReply final : public AsyncReply {
  public:
-  ConnectionReply(std::shared_ptr<Connection> conn, SlotQueue::Done done,
-                  std::shared_ptr<const HttpRequest> req)
-      : conn_(std::move(conn)), done_(std::move(done)), req_(std::move(req)) {}
+  // (Keeps only what the request's log line needs: the handler may take its body.)
+  ConnectionReply(std::shared_ptr<Connection> conn, SlotQueue::Done done, const HttpRequest& req)
+      : conn_(std::move(conn)),
+        done_(std::move(done)),
+        method_(req.method),
+        path_(req.path),
+        bytes_in_(req.body.size()) {}
   ~ConnectionReply() override {
     if (stream_) {
       end_stream();
@@ -527,7 +534,7 @@ class ConnectionReply final : public AsyncReply {
   // whoever answered still holds this reply.
   void respond(HttpResponse res) override {
     if (answered_.exchange(true)) return;
-    conn_->post_send(std::move(res), *req_);
+    conn_->post_send(std::move(res), method_, path_, bytes_in_);
     conn_.reset();
     done_();
   }
@@ -546,7 +553,8 @@ class ConnectionReply final : public AsyncReply {
  private:
   std::shared_ptr<Connection> conn_;
   SlotQueue::Done done_;
-  std::shared_ptr<const HttpRequest> req_;
+  const std::string method_, path_;
+  const size_t bytes_in_;
   std::shared_ptr<ChunkStream> stream_;
   std::atomic<bool> answered_{false};
   std::atomic<bool> ended_{false};
@@ -561,7 +569,7 @@ void Connection::queue_async(const AsyncHandler& handler, HttpRequest req) {
   state_.begin_request();
   auto gone = std::make_shared<Cancellation>();
   req.client_gone = gone;
-  auto shared = std::make_shared<const HttpRequest>(std::move(req));
+  auto shared = std::make_shared<HttpRequest>(std::move(req));
   const size_t max_queued = state_.slots->max_queued();
   if (!state_.join_queue(client_, state_.slots->waiting(), max_queued)) {
     return reject_busy(*shared, max_queued, /*over_share=*/true);
@@ -569,7 +577,7 @@ void Connection::queue_async(const AsyncHandler& handler, HttpRequest req) {
   bool admitted =
       state_.slots->push([self = shared_from_this(), &handler, shared](SlotQueue::Done done) {
         self->state_.leave_queue(self->client_);
-        auto reply = std::make_shared<ConnectionReply>(self, std::move(done), shared);
+        auto reply = std::make_shared<ConnectionReply>(self, std::move(done), *shared);
         try {
           handler(shared, reply);
         } catch (const std::exception& e) {
@@ -623,11 +631,13 @@ void Connection::send(HttpResponse res, std::string method, std::string path, si
   msg->body() = std::move(res.body);
   msg->prepare_payload();
   log_request(method, path, res.status, bytes_in, msg->body().size());
+  // The request's body (and what was made of it) is done with once it is answered: its
+  // share of the budget is given back now, before the client can send the next one.
+  release_body();
   stream_.expires_after(state_.write_timeout);
   http::async_write(stream_, *msg,
                     [self = shared_from_this(), msg, counted](beast::error_code ec, size_t) {
                       if (counted) self->state_.end_request();
-                      self->release_body();
                       if (!ec && self->linger_) return self->linger();
                       if (ec || !msg->keep_alive()) return self->close();
                       self->read_request();

@@ -108,8 +108,9 @@ class AsyncReply {
 };
 
 // An async route's handler: runs on an I/O thread, must not block, and answers through
-// `reply` whenever it is ready (typically from a callback of asynchronous I/O).
+// `reply` whenever it is ready (typically from a callback of asynchronous I/O). The
+// request is the handler's: it may take the body (to free it once parsed).
 using AsyncHandler =
-    std::function<void(std::shared_ptr<const HttpRequest> req, std::shared_ptr<AsyncReply> reply)>;
+    std::function<void(std::shared_ptr<HttpRequest> req, std::shared_ptr<AsyncReply> reply)>;
 
 }  // namespace ecx::serve

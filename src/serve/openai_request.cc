@@ -78,14 +78,17 @@ std::optional<RequestError> resolve_image(const std::string& url, const CommonSe
 }
 
 // An image part's URL: "image_url": "URL" or "image_url": {"url": "URL"}.
-std::optional<std::string> image_url_of(const JsonReader& part) {
+// Null when there is none.
+const std::string* image_url_of(const JsonReader& part) {
   const json& doc = part.document();
   auto it = doc.find("image_url");
-  if (it == doc.end()) return std::nullopt;
-  if (it->is_string()) return it->get<std::string>();
+  if (it == doc.end()) return nullptr;
+  if (it->is_string()) return &it->get_ref<const std::string&>();
   auto url = it->is_object() ? it->find("url") : it->end();
-  if (it->is_object() && url != it->end() && url->is_string()) return url->get<std::string>();
-  return std::nullopt;
+  if (it->is_object() && url != it->end() && url->is_string()) {
+    return &url->get_ref<const std::string&>();
+  }
+  return nullptr;
 }
 
 std::optional<RequestError> read_content_part(const JsonReader& part,
@@ -96,14 +99,14 @@ std::optional<RequestError> read_content_part(const JsonReader& part,
   if (*type == "text") {
     auto text = part.string("text", Presence::kRequired, kAnyLength);
     if (!text.ok()) return bad("text part needs a string 'text'");
-    msg->parts.push_back({ContentPart::kText, std::move(*text), "", ""});
+    msg->parts.push_back({ContentPart::kText, std::move(*text), ""});
     return std::nullopt;
   }
   if (*type != "image_url")
     return bad("unsupported content part type '" + type->substr(0, 50) + "'");
-  auto url = image_url_of(part);
-  if (!url) return bad("image_url part needs 'image_url': {'url': string}");
-  ContentPart p{ContentPart::kImage, "", *url, ""};
+  const std::string* url = image_url_of(part);
+  if (url == nullptr) return bad("image_url part needs 'image_url': {'url': string}");
+  ContentPart p{ContentPart::kImage, "", ""};
   if (auto err = resolve_image(*url, config, &p.image_bytes)) return err;
   msg->parts.push_back(std::move(p));
   return std::nullopt;
@@ -120,7 +123,7 @@ std::optional<RequestError> read_message(const JsonReader& m, const CommonServic
   }
   auto content = m.document().find("content");
   if (content != m.document().end() && content->is_string()) {
-    msg->parts.push_back({ContentPart::kText, content->get<std::string>(), "", ""});
+    msg->parts.push_back({ContentPart::kText, content->get<std::string>(), ""});
     return std::nullopt;
   }
   if (content == m.document().end() || !content->is_array()) {

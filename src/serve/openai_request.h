@@ -16,8 +16,9 @@ namespace ecx::serve {
 struct ContentPart {
   enum Kind { kText, kImage } kind = kText;
   std::string text;
-  std::string image_url;    // as given
-  std::string image_bytes;  // resolved (data: URL decoded, or file read)
+  // Resolved (data: URL decoded, or file read). The URL as given stays in
+  // ChatRequest::raw only: a large image is not held twice.
+  std::string image_bytes;
 };
 
 struct ChatMessage {

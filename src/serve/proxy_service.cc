@@ -89,12 +89,13 @@ struct ImageJob {
 // One chat completion on its way through the proxy. Shared by the callbacks that carry
 // it on; the phases run one after another (encodes, then the PDs in turn).
 struct ChatCall {
-  ChatCall(std::shared_ptr<AsyncReply> r, std::shared_ptr<const HttpRequest> q)
+  ChatCall(std::shared_ptr<AsyncReply> r, std::shared_ptr<HttpRequest> q)
       : reply(std::move(r)), req(std::move(q)) {}
 
   std::shared_ptr<AsyncReply> reply;
-  std::shared_ptr<const HttpRequest> req;
+  std::shared_ptr<HttpRequest> req;
   Clock::time_point t0 = Clock::now();
+  size_t body_bytes = 0;  // of the request as it came
   ChatRequest chat;
   std::shared_ptr<const UpstreamMembers> members;  // one view of the members throughout
   json forward;                                    // the request as the PD gets it
@@ -138,7 +139,7 @@ class Proxy {
   bool apply_membership(const std::vector<directory::Instance>& instances);
 
   // POST /v1/chat/completions (an async route): answers through `reply`.
-  void handle_chat(std::shared_ptr<const HttpRequest> req, std::shared_ptr<AsyncReply> reply);
+  void handle_chat(std::shared_ptr<HttpRequest> req, std::shared_ptr<AsyncReply> reply);
   HealthReport health() const;
   std::string render_metrics();
   // GET /v1/upstreams: {"upstreams": [{url, role, source, reachable, in_flight, last_error}]}.
@@ -151,12 +152,16 @@ class Proxy {
   void start_chat(const Call& call);
 
   // Rewrites the image URLs of `call.forward` as data URLs and lists the distinct images
-  // to send to the encoders (each once per request).
+  // to send to the encoders (each once per request). The parts' image bytes are let go:
+  // the forwarded request holds each image.
   std::vector<ImageJob> image_jobs(ChatCall& call) const;
   // What to ask an encoder for the image part `forward_part` (whose URL is `data_url`);
   // in vllm mode it gives the part its uuid.
-  EncodeCall encode_call(const ChatRequest& chat, const ContentPart& part, std::string data_url,
-                         json& forward_part) const;
+  EncodeCall encode_call(const ChatRequest& chat, const ContentPart& part,
+                         std::string_view data_url, json& forward_part) const;
+  // The image part's URL in the forwarded request, made {"url": data URL} (a file's
+  // bytes become one) without copying it; the EncodeCall views it.
+  static const std::string& data_url_of(json& forward_part, const ContentPart& part);
   // Every image has an outcome: merges the params into the request (an image no encoder
   // could encode gets none: the PD encodes it), then forwards it.
   void encodes_done(const Call& call);
@@ -195,19 +200,16 @@ std::vector<ImageJob> Proxy::image_jobs(ChatCall& call) const {
   const UpstreamList& encoders = call.members->encoders;
   std::set<std::pair<uint64_t, std::string>> sent;  // each distinct image once per request
   for (size_t m = 0; m < call.chat.messages.size(); ++m) {
-    const auto& parts = call.chat.messages[m].parts;
+    auto& parts = call.chat.messages[m].parts;
     for (size_t p = 0; p < parts.size(); ++p) {
-      const ContentPart& part = parts[p];
+      ContentPart& part = parts[p];
       if (part.kind != ContentPart::kImage) continue;
-      // Data URLs, so PD can decode images that came from local files.
-      std::string data_url = part.image_url.rfind("data:", 0) == 0
-                                 ? part.image_url
-                                 : engine::make_data_url(part.image_bytes, "image/png");
       json& forward_part = call.forward["messages"][m]["content"][p];
-      forward_part["image_url"] = {{"url", data_url}};
-      EncodeCall encode = encode_call(call.chat, part, std::move(data_url), forward_part);
+      EncodeCall encode =
+          encode_call(call.chat, part, data_url_of(forward_part, part), forward_part);
       encode.cancel = call.req->client_gone;
       uint64_t key = checksum64(part.image_bytes.data(), part.image_bytes.size());
+      std::string().swap(part.image_bytes);  // hashed: the forwarded request holds the image
       // (In vllm mode an image is its bytes and its uuid: E must see each uuid the PD does.)
       if (!use_encoders_ || encoders.empty() || !sent.emplace(key, encode.uuid).second) continue;
       jobs.push_back({encoder_order(encoders, key), std::move(encode)});
@@ -216,9 +218,21 @@ std::vector<ImageJob> Proxy::image_jobs(ChatCall& call) const {
   return jobs;
 }
 
+const std::string& Proxy::data_url_of(json& forward_part, const ContentPart& part) {
+  json& image = forward_part["image_url"];
+  std::string url = image.is_string() ? std::move(image.get_ref<std::string&>())
+                                      : std::move(image["url"].get_ref<std::string&>());
+  // Data URLs, so PD can decode images that came from local files.
+  if (url.rfind("data:", 0) != 0) url = engine::make_data_url(part.image_bytes, "image/png");
+  json only_url = json::object();
+  only_url["url"] = std::move(url);  // moved, as it was taken: never copied
+  image = std::move(only_url);
+  return image["url"].get_ref<const std::string&>();
+}
+
 EncodeCall Proxy::encode_call(const ChatRequest& chat, const ContentPart& part,
-                              std::string data_url, json& forward_part) const {
-  EncodeCall call{config_.upstream_api, std::move(data_url), "", "", {}};
+                              std::string_view data_url, json& forward_part) const {
+  EncodeCall call{config_.upstream_api, data_url, "", "", {}};
   if (call.api != UpstreamApi::kVllm) return call;
   // vLLM keys an item by its uuid when it has one: E and PD must see the same. It is
   // the image's content hash, never the client's own uuid: vLLM trusts a uuid as the
@@ -269,7 +283,8 @@ void Proxy::encodes_done(const Call& call) {
   metrics_.observe("ecx_proxy_encode_seconds", "", out.ms / 1000);
   // Only params from our encoders travel on: a client must not choose what PD reads.
   call->forward["ec_transfer_params"] = out.params;
-  call->body = safe_dump(call->forward);
+  // About the request as it came (its images as they were), and the params added.
+  call->body = safe_dump(call->forward, call->body_bytes + (64 << 10));
   call->forward = json();  // no longer needed: the body holds it
   call->pds = pd_order(call->members->pds);
   forward(call);
@@ -287,7 +302,7 @@ UpstreamList Proxy::pd_order(const UpstreamList& pds) {
   return order;
 }
 
-void Proxy::handle_chat(std::shared_ptr<const HttpRequest> req, std::shared_ptr<AsyncReply> reply) {
+void Proxy::handle_chat(std::shared_ptr<HttpRequest> req, std::shared_ptr<AsyncReply> reply) {
   // Parsing and re-encoding the request (images included) runs on a client thread: the
   // server's I/O threads stay free for reading, writing and /health.
   client_.post([this, call = std::make_shared<ChatCall>(std::move(reply), std::move(req))] {
@@ -297,14 +312,21 @@ void Proxy::handle_chat(std::shared_ptr<const HttpRequest> req, std::shared_ptr<
 
 void Proxy::start_chat(const Call& call) {
   if (call->req->abandoned()) return answer_abandoned(call);  // its client left while it waited
-  if (auto err = parse_chat_request(call->req->body, config_.common, &call->chat)) {
+  // The body is let go once parsed (its parsed form holds the request from here on).
+  std::optional<RequestError> err;
+  {
+    const std::string body = std::move(call->req->body);
+    call->body_bytes = body.size();
+    err = parse_chat_request(body, config_.common, &call->chat);
+  }
+  if (err) {
     metrics_.add("ecx_proxy_failures_total", "reason=\"bad_request\"", 1);
     HttpResponse res;
     send_error(res, *err);
     return call->reply->respond(std::move(res));
   }
   call->members = upstreams_.snapshot();
-  call->forward = call->chat.raw;
+  call->forward = std::move(call->chat.raw);
   std::vector<ImageJob> jobs = image_jobs(*call);
   if (jobs.empty()) return encodes_done(call);
   {
@@ -635,7 +657,7 @@ int run_proxy_service(const ProxyServiceConfig& config) {
   // Requests run at once (each waits on E and PD without a thread); the rest queue.
   HttpServer server(config.common, "proxy", 64);
   server.async_work("POST", "/v1/chat/completions",
-                    [&](std::shared_ptr<const HttpRequest> req, std::shared_ptr<AsyncReply> reply) {
+                    [&](std::shared_ptr<HttpRequest> req, std::shared_ptr<AsyncReply> reply) {
                       proxy.handle_chat(std::move(req), std::move(reply));
                     });
   server.fast("GET", "/v1/upstreams", [&](const HttpRequest&, HttpResponse& res) {

@@ -168,17 +168,21 @@ TEST(ProxyAvailability, NonStreamingSuccessIsCountedWithItsHttpStatus) {
 struct EpdStack {
   std::vector<Service> encoders;
   Service pd, proxy;
+  std::vector<std::string> encoder_flags, proxy_flags;  // beyond the usual ones
 
   Status start_all(int encoder_count) {
     encoders.resize(encoder_count);
     std::vector<Service*> list;
     for (auto& e : encoders) {
-      ECX_RETURN_IF_ERROR(start(e, "encoder", service_flags("p2p")));
+      auto flags = service_flags("p2p");
+      flags.insert(flags.end(), encoder_flags.begin(), encoder_flags.end());
+      ECX_RETURN_IF_ERROR(start(e, "encoder", flags));
       list.push_back(&e);
     }
     ECX_RETURN_IF_ERROR(start(pd, "pd", service_flags("p2p")));
     auto flags = service_flags("p2p");
     flags.insert(flags.end(), {"--pd", pd.url, "--encoders", join(list)});
+    flags.insert(flags.end(), proxy_flags.begin(), proxy_flags.end());
     return start(proxy, "proxy", flags);
   }
 };
@@ -416,6 +420,70 @@ TEST(ProxyWork, AClientThatHangsUpOnTheProxyStopsItsEncodeAndNothingReachesThePd
   ASSERT_TRUE(served);
   EXPECT_EQ(served->status, 200) << served->body;
   EXPECT_EQ(metric_value(metrics(stack.pd), "ecx_requests_total{status=\"ok\"} "), 1);
+}
+
+// KiB of a process's /proc status field ("VmRSS", "VmHWM"); -1 when unreadable.
+int64_t status_kib(pid_t pid, const std::string& field) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind(field + ":", 0) == 0) return std::atoll(line.c_str() + field.size() + 1);
+  }
+  return -1;
+}
+
+// The body budget bounds memory: each body byte is charged 4 times, and what the proxy
+// makes of a request (its parsed form, the calls to E, the body for the PD) stays within
+// that, so large concurrent requests keep its peak memory within --max-buffered-bytes.
+TEST(ProxyWork, LargeConcurrentBodiesKeepTheProxyWithinItsBodyBudget) {
+  EpdStack stack;
+  constexpr int64_t kBudget = 512 << 20;
+  stack.encoder_flags = {"--max-model-len", "1024"};  // E refuses these images unencoded
+  stack.proxy_flags = {"--max-buffered-bytes", std::to_string(kBudget)};
+  ASSERT_TRUE(stack.start_all(1).ok());
+  // Three images of noise (incompressible: about 10 MiB each as a data URL).
+  json content = json::array({{{"type", "text"}, {"text", "Describe:"}}});
+  for (uint64_t seed = 1; seed <= 3; ++seed) {
+    engine::Image noise;
+    noise.width = noise.height = 1600;
+    noise.rgb.resize(static_cast<size_t>(1600) * 1600 * 3);
+    uint64_t x = seed * 0x9E3779B97F4A7C15ull;
+    for (auto& b : noise.rgb) {
+      x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+      b = static_cast<uint8_t>(x);
+    }
+    auto png = engine::encode_png(noise).value();
+    content.push_back(
+        {{"type", "image_url"}, {"image_url", {{"url", engine::make_data_url(png, "image/png")}}}});
+  }
+  const std::string body = json{
+      {"model", "ecx-tiny-vl"},
+      {"messages", json::array({{{"role", "user"}, {"content", content}}})},
+      {"max_tokens", 4}}.dump();
+  ASSERT_GT(body.size(), 25u << 20);
+  const pid_t proxy = stack.proxy.process->pid();
+  const int64_t before_kib = status_kib(proxy, "VmRSS");
+  constexpr int kClients = 8;  // 8 x 4 x the body: twice the budget
+  std::vector<int> statuses(kClients, 0);
+  std::vector<std::thread> clients;
+  for (int i = 0; i < kClients; ++i) {
+    clients.emplace_back([&, i] {
+      auto res = chat(stack.proxy, body);
+      statuses[i] = res ? res->status : 0;
+    });
+  }
+  for (auto& t : clients) t.join();
+  const int64_t peak_kib = status_kib(proxy, "VmHWM");
+  int encoded_and_refused = 0;
+  for (int status : statuses) {
+    EXPECT_TRUE(status == 400 || status == 503) << status;  // refused by E, or by the budget
+    encoded_and_refused += status == 400;
+  }
+  EXPECT_GT(encoded_and_refused, 0);
+  EXPECT_LE((peak_kib - before_kib) * 1024, kBudget)
+      << "peak " << peak_kib / 1024 << " MiB, " << before_kib / 1024 << " MiB before";
+  auto [status, report] = health(stack.proxy);
+  EXPECT_EQ(status, 200) << report;
 }
 
 }  // namespace

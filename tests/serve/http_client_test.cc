@@ -407,20 +407,19 @@ TEST(AsyncRouteTest, SlotsRunInArrivalOrderPastThemA503AndHealthAnswers) {
   std::shared_ptr<AsyncReply> held;
   std::promise<void> first_started;
   Upstream up(/*idle_timeout_s=*/60, /*workers=*/1, /*max_queued=*/3);
-  up.server->async_work(
-      "POST", "/work",
-      [&](std::shared_ptr<const HttpRequest> req, std::shared_ptr<AsyncReply> reply) {
-        std::lock_guard lock(mu);
-        order.push_back(req->body);
-        HttpResponse res;
-        res.set_content(req->body, "text/plain");
-        if (req->body == "first") {
-          held = std::move(reply);  // answered later, by the test
-          first_started.set_value();
-          return;
-        }
-        reply->respond(std::move(res));
-      });
+  up.server->async_work("POST", "/work",
+                        [&](std::shared_ptr<HttpRequest> req, std::shared_ptr<AsyncReply> reply) {
+                          std::lock_guard lock(mu);
+                          order.push_back(req->body);
+                          HttpResponse res;
+                          res.set_content(req->body, "text/plain");
+                          if (req->body == "first") {
+                            held = std::move(reply);  // answered later, by the test
+                            first_started.set_value();
+                            return;
+                          }
+                          reply->respond(std::move(res));
+                        });
   up.start();
   auto client = [&] {
     httplib::Client cli("127.0.0.1", up.port);
@@ -472,7 +471,7 @@ TEST(AsyncRouteTest, SlotsRunInArrivalOrderPastThemA503AndHealthAnswers) {
 TEST(AsyncRouteTest, AReplyDroppedWithoutAnAnswerGivesAJson500AndFreesItsSlot) {
   Upstream up(/*idle_timeout_s=*/60, /*workers=*/1);
   up.server->async_work("POST", "/work",
-                        [](std::shared_ptr<const HttpRequest>, std::shared_ptr<AsyncReply>) {});
+                        [](std::shared_ptr<HttpRequest>, std::shared_ptr<AsyncReply>) {});
   up.start();
   httplib::Client cli("127.0.0.1", up.port);
   cli.set_read_timeout(std::chrono::seconds(60));
@@ -510,7 +509,7 @@ TEST(AsyncRouteTest, AnAsyncStreamWaitsForRoomAndLearnsTheClientLeft) {
     }
   };
   up.server->async_work("POST", "/stream",
-                        [&](std::shared_ptr<const HttpRequest>, std::shared_ptr<AsyncReply> reply) {
+                        [&](std::shared_ptr<HttpRequest>, std::shared_ptr<AsyncReply> reply) {
                           auto p = std::make_shared<Producer>();
                           p->writer = &reply->start_stream(HttpResponse{}, "text/event-stream");
                           p->reply = std::move(reply);

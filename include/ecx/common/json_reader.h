@@ -33,6 +33,9 @@ Result<nlohmann::json> parse_json_object(std::string_view text, std::string_view
 
 // dump() that never throws on invalid UTF-8 (replaces it).
 std::string safe_dump(const nlohmann::json& j);
+// safe_dump into a string that starts with `expected_bytes` of room: a large document
+// (a request holding images) is written once, not grown by doubling through copies.
+std::string safe_dump(const nlohmann::json& j, size_t expected_bytes);
 
 enum class Presence { kOptional, kRequired };
 

@@ -44,51 +44,45 @@ void Registration::unreachable(const Status& s) {
 }
 
 Clock::time_point Registration::step() {
-  auto now = Clock::now();
   if (lease_ != 0) {
-    auto ttl = client_.keep_alive(lease_);
-    Status held = ttl.ok() ? still_ours() : ttl.status();
-    if (held.ok()) {
-      if (outage_) spdlog::info("event=etcd_reachable key={} lease={}", key_, lease_);
-      outage_ = false;
-      backoff_ = std::chrono::milliseconds(100);
-      return now + interval_;
-    }
-    if (ttl.ok() && held.code() == StatusCode::kNotFound) {
-      // Deleted or overwritten by someone else while our lease lives: put ours back.
-      spdlog::warn("event=key_lost key={} lease={} reason=\"{}\": registering again", key_, lease_,
-                   held.message());
-      Status put = client_.put(key_, value_, lease_);
-      if (put.ok()) {
-        spdlog::info("event=reregistered key={} lease={}", key_, lease_);
-        return now + interval_;
-      }
-      held = put;
-    }
-    if (!held.ok() && ttl.ok()) {
-      unreachable(held);
-      backoff_ = std::min(backoff_ * 2, interval_);
-      return Clock::now() + backoff_;
-    }
-    if (ttl.status().code() != StatusCode::kNotFound) {
-      unreachable(ttl.status());
-      backoff_ = std::min(backoff_ * 2, interval_);
-      return Clock::now() + backoff_;
-    }
+    if (auto next = renew()) return *next;
+  }
+  return register_anew();
+}
+
+std::optional<Clock::time_point> Registration::renew() {
+  auto ttl = client_.keep_alive(lease_);
+  if (!ttl.ok() && ttl.status().code() != StatusCode::kNotFound) return retry_later(ttl.status());
+  if (!ttl.ok()) {
     // The lease ended (etcd was away longer than the TTL, or lost its data): the key is
     // gone; register again at once.
     spdlog::warn("event=lease_lost key={} lease={}: registering again", key_, lease_);
     lease_ = 0;
     std::lock_guard lock(mu_);
     registered_ = false;
+    return std::nullopt;
   }
+  Status held = still_ours();
+  if (held.code() == StatusCode::kNotFound) {
+    // Deleted or overwritten by someone else while our lease lives: put ours back.
+    spdlog::warn("event=key_lost key={} lease={} reason=\"{}\": registering again", key_, lease_,
+                 held.message());
+    held = client_.put(key_, value_, lease_);
+    if (held.ok()) spdlog::info("event=reregistered key={} lease={}", key_, lease_);
+  }
+  if (!held.ok()) return retry_later(held);
+  if (outage_) spdlog::info("event=etcd_reachable key={} lease={}", key_, lease_);
+  outage_ = false;
+  backoff_ = std::chrono::milliseconds(100);
+  return Clock::now() + interval_;
+}
+
+Clock::time_point Registration::register_anew() {
   auto lease = client_.grant_lease(ttl_s_);
   Status put = lease.ok() ? client_.put(key_, value_, *lease) : lease.status();
   if (!put.ok()) {
     if (lease.ok()) client_.revoke_lease(*lease).ignore_error();  // best effort
-    unreachable(put);
-    backoff_ = std::min(backoff_ * 2, interval_);
-    return Clock::now() + backoff_;
+    return retry_later(put);
   }
   lease_ = *lease;
   spdlog::info("event={} key={} lease={} ttl_s={} etcd={}",
@@ -103,6 +97,12 @@ Clock::time_point Registration::step() {
   }
   cv_.notify_all();
   return Clock::now() + interval_;
+}
+
+Clock::time_point Registration::retry_later(const Status& why) {
+  unreachable(why);
+  backoff_ = std::min(backoff_ * 2, interval_);
+  return Clock::now() + backoff_;
 }
 
 Status Registration::still_ours() {

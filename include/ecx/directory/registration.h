@@ -11,6 +11,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -40,6 +41,13 @@ class Registration {
   void run();
   // One step of the thread; the time of the next one.
   Clock::time_point step();
+  // Renews the lease and keeps the key ours (putting it back when someone deleted or
+  // replaced it); the time of the next step, or nullopt when the lease has ended.
+  std::optional<Clock::time_point> renew();
+  // Takes a new lease and puts the key under it.
+  Clock::time_point register_anew();
+  // etcd failed: logged once per outage, tried again after a growing backoff.
+  Clock::time_point retry_later(const Status& why);
   // Ok when the key still holds our value under our lease; NotFound (saying what
   // happened) when it was deleted or replaced; the client's error otherwise.
   Status still_ours();

@@ -33,8 +33,6 @@ namespace {
 
 // The least share of connections one client may hold (ServerState::client_share).
 constexpr int64_t kMinClientShare = 256;
-// The least share of the queue one client may have waiting (ServerState::queue_share).
-constexpr size_t kMinQueueShare = 16;
 
 // A quarter of physical memory (4 GiB when unknown): the default budget of request bodies.
 uint64_t quarter_of_memory() {
@@ -83,24 +81,6 @@ void ServerState::leave_client(const std::string& client) {
   std::lock_guard lock(clients_mu_);
   auto it = connections_by_client_.find(client);
   if (it != connections_by_client_.end() && --it->second <= 0) connections_by_client_.erase(it);
-}
-
-size_t ServerState::queue_share(size_t max_queued) {
-  return std::max(kMinQueueShare, max_queued / 4);
-}
-
-bool ServerState::join_queue(const std::string& client, size_t waiting, size_t max_queued) {
-  std::lock_guard lock(clients_mu_);
-  size_t& mine = waiting_by_client_[client];
-  if (mine >= queue_share(max_queued) && waiting * 2 >= max_queued) return false;
-  ++mine;
-  return true;
-}
-
-void ServerState::leave_queue(const std::string& client) {
-  std::lock_guard lock(clients_mu_);
-  auto it = waiting_by_client_.find(client);
-  if (it != waiting_by_client_.end() && --it->second == 0) waiting_by_client_.erase(it);
 }
 
 void ServerState::begin_request() {
@@ -210,9 +190,13 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // runs (until the next request is read).
   void watch_for_hang_up(const std::shared_ptr<Cancellation>& gone);
   void queue_async(const AsyncHandler& handler, HttpRequest req);
-  // 503: the service's FIFO is full, or (over_share) this client has its share of it
-  // waiting and it is half full.
+  // 503: the service's FIFO is full, or (over_share) this waiting request's place was
+  // taken by another client's (its own client had more than its share waiting).
   void reject_busy(const HttpRequest& req, size_t max_queued, bool over_share);
+  // What a waiting request does when its place is taken (from any thread): 503 on the
+  // strand.
+  std::function<void()> displaced_answer(const std::shared_ptr<HttpRequest>& req,
+                                         size_t max_queued);
   // 503: this connection is past --max-connections.
   void refuse_work(const HttpRequest& req);
   void run_work(const HttpHandler& handler, const HttpRequest& req);
@@ -447,17 +431,10 @@ void Connection::queue_work(const HttpHandler& handler, HttpRequest req) {
   req.client_gone = gone;
   auto shared = std::make_shared<HttpRequest>(std::move(req));
   const size_t max_queued = state_.queue->max_queued();
-  if (!state_.join_queue(client_, state_.queue->waiting(), max_queued)) {
-    return reject_busy(*shared, max_queued, /*over_share=*/true);
-  }
-  bool admitted = state_.queue->push([self = shared_from_this(), &handler, shared] {
-    self->state_.leave_queue(self->client_);
-    self->run_work(handler, *shared);
-  });
-  if (!admitted) {
-    state_.leave_queue(client_);
-    return reject_busy(*shared, max_queued, /*over_share=*/false);
-  }
+  bool admitted = state_.queue->push(
+      client_, [self = shared_from_this(), &handler, shared] { self->run_work(handler, *shared); },
+      displaced_answer(shared, max_queued));
+  if (!admitted) return reject_busy(*shared, max_queued, /*over_share=*/false);
   watch_for_hang_up(gone);
 }
 
@@ -487,13 +464,23 @@ void Connection::reject_busy(const HttpRequest& req, size_t max_queued, bool ove
   const std::string queue = std::to_string(max_queued);
   HttpResponse res = error_response(
       503, "server_busy",
-      over_share ? "this client (" + client_ + ") has its share of " + state_.role +
-                       "'s queue waiting (" + std::to_string(ServerState::queue_share(max_queued)) +
-                       " of --max-queued " + queue + ") while the queue is half full; retry later"
+      over_share ? "this client (" + client_ + ") had more than its share of " + state_.role +
+                       "'s queue waiting (" + std::to_string(queue_share(max_queued)) +
+                       " of --max-queued " + queue +
+                       ") when it was full and another client came; retry later"
                  : state_.role + " is at capacity: " + queue +
                        " requests are waiting (--max-queued); retry later");
   res.set_header("Retry-After", "1");
   send(std::move(res), req.method, req.path, req.body.size(), false);
+}
+
+std::function<void()> Connection::displaced_answer(const std::shared_ptr<HttpRequest>& req,
+                                                   size_t max_queued) {
+  return [self = shared_from_this(), req, max_queued] {
+    net::post(self->stream_.get_executor(), [self, req, max_queued] {
+      self->reject_busy(*req, max_queued, /*over_share=*/true);
+    });
+  };
 }
 
 void Connection::refuse_work(const HttpRequest& req) {
@@ -571,23 +558,18 @@ void Connection::queue_async(const AsyncHandler& handler, HttpRequest req) {
   req.client_gone = gone;
   auto shared = std::make_shared<HttpRequest>(std::move(req));
   const size_t max_queued = state_.slots->max_queued();
-  if (!state_.join_queue(client_, state_.slots->waiting(), max_queued)) {
-    return reject_busy(*shared, max_queued, /*over_share=*/true);
-  }
-  bool admitted =
-      state_.slots->push([self = shared_from_this(), &handler, shared](SlotQueue::Done done) {
-        self->state_.leave_queue(self->client_);
+  bool admitted = state_.slots->push(
+      client_,
+      [self = shared_from_this(), &handler, shared](SlotQueue::Done done) {
         auto reply = std::make_shared<ConnectionReply>(self, std::move(done), *shared);
         try {
           handler(shared, reply);
         } catch (const std::exception& e) {
           reply->respond(error_response(500, "internal_error", e.what()));
         }
-      });
-  if (!admitted) {
-    state_.leave_queue(client_);
-    return reject_busy(*shared, max_queued, /*over_share=*/false);
-  }
+      },
+      displaced_answer(shared, max_queued));
+  if (!admitted) return reject_busy(*shared, max_queued, /*over_share=*/false);
   watch_for_hang_up(gone);
 }
 

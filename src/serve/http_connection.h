@@ -67,16 +67,6 @@ struct ServerState {
   bool join_client(const std::string& client);
   void leave_client(const std::string& client);
 
-  // One client may have this many requests waiting (admitted, not started): a quarter of
-  // the queue's bound, at least 16. It is enforced once the queue is half full, so a busy
-  // client is not refused while there is room and one greedy client cannot fill it.
-  static size_t queue_share(size_t max_queued);
-  // Counts a request of `client` as waiting; false (nothing counted) when the client has
-  // its share waiting and `waiting` is half of `max_queued` or more. leave_queue() when
-  // it starts (or is refused by the queue).
-  bool join_queue(const std::string& client, size_t waiting, size_t max_queued);
-  void leave_queue(const std::string& client);
-
   // The budget of request bodies held at once (max_buffered_bytes): takes `bytes` of it,
   // or nothing and false when they would pass it. A body is charged as it arrives (in
   // steps, kBodyCopies times each byte: its parsed and re-encoded copies count too).
@@ -98,7 +88,6 @@ struct ServerState {
   int64_t in_flight_ = 0;  // guarded by mu_
   std::mutex clients_mu_;
   std::unordered_map<std::string, int64_t> connections_by_client_;  // guarded by clients_mu_
-  std::unordered_map<std::string, size_t> waiting_by_client_;       // guarded by clients_mu_
   std::atomic<uint64_t> buffered_bytes_{0};
 };
 

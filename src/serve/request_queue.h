@@ -1,7 +1,11 @@
 // One FIFO of admitted requests per service: with N requests waiting and a throughput
 // of X, each waits about N / X, whichever connection it came on. Past `max_queued`
 // waiting requests, push() refuses at once (the server answers 503) and nothing already
-// admitted is touched.
+// admitted is touched, with one exception that keeps the queue fair between clients
+// (source addresses): a client with fewer than its share waiting takes the place of the
+// newest request of the client that has the most waiting, when that one has more than
+// its share (that request is refused then, as if it had come to a full queue). A busy
+// client alone may so fill the whole queue, and still cannot keep others out.
 //   RequestQueue  work that blocks (encoding, generating): a fixed pool of worker threads.
 //   SlotQueue     work that waits on the network without a thread (the proxy's): at most
 //                 `slots` requests run at once, each until it calls its Done.
@@ -12,12 +16,44 @@
 #include <cstddef>
 #include <deque>
 #include <functional>
+#include <map>
 #include <mutex>
 #include <set>
+#include <string>
 #include <thread>
 #include <vector>
 
 namespace ecx::serve {
+
+// One client's request, as a queue holds it: what to run, and what to do instead when
+// it is refused after all (its place taken by another client's request).
+template <typename Job>
+struct QueuedRequest {
+  std::string client;
+  Job job;
+  std::function<void()> refuse;
+};
+
+// The waiting requests of a queue and how many each client has (not thread-safe: the
+// queue's lock guards it).
+template <typename Job>
+class FairFifo {
+ public:
+  // Appends `r`; false when the queue holds `max` and no place can be taken for it.
+  // `displaced` gets the request whose place it took (its refuse() is the caller's to
+  // run, outside the queue's lock).
+  bool admit(QueuedRequest<Job> r, size_t max, size_t share, std::function<void()>* displaced);
+  QueuedRequest<Job> pop_front();
+  bool empty() const { return items_.empty(); }
+  size_t size() const { return items_.size(); }
+
+ private:
+  std::deque<QueuedRequest<Job>> items_;
+  std::map<std::string, size_t> waiting_;  // by client; absent when none
+};
+
+// How many waiting requests are a client's share: a quarter of the queue, at least 16.
+size_t queue_share(size_t max_queued);
 
 class RequestQueue {
  public:
@@ -28,9 +64,10 @@ class RequestQueue {
   RequestQueue(const RequestQueue&) = delete;
   RequestQueue& operator=(const RequestQueue&) = delete;
 
-  // Appends `job`; false (and `job` dropped) when `max_queued` jobs are already waiting
-  // or the queue is stopping.
-  bool push(std::function<void()> job);
+  // Appends `job` of `client`; false (and `job` dropped) when `max_queued` jobs are
+  // already waiting and no place can be taken (see above), or the queue is stopping.
+  // `refuse` runs instead of `job` when its place is taken by another client's.
+  bool push(const std::string& client, std::function<void()> job, std::function<void()> refuse);
   // Runs every job already queued, then joins the workers. Idempotent.
   void stop();
 
@@ -47,8 +84,8 @@ class RequestQueue {
   const size_t max_queued_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<std::function<void()>> jobs_;  // guarded by mu_
-  size_t running_ = 0;                      // guarded by mu_
+  FairFifo<std::function<void()>> jobs_;  // guarded by mu_
+  size_t running_ = 0;                    // guarded by mu_
   // When each running job started; guarded by mu_.
   std::multiset<std::chrono::steady_clock::time_point> started_;
   bool stopping_ = false;             // guarded by mu_
@@ -65,9 +102,10 @@ class SlotQueue {
   SlotQueue(const SlotQueue&) = delete;
   SlotQueue& operator=(const SlotQueue&) = delete;
 
-  // Runs `job` now, in the caller, when a slot is free; else queues it. False (and `job`
-  // dropped) when `max_queued` jobs are already waiting.
-  bool push(Job job);
+  // Runs `job` of `client` now, in the caller, when a slot is free; else queues it. False
+  // (and `job` dropped) when `max_queued` jobs are already waiting and no place can be
+  // taken (see above); `refuse` runs instead of `job` when its place is taken.
+  bool push(const std::string& client, Job job, std::function<void()> refuse);
 
   size_t waiting() const;
   size_t running() const;
@@ -82,8 +120,8 @@ class SlotQueue {
   const size_t max_queued_;
   const std::function<void(std::function<void()>)> post_;
   mutable std::mutex mu_;
-  std::deque<Job> jobs_;  // guarded by mu_
-  size_t running_ = 0;    // guarded by mu_
+  FairFifo<Job> jobs_;  // guarded by mu_
+  size_t running_ = 0;  // guarded by mu_
 };
 
 }  // namespace ecx::serve

@@ -152,13 +152,13 @@ TEST(HttpServerTest, HealthAnswersAndOverflowGets503WhileTheQueueIsFull) {
   EXPECT_EQ(statuses, std::vector<int>({200, 200, 200}));
 }
 
-// One client (address) may have a quarter of the queue waiting, at least 16, once the
-// queue is half full: a busy client gets the room there is, and another client still
-// gets in while the first is refused.
-TEST(HttpServerTest, OneClientCannotFillTheQueue) {
+// A busy client alone may fill the whole queue; when it is full and another client
+// comes, that one takes the place of the busy client's newest waiting request (its share
+// is a quarter of the queue, at least 16), which is answered 503 saying why.
+TEST(HttpServerTest, ABusyClientFillsTheQueueButCannotKeepAnotherOut) {
   Gate gate;
   Counter started;
-  TestServer t(/*workers=*/1, /*max_queued=*/64);
+  TestServer t(/*workers=*/1, /*max_queued=*/32);
   t.server->work("POST", "/work", [&](const HttpRequest&, HttpResponse& res) {
     started.add();
     gate.wait();
@@ -170,26 +170,44 @@ TEST(HttpServerTest, OneClientCannotFillTheQueue) {
     cli.set_interface(address);
     return cli.Post("/work", "{}", "application/json");
   };
-  constexpr int kGreedy = 33;  // one runs, 32 wait: half the queue, past a share of 16
+  constexpr int kBusy = 33;  // one runs, 32 wait: the queue is full
   std::vector<std::thread> clients;
-  std::vector<int> statuses(kGreedy + 1, 0);
-  clients.emplace_back([&] { statuses[0] = from("127.0.0.1")->status; });
+  std::vector<int> statuses(kBusy + 1, 0);
+  std::vector<std::string> bodies(kBusy + 1);
+  auto send = [&](int i, const char* address) {
+    clients.emplace_back([&, i, address] {
+      auto res = from(address);
+      statuses[i] = res ? res->status : 0;
+      bodies[i] = res ? res->body : "";
+    });
+  };
+  send(0, "127.0.0.1");
   ASSERT_TRUE(started.wait_for(1));
-  for (int i = 1; i < kGreedy; ++i) {
-    clients.emplace_back([&, i] { statuses[i] = from("127.0.0.1")->status; });
-  }
-  ASSERT_TRUE(t.queued(kGreedy - 1));
-  auto refused = from("127.0.0.1");
-  expect_json_error(refused, 503);
-  ASSERT_TRUE(refused);
-  EXPECT_NE(refused->body.find("share"), std::string::npos) << refused->body;
-  EXPECT_EQ(refused->get_header_value("Retry-After"), "1");
-  // Another client still gets a place.
-  clients.emplace_back([&] { statuses[kGreedy] = from("127.0.0.2")->status; });
-  ASSERT_TRUE(t.queued(kGreedy));
+  for (int i = 1; i < kBusy; ++i) send(i, "127.0.0.1");
+  ASSERT_TRUE(t.queued(kBusy - 1));  // none refused while there was room
+  EXPECT_EQ(metric_in(t.server->render_metrics(), "ecx_http_rejected_total"), 0);
+  auto full = from("127.0.0.1");  // its own next one: the queue is full
+  expect_json_error(full, 503);
+  ASSERT_TRUE(full);
+  EXPECT_NE(full->body.find("at capacity"), std::string::npos) << full->body;
+  // Another client gets in: the busy client's newest waiting request gives up its place.
+  send(kBusy, "127.0.0.2");
+  ASSERT_TRUE(t.metric_reads("ecx_http_rejected_total", 2));
+  EXPECT_EQ(metric_in(t.server->render_metrics(), "ecx_http_queue_depth"), kBusy - 1);
   gate.open();
   for (auto& c : clients) c.join();
-  EXPECT_EQ(statuses, std::vector<int>(kGreedy + 1, 200));
+  EXPECT_EQ(statuses[kBusy], 200) << bodies[kBusy];
+  int displaced = 0;
+  for (int i = 0; i < kBusy; ++i) {
+    if (statuses[i] == 503) {
+      displaced++;
+      EXPECT_NE(bodies[i].find("share"), std::string::npos) << bodies[i];
+      EXPECT_GT(i, 0) << "the running request was displaced";
+    } else {
+      EXPECT_EQ(statuses[i], 200) << bodies[i];
+    }
+  }
+  EXPECT_EQ(displaced, 1);
 }
 
 TEST(HttpServerTest, QueuedRequestsRunInArrivalOrder) {

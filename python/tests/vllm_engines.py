@@ -10,6 +10,7 @@ import ctypes
 import io
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -29,31 +30,47 @@ STOP_GRACE_S = 10.0
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (what bind(0) and connect() use)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
-def free_ports(n: int) -> int:
-    """A port p such that p..p+n-1 were free a moment ago (an exporter's range)."""
-    for _ in range(100):
-        p = free_port()
-        if p + n >= 65536:
-            continue
+_HANDED_OUT: set[int] = set()  # ports free_ports gave, never given twice in one run
+
+
+def free_ports(n: int = 1) -> int:
+    """A port p such that p..p+n-1 were free a moment ago. Taken below the ephemeral
+    range: a port handed out by bind(0) could be handed to another process's bind(0) or
+    connect() (an ecx agent, a vLLM engine) before the service it is meant for binds it."""
+    rng = random.Random()
+    high = max(10001, _ephemeral_low() - n)
+    for _ in range(200):
+        p = rng.randrange(10000, high)
+        if any(p + i in _HANDED_OUT for i in range(n)):
+            continue  # free, but meant for another service of this test run
+        socks = []
         try:
-            socks = []
             for i in range(n):
                 s = socket.socket()
                 socks.append(s)
                 s.bind(("127.0.0.1", p + i))
+            _HANDED_OUT.update(range(p, p + n))
             return p
         except OSError:
             continue
         finally:
             for s in socks:
                 s.close()
-    raise RuntimeError(f"no {n} consecutive free ports")
+    raise RuntimeError(f"no {n} consecutive free ports below {high + n}")
+
+
+def free_port() -> int:
+    """A port that was free a moment ago, below the ephemeral range (see free_ports)."""
+    return free_ports(1)
 
 
 def _die_with_parent(parent: int) -> None:

@@ -85,6 +85,15 @@ struct TestServer {
     return wait_metric(name, [n](double v) { return v == n; });
   }
   bool queued(double n) { return metric_reads("ecx_http_queue_depth", n); }
+  // POST /work: counts itself in `started`, holds its worker until `gate` opens, then
+  // answers `answer`. (The gate and counter outlive the server: declare them first.)
+  void add_gated_work(Gate& gate, Counter& started, std::string answer = "{}") {
+    server->work("POST", "/work", [&gate, &started, answer](const HttpRequest&, HttpResponse& res) {
+      started.add();
+      gate.wait();
+      res.set_content(answer, "application/json");
+    });
+  }
 
   CommonServiceConfig config;
   std::unique_ptr<HttpServer> server;
@@ -120,11 +129,7 @@ TEST(HttpServerTest, HealthAnswersAndOverflowGets503WhileTheQueueIsFull) {
   Gate gate;  // (declared before the server, which uses them until it stops)
   Counter started;
   TestServer t(/*workers=*/1, /*max_queued=*/2);
-  t.server->work("POST", "/work", [&](const HttpRequest&, HttpResponse& res) {
-    started.add();
-    gate.wait();
-    res.set_content("{}", "application/json");
-  });
+  t.add_gated_work(gate, started);
   t.start();
   std::vector<std::thread> clients;
   std::vector<int> statuses(3, 0);
@@ -159,11 +164,7 @@ TEST(HttpServerTest, ABusyClientFillsTheQueueButCannotKeepAnotherOut) {
   Gate gate;
   Counter started;
   TestServer t(/*workers=*/1, /*max_queued=*/32);
-  t.server->work("POST", "/work", [&](const HttpRequest&, HttpResponse& res) {
-    started.add();
-    gate.wait();
-    res.set_content("{}", "application/json");
-  });
+  t.add_gated_work(gate, started);
   t.start();
   auto from = [&](const char* address) {
     httplib::Client cli = t.client();
@@ -249,11 +250,7 @@ TEST(HttpServerTest, StopStillAnswersARequestItsWorkerIsServing) {
   Gate gate;
   Counter started;
   TestServer t(/*workers=*/1, /*max_queued=*/10);
-  t.server->work("POST", "/work", [&](const HttpRequest&, HttpResponse& res) {
-    started.add();
-    gate.wait();
-    res.set_content("{\"done\":true}", "application/json");
-  });
+  t.add_gated_work(gate, started, "{\"done\":true}");
   t.start();
   auto answer = std::async(std::launch::async, [&] {
     auto res = t.client().Post("/work", "{}", "application/json");

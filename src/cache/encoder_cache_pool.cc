@@ -1,28 +1,21 @@
 #include "ecx/cache/encoder_cache_pool.h"
 
-#include <condition_variable>
-#include <list>
-#include <map>
-#include <mutex>
-#include <set>
 #include <span>
 #include <thread>
-#include <unordered_map>
 #include <vector>
 
-#include "cache/arena_allocator.h"
 #include "cache/arena_memory.h"
+#include "cache/entry_index.h"
+#include "cache/pin_table.h"
 #include "ecx/common/bytes.h"
+#include "ecx/common/mutex.h"
 
 namespace ecx::cache {
-namespace {
 
-// The holder of pins handed out in params (pin_for_peer without a peer). Peers' holders
-// are agent identities ("name#session"), which never equal it.
-constexpr std::string_view kParamsHolder = "params";
-
-}  // namespace
-
+// The pool's state is two tables under one mutex: the entry index (entries, their blocks,
+// LRU) and the pin table (pins, grants, quotas, leases). Byte work (checksums, headers,
+// device copies) runs outside the mutex on an entry its writer owns; the mutex only
+// flips the entry's state.
 class EncoderCachePool::Impl {
  public:
   Impl(transfer::Agent* agent, PoolConfig config, std::unique_ptr<ArenaMemory> arena)
@@ -30,13 +23,14 @@ class EncoderCachePool::Impl {
         config_(std::move(config)),
         arena_(std::move(arena)),
         region_(arena_->region()),
-        allocator_(region_.length, kBlockAlignment) {
+        index_(region_.length, kBlockAlignment),
+        pins_(config_.name, config_.max_pins_per_holder) {
     reaper_ = std::thread([this] { reap_leases(); });
   }
 
   ~Impl() {
     {
-      std::lock_guard lock(mu_);
+      MutexLock lock(&mu_);
       stopping_ = true;
     }
     reaper_cv_.notify_all();
@@ -45,123 +39,90 @@ class EncoderCachePool::Impl {
 
   uint32_t region_id() const { return region_.id; }
   const std::string& name() const { return config_.name; }
+  std::chrono::milliseconds default_lease() const { return config_.lease; }
 
   Result<Pin> reserve(const MmHash& mm_hash, const TensorMeta& meta, Deadline room_deadline,
-                      const std::string* pin_holder) {
+                      const std::string* pin_holder) ECX_EXCLUDES(mu_) {
     ECX_RETURN_IF_ERROR(meta.validate());
-    uint64_t block_length = kBlockHeaderBytes + meta.byte_size();
-    std::unique_lock lock(mu_);
-    if (block_length > allocator_.capacity()) {
+    const uint64_t block_length = kBlockHeaderBytes + meta.byte_size();
+    MutexLock lock(&mu_);
+    if (block_length > index_.allocator().capacity()) {
       return Status(StatusCode::kResourceExhausted,
                     "pool " + config_.name + ": an entry of " + format_bytes(block_length) +
-                        " is larger than the pool (" + format_bytes(allocator_.capacity()) + ")");
+                        " is larger than the pool (" + format_bytes(index_.allocator().capacity()) +
+                        ")");
     }
     while (true) {
-      if (entries_.count(mm_hash)) {
+      if (index_.find(mm_hash) != nullptr) {
         return Status(StatusCode::kAlreadyExists,
                       "pool " + config_.name + " already has mm_hash " + mm_hash.str());
       }
-      std::optional<uint64_t> offset = allocator_.allocate(block_length);
-      while (!offset && evict_one_locked()) offset = allocator_.allocate(block_length);
-      if (offset) {
-        Entry e;
-        e.mm_hash = mm_hash;
-        e.meta = meta;
-        e.offset = *offset;
-        e.block_length = block_length;
-        e.generation = next_generation_++;
-        auto& stored = entries_.emplace(mm_hash, e).first->second;
-        Pin p{ref_of(stored), 0};
-        if (pin_holder != nullptr) p.pin_id = add_pin_locked(stored, *pin_holder, config_.lease);
+      if (Entry* e = allocate_locked(mm_hash, meta, block_length)) {
+        Pin p{ref_of(*e), 0};
+        if (pin_holder != nullptr) p.pin_id = add_pin_locked(*e, *pin_holder, config_.lease);
         return p;
       }
       // Everything is pinned or being written: wait for a pin to end, or give up.
-      if (cv_.wait_until(lock, room_deadline.time_point()) == std::cv_status::timeout &&
-          room_deadline.expired()) {
-        return Status(StatusCode::kResourceExhausted,
-                      "pool " + config_.name + ": no room for " + format_bytes(block_length) +
-                          " (capacity " + format_bytes(allocator_.capacity()) + ", used " +
-                          format_bytes(allocator_.used()) + ", largest free " +
-                          format_bytes(allocator_.largest_free()) + "; every other entry is " +
-                          "pinned or being written)");
+      if (!cv_.wait_until(&mu_, room_deadline.time_point()) && room_deadline.expired()) {
+        return no_room_locked(block_length);
       }
     }
   }
 
-  Status commit(const MmHash& mm_hash, uint64_t generation) {
-    std::unique_lock lock(mu_);
-    ECX_ASSIGN_OR_RETURN(Entry * e, writing_entry(mm_hash, generation));
-    ECX_ASSIGN_OR_RETURN(uint64_t sum,
-                         arena_->checksum(e->offset + kBlockHeaderBytes, e->meta.byte_size()));
-    ECX_RETURN_IF_ERROR(write_header(*e, sum));
-    mark_ready_locked(*e);
-    lock.unlock();
-    cv_.notify_all();
-    return Status::Ok();
+  // Checksums the payload and writes the header outside the lock, then marks it ready.
+  Status commit(const MmHash& mm_hash, uint64_t generation) ECX_EXCLUDES(mu_) {
+    ECX_ASSIGN_OR_RETURN(Entry e, begin_commit(mm_hash, generation));
+    Result<uint64_t> sum = arena_->checksum(e.offset + kBlockHeaderBytes, e.meta.byte_size());
+    Status verdict = sum.ok() ? write_header(e, *sum) : sum.status();
+    return finish_commit(e, std::move(verdict), /*drop_on_failure=*/false);
   }
 
   Status commit_received(const MmHash& mm_hash, uint64_t generation,
-                         const BlockExpectation& expected,
-                         std::optional<uint64_t> payload_checksum) {
-    std::unique_lock lock(mu_);
-    ECX_ASSIGN_OR_RETURN(Entry * e, writing_entry(mm_hash, generation));
-    auto host = host_block(*e, /*with_payload=*/!payload_checksum.has_value());
-    Status verdict = host.ok()
-                         ? verify_block(host->data(), e->block_length, expected, payload_checksum)
-                         : host.status();
-    BlockHeader h = verdict.ok() ? read_block_header(host->data()) : BlockHeader{};
-    if (verdict.ok()) verdict = write_header(*e, h.checksum);
-    if (!verdict.ok()) {
+                         const BlockExpectation& expected, std::optional<uint64_t> payload_checksum)
+      ECX_EXCLUDES(mu_) {
+    ECX_ASSIGN_OR_RETURN(Entry e, begin_commit(mm_hash, generation));
+    Status verdict = verify_and_stamp(e, expected, payload_checksum);
+    return finish_commit(e, std::move(verdict), /*drop_on_failure=*/true);
+  }
+
+  void abort(const MmHash& mm_hash, uint64_t generation) ECX_EXCLUDES(mu_) {
+    {
+      MutexLock lock(&mu_);
+      const Entry* e = index_.find(mm_hash);
+      if (e == nullptr || e->state != Entry::State::kWriting || e->generation != generation) {
+        return;
+      }
       remove_locked(mm_hash);
-      lock.unlock();
-      cv_.notify_all();
-      return verdict;
     }
-    mark_ready_locked(*e);
-    lock.unlock();
-    cv_.notify_all();
-    return Status::Ok();
-  }
-
-  void abort(const MmHash& mm_hash, uint64_t generation) {
-    std::unique_lock lock(mu_);
-    auto it = entries_.find(mm_hash);
-    if (it == entries_.end() || it->second.ready || it->second.generation != generation) return;
-    remove_locked(mm_hash);
-    lock.unlock();
     cv_.notify_all();
   }
 
-  Result<BlockRef> find(const MmHash& mm_hash) {
-    std::lock_guard lock(mu_);
-    auto it = entries_.find(mm_hash);
-    if (it == entries_.end()) {
-      misses_++;
-      return NotFound("mm_hash " + mm_hash.str() + " is not in pool " + config_.name);
-    }
-    if (!it->second.ready) {
-      return Status(StatusCode::kNotReady,
-                    "mm_hash " + mm_hash.str() + " is still being written in pool " + config_.name);
+  Result<BlockRef> find(const MmHash& mm_hash) ECX_EXCLUDES(mu_) {
+    MutexLock lock(&mu_);
+    Result<Entry*> e = ready_entry_locked(mm_hash);
+    if (!e.ok()) {
+      if (e.status().code() == StatusCode::kNotFound) misses_++;
+      return e.status();
     }
     hits_++;
-    touch_locked(it->second);
-    return ref_of(it->second);
+    index_.touch(**e);
+    return ref_of(**e);
   }
 
-  Result<BlockRef> wait_ready(const MmHash& mm_hash, Deadline deadline) {
-    std::unique_lock lock(mu_);
+  Result<BlockRef> wait_ready(const MmHash& mm_hash, Deadline deadline) ECX_EXCLUDES(mu_) {
+    MutexLock lock(&mu_);
     while (true) {
-      auto it = entries_.find(mm_hash);
-      if (it == entries_.end()) {
+      Entry* e = index_.find(mm_hash);
+      if (e == nullptr) {
         return NotFound("mm_hash " + mm_hash.str() + " is not in pool " + config_.name);
       }
-      if (it->second.ready) {
-        touch_locked(it->second);
-        return ref_of(it->second);
+      if (e->ready()) {
+        index_.touch(*e);
+        return ref_of(*e);
       }
-      if (cv_.wait_until(lock, deadline.time_point()) == std::cv_status::timeout) {
-        auto again = entries_.find(mm_hash);
-        if (again != entries_.end() && again->second.ready) return ref_of(again->second);
+      if (!cv_.wait_until(&mu_, deadline.time_point()) && deadline.expired()) {
+        const Entry* again = index_.find(mm_hash);
+        if (again != nullptr && again->ready()) return ref_of(*again);
         return Status(StatusCode::kNotReady, "mm_hash " + mm_hash.str() +
                                                  " still being written in pool " + config_.name +
                                                  " at the deadline");
@@ -169,106 +130,109 @@ class EncoderCachePool::Impl {
     }
   }
 
-  Result<Pin> pin(const MmHash& mm_hash, const std::string& holder,
-                  std::chrono::milliseconds lease) {
-    std::unique_lock lock(mu_);
-    ECX_ASSIGN_OR_RETURN(Entry * entry, ready_entry_locked(mm_hash));
-    Entry& e = *entry;
-    touch_locked(e);
-    Pin p{ref_of(e), add_pin_locked(e, holder, lease)};
-    return p;
+  Result<Pin> pin(const MmHash& mm_hash, const std::string& holder, std::chrono::milliseconds lease)
+      ECX_EXCLUDES(mu_) {
+    MutexLock lock(&mu_);
+    ECX_ASSIGN_OR_RETURN(Entry * e, ready_entry_locked(mm_hash));
+    index_.touch(*e);
+    return Pin{ref_of(*e), add_pin_locked(*e, holder, lease)};
   }
 
   Result<Pin> pin_for_peer(const MmHash& mm_hash, const std::string& peer,
-                           std::chrono::milliseconds lease) {
-    std::unique_lock lock(mu_);
-    ECX_ASSIGN_OR_RETURN(Entry * entry, ready_entry_locked(mm_hash));
-    Entry& e = *entry;
-    const std::string holder = peer.empty() ? std::string(kParamsHolder) : peer;
-    ECX_RETURN_IF_ERROR(check_pin_quota_locked(holder));
+                           std::chrono::milliseconds lease) ECX_EXCLUDES(mu_) {
+    MutexLock lock(&mu_);
+    ECX_ASSIGN_OR_RETURN(Entry * e, ready_entry_locked(mm_hash));
+    const std::string holder = peer.empty() ? std::string(PinTable::kParamsHolder) : peer;
+    ECX_RETURN_IF_ERROR(pins_.check_quota(holder));
     ECX_ASSIGN_OR_RETURN(transfer::Capability cap,
-                         agent_->grant(region_.id, e.offset, e.block_length, false, peer));
-    touch_locked(e);
-    uint64_t id = add_pin_locked(e, holder, lease);
-    pins_.at(id).capability = cap;
-    pins_by_capability_.emplace(cap, id);
-    return Pin{ref_of(e), id, cap};
+                         agent_->grant(region_.id, e->offset, e->block_length, false, peer));
+    index_.touch(*e);
+    uint64_t id = add_pin_locked(*e, holder, lease, cap);
+    return Pin{ref_of(*e), id, cap};
   }
 
-  Result<Pin> pin_of_capability(const MmHash& mm_hash, const transfer::Capability& capability) {
-    std::unique_lock lock(mu_);
-    auto by_cap = pins_by_capability_.find(capability);
-    Status none = NotFound("mm_hash " + mm_hash.str() + ": no live pin in pool " + config_.name +
-                           " with that capability");
-    if (capability.empty() || by_cap == pins_by_capability_.end()) return none;
-    const PinRecord& record = pins_.at(by_cap->second);
-    if (!(record.mm_hash == mm_hash)) return none;
-    auto e = entries_.find(mm_hash);
-    if (e == entries_.end()) return none;
-    return Pin{ref_of(e->second), by_cap->second, capability};
-  }
-
-  Status release_granted(uint64_t pin_id, const transfer::Capability& capability) {
-    std::unique_lock lock(mu_);
-    auto it = pins_.find(pin_id);
-    if (it == pins_.end() || capability.empty() || !(it->second.capability == capability)) {
-      return NotFound("pin " + std::to_string(pin_id) + " in pool " + config_.name +
-                      ": no such pin held with that capability");
+  Result<Pin> pin_of_capability(const MmHash& mm_hash, const transfer::Capability& capability)
+      ECX_EXCLUDES(mu_) {
+    MutexLock lock(&mu_);
+    const PinRecord* record = pins_.find_by_capability(capability);
+    const Entry* e =
+        record != nullptr && record->mm_hash == mm_hash ? index_.find(mm_hash) : nullptr;
+    if (e == nullptr) {
+      return NotFound("mm_hash " + mm_hash.str() + ": no live pin in pool " + config_.name +
+                      " with that capability");
     }
-    end_pin_locked(pin_id);
-    lock.unlock();
+    return Pin{ref_of(*e), record->id, capability};
+  }
+
+  Status release_granted(uint64_t pin_id, const transfer::Capability& capability)
+      ECX_EXCLUDES(mu_) {
+    {
+      MutexLock lock(&mu_);
+      const PinRecord* record = pins_.find(pin_id);
+      if (record == nullptr || capability.empty() || !(record->capability == capability)) {
+        return NotFound("pin " + std::to_string(pin_id) + " in pool " + config_.name +
+                        ": no such pin held with that capability");
+      }
+      revoke_locked(pins_.end(pin_id));
+    }
     cv_.notify_all();
     return Status::Ok();
   }
 
-  Status unpin(uint64_t pin_id) {
-    std::unique_lock lock(mu_);
-    if (!end_pin_locked(pin_id)) {
-      return NotFound("pin " + std::to_string(pin_id) + " in pool " + config_.name +
-                      " already ended (released or lease expired)");
+  Status unpin(uint64_t pin_id) ECX_EXCLUDES(mu_) {
+    {
+      MutexLock lock(&mu_);
+      std::optional<PinRecord> ended = pins_.end(pin_id);
+      if (!ended) {
+        return NotFound("pin " + std::to_string(pin_id) + " in pool " + config_.name +
+                        " already ended (released or lease expired)");
+      }
+      revoke_locked(std::move(ended));
     }
-    lock.unlock();
     cv_.notify_all();
     return Status::Ok();
   }
 
-  size_t release_holder(const std::string& holder) {
-    std::unique_lock lock(mu_);
-    std::vector<uint64_t> ids;
-    for (const auto& [id, p] : pins_) {
-      if (p.holder == holder) ids.push_back(id);
+  size_t release_holder(const std::string& holder) ECX_EXCLUDES(mu_) {
+    size_t ended = 0;
+    {
+      MutexLock lock(&mu_);
+      std::vector<PinRecord> records = pins_.end_holder(holder);
+      ended = records.size();
+      revoke_locked(std::move(records));
     }
-    for (uint64_t id : ids) end_pin_locked(id);
-    lock.unlock();
     cv_.notify_all();
-    return ids.size();
+    return ended;
   }
 
-  Status erase(const MmHash& mm_hash) {
-    std::lock_guard lock(mu_);
-    auto it = entries_.find(mm_hash);
-    if (it == entries_.end())
+  Status erase(const MmHash& mm_hash) ECX_EXCLUDES(mu_) {
+    MutexLock lock(&mu_);
+    const Entry* e = index_.find(mm_hash);
+    if (e == nullptr)
       return NotFound("mm_hash " + mm_hash.str() + " is not in pool " + config_.name);
-    if (it->second.pins > 0) {
+    if (int pins = pins_.pins_of(mm_hash); pins > 0) {
       return Status(StatusCode::kFailedPrecondition, "mm_hash " + mm_hash.str() + " is pinned by " +
-                                                         std::to_string(it->second.pins) +
-                                                         " readers");
+                                                         std::to_string(pins) + " readers");
+    }
+    if (!e->ready()) {  // its writer owns it: only abort() removes it
+      return Status(StatusCode::kFailedPrecondition,
+                    "mm_hash " + mm_hash.str() + " is still being written");
     }
     remove_locked(mm_hash);
     return Status::Ok();
   }
 
-  PoolStats stats() const {
-    std::lock_guard lock(mu_);
+  PoolStats stats() const ECX_EXCLUDES(mu_) {
+    MutexLock lock(&mu_);
     PoolStats s;
-    s.capacity_bytes = allocator_.capacity();
-    s.used_bytes = allocator_.used();
-    for (const auto& [h, e] : entries_) {
+    s.capacity_bytes = index_.allocator().capacity();
+    s.used_bytes = index_.allocator().used();
+    index_.for_each([&s](const Entry& e) {
       s.entries++;
       s.payload_bytes += e.meta.byte_size();
-      if (!e.ready) s.writing_entries++;
-      if (e.pins > 0) s.pinned_entries++;
-    }
+      if (!e.ready()) s.writing_entries++;
+    });
+    s.pinned_entries = pins_.pinned_entries();
     s.pins = pins_.size();
     s.evictions = evictions_;
     s.lease_expiries = lease_expiries_;
@@ -280,40 +244,23 @@ class EncoderCachePool::Impl {
     return s;
   }
 
-  Status wait_unpinned(Deadline deadline) {
-    std::unique_lock lock(mu_);
-    if (cv_.wait_until(lock, deadline.time_point(), [&] { return pins_.empty(); }))
+  Status wait_unpinned(Deadline deadline) ECX_EXCLUDES(mu_) {
+    MutexLock lock(&mu_);
+    if (cv_.wait_until(&mu_, deadline.time_point(),
+                       [this]() ECX_REQUIRES(mu_) { return pins_.empty(); })) {
       return Status::Ok();
+    }
     return DeadlineExceeded("pool " + config_.name + ": " + std::to_string(pins_.size()) +
                             " pins still held at the deadline");
   }
 
-  std::chrono::milliseconds default_lease() const { return config_.lease; }
-
-  // Copies host bytes into a reserved block's payload (the caller holds the entry in
-  // state writing, so no lock is needed for its bytes).
+  // Copies host bytes into a reserved block's payload (its writer owns the entry while it
+  // is being written, so no lock is needed for its bytes).
   Status write_payload(const BlockRef& ref, const void* data, uint64_t length) {
     return arena_->write(ref.offset + kBlockHeaderBytes, data, length);
   }
 
  private:
-  struct Entry {
-    MmHash mm_hash;
-    TensorMeta meta;
-    uint64_t offset = 0;
-    uint64_t block_length = 0;
-    uint64_t generation = 0;
-    bool ready = false;
-    int pins = 0;
-    std::list<MmHash>::iterator lru;  // valid while ready
-  };
-  struct PinRecord {
-    MmHash mm_hash;
-    std::string holder;
-    Clock::time_point expiry;
-    transfer::Capability capability;  // from pin_for_peer; revoked when the pin ends
-  };
-
   BlockRef ref_of(const Entry& e) const {
     return BlockRef{e.mm_hash,
                     e.meta,
@@ -324,6 +271,81 @@ class EncoderCachePool::Impl {
                     region_.data + e.offset};
   }
 
+  // A block for a new entry, evicting least recently used unpinned ready entries until
+  // one fits; nullptr if none does.
+  Entry* allocate_locked(const MmHash& mm_hash, const TensorMeta& meta, uint64_t block_length)
+      ECX_REQUIRES(mu_) {
+    Entry* e = index_.add(mm_hash, meta, block_length);
+    while (e == nullptr) {
+      std::optional<Entry> victim = index_.evict_lru([this](const MmHash& h) {
+        mu_.assert_held();
+        return pins_.pins_of(h) > 0;
+      });
+      if (!victim) return nullptr;
+      evictions_++;
+      clear_magic(*victim);
+      e = index_.add(mm_hash, meta, block_length);
+    }
+    return e;
+  }
+
+  Status no_room_locked(uint64_t block_length) const ECX_REQUIRES(mu_) {
+    const ArenaAllocator& a = index_.allocator();
+    return Status(StatusCode::kResourceExhausted,
+                  "pool " + config_.name + ": no room for " + format_bytes(block_length) +
+                      " (capacity " + format_bytes(a.capacity()) + ", used " +
+                      format_bytes(a.used()) + ", largest free " + format_bytes(a.largest_free()) +
+                      "; every other entry is pinned or being written)");
+  }
+
+  // kWriting -> kCommitting: from here until finish_commit the entry is its writer's
+  // alone (nothing else removes or evicts it), so its bytes are worked on unlocked.
+  Result<Entry> begin_commit(const MmHash& mm_hash, uint64_t generation) ECX_EXCLUDES(mu_) {
+    MutexLock lock(&mu_);
+    Entry* e = index_.find(mm_hash);
+    if (e == nullptr || e->generation != generation) {
+      return NotFound("no entry being written for mm_hash " + mm_hash.str() + " generation " +
+                      std::to_string(generation) + " in pool " + config_.name);
+    }
+    if (e->state != Entry::State::kWriting) {
+      return Status(StatusCode::kFailedPrecondition,
+                    "mm_hash " + mm_hash.str() + " is already committed");
+    }
+    e->state = Entry::State::kCommitting;
+    return *e;
+  }
+
+  // kCommitting -> kReady, or on failure back to kWriting (the writer may abort) or, with
+  // `drop_on_failure`, removed.
+  Status finish_commit(const Entry& committed, Status verdict, bool drop_on_failure)
+      ECX_EXCLUDES(mu_) {
+    {
+      MutexLock lock(&mu_);
+      Entry* e = index_.find(committed.mm_hash);
+      if (e == nullptr) return Internal("pool " + config_.name + ": a committing entry vanished");
+      if (verdict.ok()) {
+        index_.mark_ready(*e);
+      } else if (drop_on_failure) {
+        remove_locked(committed.mm_hash);
+      } else {
+        e->state = Entry::State::kWriting;
+      }
+    }
+    cv_.notify_all();
+    return verdict;
+  }
+
+  // Verifies a block a peer wrote against what its producer said, then stamps it with
+  // this pool's generation.
+  Status verify_and_stamp(const Entry& e, const BlockExpectation& expected,
+                          std::optional<uint64_t> payload_checksum) {
+    std::vector<std::byte> staging;
+    ECX_ASSIGN_OR_RETURN(std::span<const std::byte> host,
+                         host_block(e, /*with_payload=*/!payload_checksum.has_value(), staging));
+    ECX_RETURN_IF_ERROR(verify_block(host.data(), e.block_length, expected, payload_checksum));
+    return write_header(e, read_block_header(host.data()).checksum);
+  }
+
   // Writes the entry's header (through a host copy in a CUDA pool).
   Status write_header(const Entry& e, uint64_t checksum) {
     std::byte header[kBlockHeaderBytes];
@@ -331,157 +353,78 @@ class EncoderCachePool::Impl {
     return arena_->write(e.offset, header, sizeof(header));
   }
 
+  // A late reader of a removed block must not mistake it for the entry: clear the magic.
+  // (Should a CUDA copy fail here, the reader still sees the old generation.)
+  void clear_magic(const Entry& e) {
+    const uint32_t no_magic = 0;
+    arena_->write(e.offset, &no_magic, sizeof(no_magic)).ignore_error();
+  }
+
   // The block's bytes where the CPU can read them: in place in a host pool; a host copy
-  // of the header (and the payload, when `with_payload`) in a CUDA pool. Either way the
-  // buffer spans block_length bytes, so verify_block's bounds hold.
-  Result<std::span<const std::byte>> host_block(const Entry& e, bool with_payload) {
+  // (into `staging`) of the header, and the payload when `with_payload`, in a CUDA pool.
+  // Either way the span is block_length bytes long, so verify_block's bounds hold.
+  Result<std::span<const std::byte>> host_block(const Entry& e, bool with_payload,
+                                                std::vector<std::byte>& staging) {
     if (arena_->kind() == transfer::MemoryKind::kHost) {
       return std::span<const std::byte>(region_.data + e.offset, e.block_length);
     }
-    staging_.assign(e.block_length, std::byte{0});
+    staging.assign(e.block_length, std::byte{0});
     ECX_RETURN_IF_ERROR(
-        arena_->read(e.offset, staging_.data(), with_payload ? e.block_length : kBlockHeaderBytes));
-    return std::span<const std::byte>(staging_);
+        arena_->read(e.offset, staging.data(), with_payload ? e.block_length : kBlockHeaderBytes));
+    return std::span<const std::byte>(staging);
   }
 
   // The ready entry for mm_hash: kNotFound or kNotReady otherwise.
-  Result<Entry*> ready_entry_locked(const MmHash& mm_hash) {
-    auto it = entries_.find(mm_hash);
-    if (it == entries_.end()) {
+  Result<Entry*> ready_entry_locked(const MmHash& mm_hash) ECX_REQUIRES(mu_) {
+    Entry* e = index_.find(mm_hash);
+    if (e == nullptr) {
       return NotFound("mm_hash " + mm_hash.str() + " is not in pool " + config_.name);
     }
-    if (!it->second.ready) {
-      return Status(StatusCode::kNotReady, "mm_hash " + mm_hash.str() + " is still being written");
+    if (!e->ready()) {
+      return Status(StatusCode::kNotReady,
+                    "mm_hash " + mm_hash.str() + " is still being written in pool " + config_.name);
     }
-    return &it->second;
+    return e;
   }
 
-  Result<Entry*> writing_entry(const MmHash& mm_hash, uint64_t generation) {
-    auto it = entries_.find(mm_hash);
-    if (it == entries_.end() || it->second.generation != generation) {
-      return NotFound("no entry being written for mm_hash " + mm_hash.str() + " generation " +
-                      std::to_string(generation) + " in pool " + config_.name);
-    }
-    if (it->second.ready) {
-      return Status(StatusCode::kFailedPrecondition,
-                    "mm_hash " + mm_hash.str() + " is already committed");
-    }
-    return &it->second;
+  void remove_locked(const MmHash& mm_hash) ECX_REQUIRES(mu_) {
+    clear_magic(index_.remove(mm_hash));
+    revoke_locked(pins_.end_entry(mm_hash));  // only a writing entry can go while pinned
   }
 
-  void mark_ready_locked(Entry& e) {
-    e.ready = true;
-    lru_.push_front(e.mm_hash);
-    e.lru = lru_.begin();
-  }
-
-  void touch_locked(Entry& e) {
-    if (e.ready) lru_.splice(lru_.begin(), lru_, e.lru);
-  }
-
-  void remove_locked(const MmHash& mm_hash) {
-    auto it = entries_.find(mm_hash);
-    Entry& e = it->second;
-    // A late reader of this block must not mistake it for the entry: clear the magic.
-    // (Should a CUDA copy fail here, the reader still sees the old generation.)
-    const uint32_t no_magic = 0;
-    arena_->write(e.offset, &no_magic, sizeof(no_magic)).ignore_error();
-    if (e.ready) lru_.erase(e.lru);
-    if (e.pins > 0) {  // only a writing entry can be removed while pinned (abort)
-      for (auto p = pins_.begin(); p != pins_.end();) {
-        if (p->second.mm_hash == e.mm_hash) {
-          expiries_.erase({p->second.expiry, p->first});
-          forget_capability_locked(p->second.capability);
-          uncount_holder_locked(p->second.holder);
-          p = pins_.erase(p);
-        } else {
-          ++p;
-        }
-      }
-    }
-    allocator_.free(e.offset, e.block_length);
-    entries_.erase(it);
-  }
-
-  // Evicts the least recently used ready, unpinned entry. False if there is none.
-  bool evict_one_locked() {
-    for (auto it = lru_.rbegin(); it != lru_.rend(); ++it) {
-      auto e = entries_.find(*it);
-      if (e->second.pins == 0) {
-        remove_locked(MmHash(*it));
-        evictions_++;
-        return true;
-      }
-    }
-    return false;
-  }
-
-  // A peer cannot pile up pins (and the memory their records take) without bound.
-  Status check_pin_quota_locked(const std::string& holder) const {
-    size_t quota = config_.max_pins_per_holder * (holder == kParamsHolder ? 16 : 1);
-    auto held = pins_per_holder_.find(holder);
-    if (held == pins_per_holder_.end() || held->second < quota) return Status::Ok();
-    return Status(StatusCode::kResourceExhausted,
-                  "pool " + config_.name + ": " +
-                      (holder == kParamsHolder ? std::string("params") : "this peer") +
-                      " already holds " + std::to_string(held->second) +
-                      " pins (the most allowed); release some first");
-  }
-
-  uint64_t add_pin_locked(Entry& e, const std::string& holder, std::chrono::milliseconds lease) {
-    e.pins++;
-    pins_per_holder_[holder]++;
-    uint64_t id = next_pin_++;
+  uint64_t add_pin_locked(const Entry& e, const std::string& holder,
+                          std::chrono::milliseconds lease, transfer::Capability cap = {})
+      ECX_REQUIRES(mu_) {
     auto expiry = Clock::now() + lease;
-    pins_.emplace(id, PinRecord{e.mm_hash, holder, expiry});
-    bool earliest = expiries_.empty() || expiry < expiries_.begin()->first;
-    expiries_.emplace(expiry, id);
-    if (earliest) reaper_cv_.notify_all();
+    std::optional<Clock::time_point> next = pins_.next_expiry();
+    uint64_t id = pins_.add(e.mm_hash, holder, expiry, std::move(cap));
+    if (!next || expiry < *next) reaper_cv_.notify_all();
     return id;
   }
 
-  bool end_pin_locked(uint64_t pin_id) {
-    auto it = pins_.find(pin_id);
-    if (it == pins_.end()) return false;
-    expiries_.erase({it->second.expiry, pin_id});
-    auto e = entries_.find(it->second.mm_hash);
-    if (e != entries_.end() && e->second.pins > 0) e->second.pins--;
-    uncount_holder_locked(it->second.holder);
-    forget_capability_locked(it->second.capability);
-    pins_.erase(it);
-    return true;
+  // Revokes the grants of ended pins (the agent's grant table has its own lock and never
+  // calls back).
+  void revoke_locked(std::optional<PinRecord> ended) ECX_REQUIRES(mu_) {
+    if (ended && !ended->capability.empty()) agent_->revoke(ended->capability);
+  }
+  void revoke_locked(std::vector<PinRecord> ended) ECX_REQUIRES(mu_) {
+    for (PinRecord& r : ended) revoke_locked(std::move(r));
   }
 
-  void uncount_holder_locked(const std::string& holder) {
-    auto held = pins_per_holder_.find(holder);
-    if (held != pins_per_holder_.end() && --held->second == 0) pins_per_holder_.erase(held);
-  }
-
-  void forget_capability_locked(const transfer::Capability& capability) {
-    if (capability.empty()) return;
-    agent_->revoke(capability);  // the agent's grant table has its own lock; never calls back
-    pins_by_capability_.erase(capability);
-  }
-
-  void reap_leases() {
-    std::unique_lock lock(mu_);
+  void reap_leases() ECX_EXCLUDES(mu_) {
+    MutexLock lock(&mu_);
     while (!stopping_) {
-      if (expiries_.empty()) {
-        reaper_cv_.wait(lock);
-        continue;
+      std::optional<Clock::time_point> next = pins_.next_expiry();
+      if (!next) {
+        reaper_cv_.wait(&mu_);
+      } else if (Clock::now() < *next) {
+        reaper_cv_.wait_until(&mu_, *next);
+      } else {
+        std::vector<PinRecord> expired = pins_.end_expired(Clock::now());
+        lease_expiries_ += expired.size();
+        revoke_locked(std::move(expired));
+        cv_.notify_all();
       }
-      auto next = expiries_.begin()->first;
-      if (Clock::now() < next) {
-        reaper_cv_.wait_until(lock, next);
-        continue;
-      }
-      bool freed = false;
-      while (!expiries_.empty() && expiries_.begin()->first <= Clock::now()) {
-        end_pin_locked(expiries_.begin()->second);
-        lease_expiries_++;
-        freed = true;
-      }
-      if (freed) cv_.notify_all();
     }
   }
 
@@ -489,22 +432,17 @@ class EncoderCachePool::Impl {
   const PoolConfig config_;
   const std::unique_ptr<ArenaMemory> arena_;  // deregistered after the reaper stops
   const transfer::LocalRegion region_;
-  std::vector<std::byte> staging_;  // guarded by mu_; host copies of CUDA blocks
 
-  mutable std::mutex mu_;
-  std::condition_variable cv_;                 // entry became ready, or a pin ended
-  std::condition_variable reaper_cv_;          // a sooner lease, or stop
-  ArenaAllocator allocator_;                   // guarded by mu_
-  std::unordered_map<MmHash, Entry> entries_;  // guarded by mu_
-  std::list<MmHash> lru_;                      // guarded by mu_; front = most recent
-  std::map<uint64_t, PinRecord> pins_;         // guarded by mu_
-  std::map<transfer::Capability, uint64_t> pins_by_capability_;          // guarded by mu_
-  std::map<std::string, size_t, std::less<>> pins_per_holder_;           // guarded by mu_
-  std::set<std::pair<Clock::time_point, uint64_t>> expiries_;            // guarded by mu_
-  uint64_t next_generation_ = 1;                                         // guarded by mu_
-  uint64_t next_pin_ = 1;                                                // guarded by mu_
-  uint64_t evictions_ = 0, lease_expiries_ = 0, hits_ = 0, misses_ = 0;  // guarded by mu_
-  bool stopping_ = false;                                                // guarded by mu_
+  mutable Mutex mu_;
+  CondVar cv_;         // an entry became ready or went, or a pin ended
+  CondVar reaper_cv_;  // a sooner lease, or stop
+  EntryIndex index_ ECX_GUARDED_BY(mu_);
+  PinTable pins_ ECX_GUARDED_BY(mu_);
+  uint64_t evictions_ ECX_GUARDED_BY(mu_) = 0;
+  uint64_t lease_expiries_ ECX_GUARDED_BY(mu_) = 0;
+  uint64_t hits_ ECX_GUARDED_BY(mu_) = 0;
+  uint64_t misses_ ECX_GUARDED_BY(mu_) = 0;
+  bool stopping_ ECX_GUARDED_BY(mu_) = false;
   std::thread reaper_;
 };
 

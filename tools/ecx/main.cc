@@ -15,6 +15,7 @@
 #include "gpu_bench.h"
 #include "load_bench.h"
 #include "peers_bench.h"
+#include "pool_bench.h"
 #include "relay.h"
 #include "serve_bench.h"
 #include "vllm_bench.h"
@@ -349,6 +350,7 @@ int main(int argc, char** argv) {
   ecx::bench::add_gpu_transfer_command(*bench, &exit_code);
   ecx::bench::add_serve_command(*bench, &exit_code);
   ecx::bench::add_load_command(*bench, &exit_code);
+  ecx::bench::add_pool_command(*bench, &exit_code);
   ecx::bench::add_epd_command(*bench, &exit_code);
   ecx::bench::add_peers_command(*bench, &exit_code);
   ecx::bench::add_vllm_command(*bench, &exit_code);

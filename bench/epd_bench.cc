@@ -107,36 +107,21 @@ void write_chart(const EpdOptions& o, const std::vector<json>& rows) {
   std::printf("%s\n", s.ok() ? ("wrote " + png).c_str() : s.message().c_str());
 }
 
-int run_epd(const EpdOptions& o) {
-  auto dir =
-      std::filesystem::temp_directory_path() / ("ecx-bench-epd-" + std::to_string(::getpid()));
-  std::filesystem::create_directories(dir);
-  // The store row needs a Redis: the one named, or one of our own.
-  std::optional<RedisForBench> redis;
-  if (o.connectors.find("store") != std::string::npos) {
-    auto hosts = split_commas(o.hosts);
-    auto r = RedisForBench::ensure(o.redis, dir, hosts.empty() ? "" : hosts[0]);
-    if (r.ok() && r->started_here()) {
-      std::printf("ecx bench epd: no Redis at %s: started one at %s\n", o.redis.c_str(),
-                  r->address().c_str());
-    }
-    if (r.ok()) redis.emplace(std::move(*r));
+// The store row needs a Redis: the one named, or one of our own.
+std::optional<RedisForBench> redis_for(const EpdOptions& o, const std::filesystem::path& dir) {
+  if (o.connectors.find("store") == std::string::npos) return std::nullopt;
+  auto hosts = split_commas(o.hosts);
+  auto r = RedisForBench::ensure(o.redis, dir, hosts.empty() ? "" : hosts[0]);
+  if (!r.ok()) return std::nullopt;
+  if (r->started_here()) {
+    std::printf("ecx bench epd: no Redis at %s: started one at %s\n", o.redis.c_str(),
+                r->address().c_str());
   }
-  const std::string redis_address = redis ? redis->address() : o.redis;
-  std::vector<json> rows;
-  for (const std::string& c : split_commas(o.connectors)) {
-    std::printf("ecx bench epd: %s ...\n", c.c_str());
-    std::fflush(stdout);
-    auto r = run_connector(o, c, redis_address, dir);
-    if (!r.ok()) {
-      std::printf("  failed: %s\n", r.status().to_string().c_str());
-      rows.push_back({{"connector", c}, {"error", r.status().to_string()}});
-      continue;
-    }
-    rows.push_back(*r);
-  }
-  std::error_code ec;
-  std::filesystem::remove_all(dir, ec);
+  return std::move(*r);
+}
+
+// One line per connector, TTFT also as a ratio to p2p:pull-2step's.
+void print_table(const EpdOptions& o, const std::vector<json>& rows) {
   double ref = 0;
   for (const auto& r : rows) {
     if (r["connector"] == "p2p:pull-2step" && !r.contains("error"))
@@ -160,6 +145,29 @@ int run_epd(const EpdOptions& o) {
     if (ref > 0) std::printf("%.2fx", r["mean_ttft_ms"].get<double>() / ref);
     std::printf("\n");
   }
+}
+
+int run_epd(const EpdOptions& o) {
+  auto dir =
+      std::filesystem::temp_directory_path() / ("ecx-bench-epd-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  std::optional<RedisForBench> redis = redis_for(o, dir);
+  const std::string redis_address = redis ? redis->address() : o.redis;
+  std::vector<json> rows;
+  for (const std::string& c : split_commas(o.connectors)) {
+    std::printf("ecx bench epd: %s ...\n", c.c_str());
+    std::fflush(stdout);
+    auto r = run_connector(o, c, redis_address, dir);
+    if (!r.ok()) {
+      std::printf("  failed: %s\n", r.status().to_string().c_str());
+      rows.push_back({{"connector", c}, {"error", r.status().to_string()}});
+      continue;
+    }
+    rows.push_back(*r);
+  }
+  std::error_code ec;
+  std::filesystem::remove_all(dir, ec);
+  print_table(o, rows);
   if (!o.json_path.empty()) {
     std::ofstream f(o.json_path);
     f << json{{"workload", o.workload}, {"num_prompts", o.num_prompts},   {"encoders", o.encoders},

@@ -44,25 +44,6 @@ struct GpuBenchOptions {
 
 constexpr uint64_t kSeed = 20261201;
 
-int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-
-template <typename Body>
-Result<std::vector<int64_t>> time_iterations(int iters, Body body) {
-  for (int i = 0; i < std::max(3, iters / 10); ++i) ECX_RETURN_IF_ERROR(body());
-  std::vector<int64_t> samples;
-  samples.reserve(iters);
-  for (int i = 0; i < iters; ++i) {
-    int64_t t0 = now_ns();
-    ECX_RETURN_IF_ERROR(body());
-    samples.push_back(now_ns() - t0);
-  }
-  return samples;
-}
-
 // Device memory freed when it goes out of scope.
 struct DeviceBuffer {
   void* data = nullptr;

@@ -14,6 +14,7 @@ struct PoolBenchOptions {
   double seconds = 3;
   uint64_t item_bytes = 10ull << 20;  // what the writer saves
   int entries = 64;                   // small entries the readers pin
+  int reader_pause_us = 50;           // between a reader's operations (a PD does not spin)
   std::string json_path;
 };
 

@@ -10,12 +10,12 @@
 #include <cstdio>
 #include <fstream>
 #include <map>
-#include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <random>
 #include <thread>
 
+#include "ecx/common/mutex.h"
 #include "ecx/engine/image.h"
 #include "progress.h"
 
@@ -23,8 +23,6 @@ namespace ecx::bench {
 namespace {
 
 using nlohmann::json;
-using Clock = std::chrono::steady_clock;
-
 struct Workload {
   int images = 3, width = 560, height = 560, distinct = 0;  // distinct 0 = every image new
 };
@@ -219,7 +217,7 @@ Run send_requests(const Target& target, const std::vector<std::string>& bodies,
   std::atomic<size_t> next{0};
   std::atomic<int> in_flight{0}, peak{0};
   // A bar on a terminal, "progress: ..." lines otherwise (bench epd reads them).
-  std::mutex progress_mu;
+  Mutex progress_mu;
   bench::Progress progress("bench serve", static_cast<int>(bodies.size()));
   auto t0 = Clock::now();
   std::vector<std::thread> threads;
@@ -237,7 +235,7 @@ Run send_requests(const Target& target, const std::vector<std::string>& bodies,
         }
         samples[i] = run_one(target.host, target.port, bodies[i], t0);
         --in_flight;
-        std::lock_guard lock(progress_mu);
+        MutexLock lock(&progress_mu);
         progress.advance();
       }
     });

@@ -65,26 +65,6 @@ std::vector<std::string> split(const std::string& text) {
   return out;
 }
 
-int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch())
-      .count();
-}
-
-// Runs `body` for warm-up and `iters` timed iterations; returns per-iteration latencies.
-template <typename Body>
-Result<std::vector<int64_t>> time_iterations(int iters, Body body) {
-  int warmup = std::max(2, iters / 10);
-  for (int i = 0; i < warmup; ++i) ECX_RETURN_IF_ERROR(body());
-  std::vector<int64_t> samples;
-  samples.reserve(iters);
-  for (int i = 0; i < iters; ++i) {
-    int64_t t0 = now_ns();
-    ECX_RETURN_IF_ERROR(body());
-    samples.push_back(now_ns() - t0);
-  }
-  return samples;
-}
-
 // Why the bench stops early: the line it prints after "bench transfer: " and its exit
 // code (2: bad flags, 1: a failure while measuring).
 struct EarlyExit {

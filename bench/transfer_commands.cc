@@ -8,14 +8,9 @@
 
 namespace ecx::bench {
 
-void add_transfer_commands(CLI::App& bench, int* exit_code) {
-  auto options = std::make_shared<TransferBenchOptions>();
-  CLI::App* t =
-      bench.add_subcommand("transfer", "Transfer engine benchmark (nixlbench-like), two processes");
-  CLI::Option* backends =
-      t->add_option("--backends", options->backends,
-                    "Backends to measure: shm,tcp,ucx (with --peer-netns the default is tcp)")
-          ->capture_default_str();
+namespace {
+
+void add_ucx_options(CLI::App* t, TransferBenchOptions* options) {
   t->add_option("--ucx-tls", options->ucx_tls,
                 "ucx rows: one set per UCX_TLS value, e.g. --ucx-tls tcp posix,cma ('default': "
                 "UCX's choice); each against ucx_perftest with the same transports")
@@ -27,15 +22,9 @@ void add_transfer_commands(CLI::App& bench, int* exit_code) {
       ->capture_default_str();
   t->add_option("--ucx-perftest", options->ucx_perftest, "ucx_perftest binary (baseline)")
       ->capture_default_str();
-  t->add_option("--modes", options->modes, "Modes: pull,push,pull-2step")->capture_default_str();
-  t->add_option("--sizes", options->sizes, "Item sizes")->capture_default_str();
-  t->add_option("--batch", options->batches, "Items per request")->capture_default_str();
-  t->add_option("--iters", options->iters, "Timed iterations per case")->capture_default_str();
-  t->add_option("--json", options->json_path, "Write results as JSON to this file");
-  t->add_option("--slice-bytes", options->slice_bytes, "tcp slice size in bytes")
-      ->capture_default_str();
-  t->add_option("--streams", options->streams, "tcp data connections per peer")
-      ->capture_default_str();
+}
+
+void add_connector_options(CLI::App* t, TransferBenchOptions* options) {
   t->add_option("--connectors", options->connectors.connectors,
                 "Also measure connectors per request: p2p:pull,p2p:pull-2step,p2p:push,disk,store");
   t->add_option("--items", options->connectors.items, "Items per request (connectors)")
@@ -53,6 +42,27 @@ void add_transfer_commands(CLI::App& bench, int* exit_code) {
       ->capture_default_str();
   t->add_option("--connector-backend", options->connectors.backend, "p2p backend: auto, shm or tcp")
       ->capture_default_str();
+}
+
+void add_transfer_command(CLI::App& bench, int* exit_code) {
+  auto options = std::make_shared<TransferBenchOptions>();
+  CLI::App* t =
+      bench.add_subcommand("transfer", "Transfer engine benchmark (nixlbench-like), two processes");
+  CLI::Option* backends =
+      t->add_option("--backends", options->backends,
+                    "Backends to measure: shm,tcp,ucx (with --peer-netns the default is tcp)")
+          ->capture_default_str();
+  add_ucx_options(t, options.get());
+  add_connector_options(t, options.get());
+  t->add_option("--modes", options->modes, "Modes: pull,push,pull-2step")->capture_default_str();
+  t->add_option("--sizes", options->sizes, "Item sizes")->capture_default_str();
+  t->add_option("--batch", options->batches, "Items per request")->capture_default_str();
+  t->add_option("--iters", options->iters, "Timed iterations per case")->capture_default_str();
+  t->add_option("--json", options->json_path, "Write results as JSON to this file");
+  t->add_option("--slice-bytes", options->slice_bytes, "tcp slice size in bytes")
+      ->capture_default_str();
+  t->add_option("--streams", options->streams, "tcp data connections per peer")
+      ->capture_default_str();
   t->add_option("--peer-netns", options->peer_netns,
                 "Run the producer in this network namespace (ip netns exec; a test host of "
                 "scripts/hosts, docs/HOSTS.md): agents talk over its address, with a secret");
@@ -63,11 +73,22 @@ void add_transfer_commands(CLI::App& bench, int* exit_code) {
     options->backends_given = backends->count() > 0;
     *exit_code = run_transfer_bench(*options);
   });
+}
 
+void add_transfer_peer_command(CLI::App& bench, int* exit_code) {
   auto peer = std::make_shared<TransferPeerOptions>();
   CLI::App* p =
       bench.add_subcommand("transfer-peer", "Producer process of bench transfer (internal)");
   p->group("");  // hidden from --help
+  add_transfer_peer_flags(*p, *peer);
+  p->callback([peer, exit_code] { *exit_code = run_transfer_peer(*peer); });
+}
+
+}  // namespace
+
+void add_transfer_peer_flags(CLI::App& app, TransferPeerOptions& options) {
+  CLI::App* p = &app;
+  TransferPeerOptions* peer = &options;
   p->add_option("--name", peer->name);
   p->add_option("--compat-hash", peer->compat_hash);
   p->add_option("--region-bytes", peer->region_bytes);
@@ -81,15 +102,25 @@ void add_transfer_commands(CLI::App& bench, int* exit_code) {
   p->add_option("--ucx-library", peer->ucx_library);
   p->add_option("--memory", peer->memory, "Source region memory: host or cuda")
       ->check(CLI::IsMember({"host", "cuda"}));
-  p->add_option("--fault-stall-read-after-bytes", peer->fault_stall_read_after_bytes);
-  p->callback([peer, exit_code] { *exit_code = run_transfer_peer(*peer); });
+}
 
+namespace {
+
+void add_connector_peer_command(CLI::App& bench, int* exit_code) {
   auto connector_config = std::make_shared<std::string>();
   CLI::App* cp = bench.add_subcommand("connector-peer", "A connector driven over stdin (internal)");
   cp->group("");
   cp->add_option("--config", *connector_config, "Connector config JSON")->required();
   cp->callback(
       [connector_config, exit_code] { *exit_code = run_connector_peer(*connector_config); });
+}
+
+}  // namespace
+
+void add_transfer_commands(CLI::App& bench, int* exit_code) {
+  add_transfer_command(bench, exit_code);
+  add_transfer_peer_command(bench, exit_code);
+  add_connector_peer_command(bench, exit_code);
 }
 
 }  // namespace ecx::bench

@@ -19,7 +19,6 @@
 #include "ecx/transfer/agent.h"
 #include "transfer/cuda_memory.h"
 #include "transfer/socket.h"
-#include "transfer/test_hooks.h"
 
 namespace ecx::bench {
 namespace {
@@ -184,9 +183,27 @@ Result<std::string> answer_call(Producer& p, std::string_view body) {
   return InvalidArgument("bench peer: unknown op '" + op + "'");
 }
 
+// The producer's source (host, or a GPU copy of `pattern`, which the baseline then
+// serves from the host) and its sink, both filled in `producer`.
+Status set_up_regions(Agent& agent, const TransferPeerOptions& options, DeviceSource& device,
+                      std::vector<std::byte>& pattern, Producer& producer) {
+  const bool on_gpu = options.memory == "cuda";
+  fill_pattern(pattern.data(), pattern.size(), options.seed);
+  auto source = on_gpu ? device.create(agent, pattern) : agent.allocate(options.region_bytes);
+  auto sink = agent.allocate(options.region_bytes, {.remote_read = true, .remote_write = true});
+  if (!source.ok() || !sink.ok()) return source.ok() ? sink.status() : source.status();
+  if (!on_gpu) fill_pattern(source->data, source->length, options.seed);
+  producer.agent = &agent;
+  producer.source = *source;
+  producer.source_on_gpu = on_gpu;
+  producer.sink = *sink;
+  return Status::Ok();
+}
+
 }  // namespace
 
-int run_transfer_peer(const TransferPeerOptions& options) {
+int run_transfer_peer(const TransferPeerOptions& options,
+                      const std::function<void(transfer::Agent&)>& prepare) {
   Producer producer;    // outlives the agent, whose handlers use it
   DeviceSource device;  // likewise: the agent deregisters it before it is freed
   auto config = agent_config(options);
@@ -200,24 +217,13 @@ int run_transfer_peer(const TransferPeerOptions& options) {
     return 1;
   }
   std::unique_ptr<Agent> agent = std::move(*created);
-  transfer::set_test_faults(*agent,
-                            {.stall_read_after_bytes = options.fault_stall_read_after_bytes});
-  // A GPU source is filled from the pattern on the host, which the baseline then serves.
+  if (prepare) prepare(*agent);
   const bool on_gpu = options.memory == "cuda";
   std::vector<std::byte> pattern(on_gpu ? options.region_bytes : 0);
-  fill_pattern(pattern.data(), pattern.size(), options.seed);
-  auto source = on_gpu ? device.create(*agent, pattern) : agent->allocate(options.region_bytes);
-  auto sink = agent->allocate(options.region_bytes, {.remote_read = true, .remote_write = true});
-  if (!source.ok() || !sink.ok()) {
-    std::cerr << "bench peer: cannot allocate regions: "
-              << (source.ok() ? sink.status() : source.status()).to_string() << "\n";
+  if (Status s = set_up_regions(*agent, options, device, pattern, producer); !s.ok()) {
+    std::cerr << "bench peer: cannot allocate regions: " << s.to_string() << "\n";
     return 1;
   }
-  if (!on_gpu) fill_pattern(source->data, source->length, options.seed);
-  producer.agent = agent.get();
-  producer.source = *source;
-  producer.source_on_gpu = on_gpu;
-  producer.sink = *sink;
   // Runs on the connection thread, in order with the sender's calls: a later "notified"
   // call sees every earlier notification's verdict.
   agent->set_notification_handler([&producer](transfer::Notification n) {

@@ -15,8 +15,17 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
+
+namespace CLI {
+class App;
+}  // namespace CLI
+
+namespace ecx::transfer {
+class Agent;
+}  // namespace ecx::transfer
 
 namespace ecx::bench {
 
@@ -39,7 +48,6 @@ struct TransferPeerOptions {
   // Where the source region lives: "host" (an agent arena) or "cuda" (device memory,
   // registered as MemoryKind::kCuda; needs ucx with CUDA support, e.g. library "wheel").
   std::string memory = "host";
-  uint64_t fault_stall_read_after_bytes = 0;  // test-only: see transfer/test_hooks.h
 };
 
 // The command line that starts a producer with `options`, `exe` being the ecx binary.
@@ -64,10 +72,15 @@ inline std::vector<std::string> transfer_peer_command(const std::string& exe,
     flag("--ucx-library", options.ucx_library);
   }
   if (options.memory != "host") flag("--memory", options.memory);
-  flag("--fault-stall-read-after-bytes", std::to_string(options.fault_stall_read_after_bytes));
   return argv;
 }
 
-int run_transfer_peer(const TransferPeerOptions& options);
+// The flags of `ecx bench transfer-peer`, one per option, added to `app`.
+void add_transfer_peer_flags(CLI::App& app, TransferPeerOptions& options);
+
+// Runs the producer until its stdin closes; the exit code. `prepare`, when given, sees
+// the agent before it serves anyone (the tests' misbehaving peer installs its ServeIo).
+int run_transfer_peer(const TransferPeerOptions& options,
+                      const std::function<void(transfer::Agent&)>& prepare = {});
 
 }  // namespace ecx::bench

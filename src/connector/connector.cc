@@ -97,7 +97,7 @@ Status Connector::init(const ConnectorKind& kind) {
 // call the driver), then the driver; the core's cache and agent go with the object.
 void Connector::stop() {
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     stopping_ = true;
     drain_until_ = Deadline::after_ms(kReleaseDrainMs);
   }
@@ -106,7 +106,7 @@ void Connector::stop() {
   loaders_.clear();
   if (core_.agent()) core_.agent()->shutdown();
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     for (auto& [id, state] : requests_) {
       if (!state->done) {
         state->done = true;
@@ -194,7 +194,7 @@ Status Connector::update_state_after_alloc(const LoadRequest& request, size_t in
     return OutOfRange("item " + std::to_string(index) + " of request " + request.request_id +
                       " with " + std::to_string(request.items.size()) + " items");
   }
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   auto& entry = scheduled_[request.request_id];
   if (entry.request.request_id.empty()) entry.request = request;
   entry.items.push_back(index);
@@ -203,7 +203,7 @@ Status Connector::update_state_after_alloc(const LoadRequest& request, size_t in
 
 ConnectorMetadata Connector::build_connector_meta() {
   ConnectorMetadata meta;
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   for (auto& [id, entry] : scheduled_) meta.loads.push_back(std::move(entry));
   scheduled_.clear();
   return meta;
@@ -214,7 +214,7 @@ ConnectorMetadata Connector::build_connector_meta() {
 Status Connector::start_load_caches(const ConnectorMetadata& metadata) {
   if (!core_.is_consumer())
     return Status(StatusCode::kFailedPrecondition, "connector " + name() + " is not a consumer");
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   if (stopping_) return Unavailable("connector " + name() + " shut down");
   for (const auto& entry : metadata.loads) {
     if (requests_.count(entry.request.request_id)) {
@@ -234,7 +234,7 @@ Status Connector::start_load_caches(const ConnectorMetadata& metadata) {
 }
 
 std::vector<std::string> Connector::get_finished() {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   std::vector<std::string> out;
   out.swap(finished_);
   return out;
@@ -242,7 +242,7 @@ std::vector<std::string> Connector::get_finished() {
 
 Result<cache::BlockRef> Connector::loaded(const std::string& request_id, const MmHash& mm_hash) {
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     auto it = requests_.find(request_id);
     if (it == requests_.end() || !it->second->done) {
       return Status(StatusCode::kFailedPrecondition,
@@ -256,7 +256,7 @@ Result<cache::BlockRef> Connector::loaded(const std::string& request_id, const M
 void Connector::request_finished(const std::string& request_id) {
   std::shared_ptr<RequestState> state;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     scheduled_.erase(request_id);
     auto it = requests_.find(request_id);
     if (it == requests_.end()) return;
@@ -288,7 +288,7 @@ Result<std::vector<EcTransferParams>> Connector::share_loaded(const std::string&
                            std::to_string(kMaxShareReaders));
   }
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     auto it = requests_.find(request_id);
     if (it == requests_.end() || !it->second->done) {
       return Status(StatusCode::kFailedPrecondition,
@@ -377,7 +377,7 @@ ConnectorStats Connector::stats() const {
                    .not_ready_retries = core_.not_ready_retries(),
                    .load_seconds_total = static_cast<double>(load_us_total_.load()) / 1e6};
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     s.nacks = nacks_;
   }
   if (core_.consumer_cache()) s.consumer_cache = core_.consumer_cache()->stats();

@@ -6,17 +6,14 @@
 // connector_load.cc: the loaders and one request's load.
 #pragma once
 
-#include <condition_variable>
 #include <deque>
 #include <map>
-#include <mutex>
 #include <thread>
 
 #include "connector/connector_driver.h"
+#include "ecx/common/mutex.h"
 
 namespace ecx::connector {
-
-using Clock = std::chrono::steady_clock;
 
 class Connector final : public EcConnector {
  public:
@@ -58,6 +55,7 @@ class Connector final : public EcConnector {
   std::string agent_metadata() const override { return core_.agent_metadata_json(); }
 
  private:
+  // Its outcome, done and abandoned are guarded by the connector's mu_.
   struct RequestState {
     LoadRequest request;
     std::vector<size_t> items;
@@ -101,17 +99,18 @@ class Connector final : public EcConnector {
   ConnectorCore core_;
   std::unique_ptr<ConnectorDriver> driver_;
 
-  mutable std::mutex mu_;
-  std::condition_variable done_cv_;
-  std::condition_variable work_cv_;
-  std::map<std::string, ConnectorMetadata::Entry> scheduled_;      // guarded by mu_
-  std::map<std::string, std::shared_ptr<RequestState>> requests_;  // guarded by mu_
-  std::deque<std::shared_ptr<RequestState>> queue_;                // guarded by mu_
-  std::deque<std::function<void()>> background_;  // releases and the like; guarded by mu_
-  std::vector<std::string> finished_;             // guarded by mu_
-  std::map<std::string, uint64_t> nacks_;         // guarded by mu_
-  bool stopping_ = false;                         // guarded by mu_
-  Deadline drain_until_ = Deadline::never();      // queued releases after it are dropped; mu_
+  mutable Mutex mu_;
+  CondVar done_cv_;
+  CondVar work_cv_;
+  std::map<std::string, ConnectorMetadata::Entry> scheduled_ ECX_GUARDED_BY(mu_);
+  std::map<std::string, std::shared_ptr<RequestState>> requests_ ECX_GUARDED_BY(mu_);
+  std::deque<std::shared_ptr<RequestState>> queue_ ECX_GUARDED_BY(mu_);
+  std::deque<std::function<void()>> background_ ECX_GUARDED_BY(mu_);  // releases and the like
+  std::vector<std::string> finished_ ECX_GUARDED_BY(mu_);
+  std::map<std::string, uint64_t> nacks_ ECX_GUARDED_BY(mu_);
+  bool stopping_ ECX_GUARDED_BY(mu_) = false;
+  // Queued releases after it are dropped.
+  Deadline drain_until_ ECX_GUARDED_BY(mu_) = Deadline::never();
   std::vector<std::thread> loaders_;
 
   std::atomic<uint64_t> saves_{0}, loads_ok_{0}, loads_failed_{0}, items_loaded_{0},

@@ -10,7 +10,7 @@ namespace ecx::connector {
 
 void Connector::queue_background(std::function<void()> task) {
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     if (stopping_) return;
     background_.push_back(std::move(task));
   }
@@ -21,8 +21,10 @@ void Connector::loader_loop() {
   while (true) {
     std::shared_ptr<RequestState> state;
     {
-      std::unique_lock lock(mu_);
-      work_cv_.wait(lock, [&] { return stopping_ || !queue_.empty() || !background_.empty(); });
+      MutexLock lock(&mu_);
+      work_cv_.wait(&mu_, [this]() ECX_REQUIRES(mu_) {
+        return stopping_ || !queue_.empty() || !background_.empty();
+      });
       // Past the drain deadline (stop() set it), what is still queued is dropped.
       if (stopping_ && !background_.empty() && drain_until_.expired()) {
         spdlog::warn(
@@ -183,7 +185,7 @@ void Connector::settle_fetched(LoadJob& job) {
     const LoadItem& item = *slot->item;
     if (!slot->status.ok()) {
       {
-        std::lock_guard lock(mu_);
+        MutexLock lock(&mu_);
         nacks_[std::string(status_code_name(slot->status.code()))]++;
       }
       core_.consumer_cache()->abort(item.mm_hash, slot->block.generation);
@@ -267,7 +269,7 @@ void Connector::finish(LoadJob& job) {
   (job.outcome.status.ok() ? loads_ok_ : loads_failed_)++;
   bool abandoned = false;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     state->outcome = job.outcome;
     state->pins = std::move(job.pins);
     state->done = true;
@@ -289,7 +291,7 @@ void Connector::finish(LoadJob& job) {
 }
 
 LoadOutcome Connector::wait_for_load(const std::string& request_id, Deadline deadline) {
-  std::unique_lock lock(mu_);
+  MutexLock lock(&mu_);
   auto it = requests_.find(request_id);
   if (it == requests_.end()) {
     LoadOutcome out;
@@ -306,7 +308,7 @@ LoadOutcome Connector::wait_for_load(const std::string& request_id, Deadline dea
     run_load(state);
     lock.lock();
   }
-  if (!done_cv_.wait_until(lock, deadline.time_point(), [&] { return state->done; })) {
+  if (!done_cv_.wait_until(&mu_, deadline.time_point(), [&state] { return state->done; })) {
     LoadOutcome out;
     out.status = DeadlineExceeded("request " + request_id + ": load still running at the deadline");
     return out;

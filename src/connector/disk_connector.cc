@@ -17,6 +17,7 @@
 #include "connector/connector_driver.h"
 #include "ecx/common/checksum.h"
 #include "ecx/common/log.h"
+#include "ecx/common/mutex.h"
 #include "ecx/common/safetensors.h"
 
 namespace ecx::connector {
@@ -56,7 +57,7 @@ class DiskDriver final : public ConnectorDriver {
     int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     if (fd < 0) return ErrnoError("create " + tmp.string(), errno);
     ::close(fd);
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     auto& staging = staging_[token];
     staging.tmp = tmp;
     staging.bytes.resize(meta.byte_size());
@@ -66,7 +67,7 @@ class DiskDriver final : public ConnectorDriver {
   Result<EcTransferParams> commit_save(const SaveSlot& slot) override {
     Staging staging;
     {
-      std::lock_guard lock(mu_);
+      MutexLock lock(&mu_);
       auto it = staging_.find(slot.token);
       if (it == staging_.end())
         return NotFound("disk connector: no save in progress for " + slot.mm_hash.str());
@@ -108,7 +109,7 @@ class DiskDriver final : public ConnectorDriver {
   }
 
   void abort_save(const SaveSlot& slot) override {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     auto it = staging_.find(slot.token);
     if (it == staging_.end()) return;
     ::unlink(it->second.tmp.c_str());
@@ -284,8 +285,8 @@ class DiskDriver final : public ConnectorDriver {
   ConnectorCore& core_;
   const fs::path root_;
   std::atomic<uint64_t> next_token_{1};
-  std::mutex mu_;
-  std::map<uint64_t, Staging> staging_;  // guarded by mu_
+  Mutex mu_;
+  std::map<uint64_t, Staging> staging_ ECX_GUARDED_BY(mu_);
   std::atomic<uint64_t> bytes_on_disk_{0}, evicted_{0}, expired_{0}, released_{0};
 };
 

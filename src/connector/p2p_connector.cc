@@ -8,6 +8,7 @@
 #include "connector/control_messages.h"
 #include "ecx/common/checksum.h"
 #include "ecx/common/log.h"
+#include "ecx/common/mutex.h"
 
 namespace ecx::connector {
 namespace {
@@ -119,8 +120,9 @@ class P2pDriver final : public ConnectorDriver {
 
   ConnectorCore& core_;
   std::unique_ptr<cache::EncoderCachePool> producer_pool_;
-  std::mutex producers_mu_;
-  std::map<std::string, std::string> known_producers_;  // engine_id -> agent JSON; guarded
+  Mutex producers_mu_;
+  // engine_id -> agent JSON
+  std::map<std::string, std::string> known_producers_ ECX_GUARDED_BY(producers_mu_);
   std::atomic<uint64_t> releases_sent_{0}, releases_received_{0};
   mutable std::atomic<uint64_t> params_rejected_{0};
 };
@@ -341,7 +343,7 @@ Status P2pDriver::connect_producer(const EcTransferParams& params, Deadline dead
   ECX_RETURN_IF_ERROR(core_.check_compat(params.engine_id, params.compat_hash));
   {
     // Same producer, same metadata as last time: already parsed and connected.
-    std::lock_guard lock(producers_mu_);
+    MutexLock lock(&producers_mu_);
     auto it = known_producers_.find(params.engine_id);
     if (it != known_producers_.end() && it->second == params.agent &&
         agent()->peer_backend(params.engine_id).ok()) {
@@ -373,7 +375,7 @@ Status P2pDriver::connect_producer(const EcTransferParams& params, Deadline dead
     agent()->disconnect(meta.name);
   }
   ECX_RETURN_IF_ERROR(connected);
-  std::lock_guard lock(producers_mu_);
+  MutexLock lock(&producers_mu_);
   if (known_producers_.size() >= kMaxKnownProducers) known_producers_.clear();
   known_producers_[params.engine_id] = params.agent;
   return Status::Ok();

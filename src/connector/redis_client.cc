@@ -32,7 +32,7 @@ RedisClient::~RedisClient() {
 
 Result<redisContext*> RedisClient::acquire(Deadline deadline) {
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     if (!idle_.empty()) {
       redisContext* c = idle_.back();
       idle_.pop_back();
@@ -59,7 +59,7 @@ void RedisClient::give_back(redisContext* c, bool healthy) {
     redisFree(c);
     return;
   }
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   idle_.push_back(c);
 }
 

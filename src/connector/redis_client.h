@@ -3,11 +3,11 @@
 #pragma once
 
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
 #include "ecx/common/deadline.h"
+#include "ecx/common/mutex.h"
 #include "ecx/common/status.h"
 
 struct redisContext;
@@ -34,8 +34,8 @@ class RedisClient {
 
   const std::string host_;
   const int port_;
-  std::mutex mu_;
-  std::vector<redisContext*> idle_;  // guarded by mu_
+  Mutex mu_;
+  std::vector<redisContext*> idle_ ECX_GUARDED_BY(mu_);
 };
 
 }  // namespace ecx::connector

@@ -8,6 +8,7 @@
 #include "connector/connector_driver.h"
 #include "connector/redis_client.h"
 #include "ecx/common/checksum.h"
+#include "ecx/common/mutex.h"
 
 namespace ecx::connector {
 namespace {
@@ -30,7 +31,7 @@ class StoreDriver final : public ConnectorDriver {
   Result<SaveSlot> begin_save(const MmHash& mm_hash, const TensorMeta& meta) override {
     ECX_RETURN_IF_ERROR(meta.validate());
     uint64_t token = next_token_++;
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     std::string& value = staging_[token];
     // Laid out as the final value, so SET sends it without another copy.
     value.resize(prefix_size() + cache::kBlockHeaderBytes + meta.byte_size());
@@ -42,7 +43,7 @@ class StoreDriver final : public ConnectorDriver {
   Result<EcTransferParams> commit_save(const SaveSlot& slot) override {
     std::string value;
     {
-      std::lock_guard lock(mu_);
+      MutexLock lock(&mu_);
       auto it = staging_.find(slot.token);
       if (it == staging_.end())
         return NotFound("store connector: no save in progress for " + slot.mm_hash.str());
@@ -67,7 +68,7 @@ class StoreDriver final : public ConnectorDriver {
   }
 
   void abort_save(const SaveSlot& slot) override {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     staging_.erase(slot.token);
   }
 
@@ -109,8 +110,8 @@ class StoreDriver final : public ConnectorDriver {
   ConnectorCore& core_;
   std::unique_ptr<RedisClient> redis_;
   std::atomic<uint64_t> next_token_{1};
-  std::mutex mu_;
-  std::map<uint64_t, std::string> staging_;  // guarded by mu_
+  Mutex mu_;
+  std::map<uint64_t, std::string> staging_ ECX_GUARDED_BY(mu_);
 };
 
 // local: nothing moves; PD encodes every item itself (the baseline).

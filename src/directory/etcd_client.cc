@@ -7,6 +7,7 @@
 
 #include "directory/etcd_json.h"
 #include "ecx/common/json_reader.h"
+#include "ecx/common/mutex.h"
 
 namespace ecx::directory {
 
@@ -122,8 +123,8 @@ std::string prefix_range_end(const std::string& prefix) {
 }
 
 struct EtcdClient::TokenState {
-  std::mutex mu;
-  std::string token;  // guarded by mu; empty: authenticate before the next call
+  Mutex mu;
+  std::string token ECX_GUARDED_BY(mu);  // empty: authenticate before the next call
 };
 
 EtcdClient::EtcdClient(std::vector<EtcdEndpoint> endpoints, std::chrono::milliseconds timeout,
@@ -206,7 +207,7 @@ Result<std::string> EtcdClient::authenticate() {
 
 Result<std::string> EtcdClient::token() {
   if (access_.user.empty()) return std::string();
-  std::lock_guard lock(token_->mu);  // one authentication at a time; the others wait for it
+  MutexLock lock(&token_->mu);  // one authentication at a time; the others wait for it
   if (token_->token.empty()) {
     ECX_ASSIGN_OR_RETURN(token_->token, authenticate());
   }
@@ -218,7 +219,7 @@ Result<std::string> EtcdClient::post(const std::string& path, const std::string&
   auto answer = post_once(path, body, token);
   if (answer.ok() || access_.user.empty() || !token_refused(answer.status())) return answer;
   {
-    std::lock_guard lock(token_->mu);
+    MutexLock lock(&token_->mu);
     if (token_->token == token) token_->token.clear();  // unless another call renewed it
   }
   ECX_ASSIGN_OR_RETURN(token, this->token());

@@ -27,14 +27,15 @@ EtcdWatch::EtcdWatch(EtcdEndpoint endpoint, std::string prefix, int64_t start_re
 EtcdWatch::~EtcdWatch() { cancel(); }
 
 void EtcdWatch::cancel(std::chrono::milliseconds wait) {
-  std::unique_lock lock(mu_);
+  MutexLock lock(&mu_);
   cancelled_ = true;
   Deadline deadline = Deadline::after(wait);
   // httplib's stop() shuts the socket of a request in flight; called again until run()
   // has returned, since a request still connecting has no socket to shut yet.
   while (running_ && !deadline.expired()) {
     if (client_ != nullptr) client_->stop();
-    cv_.wait_for(lock, std::chrono::milliseconds(20), [&] { return !running_; });
+    cv_.wait_for(&mu_, std::chrono::milliseconds(20),
+                 [this]() ECX_REQUIRES(mu_) { return !running_; });
   }
 }
 
@@ -91,8 +92,17 @@ bool EtcdWatch::handle_line(const std::string& line, const OnEvents& events, Sta
   return true;
 }
 
-Status EtcdWatch::run(const OnEvents& events) {
-  httplib::Client cli(endpoint_.url());
+// One run()'s stream: what has arrived and how it ended.
+struct EtcdWatch::Stream {
+  std::string what;
+  int http_status = 0;
+  std::string buffer;  // bytes of the line not yet complete
+  Status ended;        // set by a message that ends the watch
+  bool stopped_by_message = false;
+  Clock::time_point last_data = Clock::now();
+};
+
+void EtcdWatch::configure(httplib::Client& cli) const {
   if (endpoint_.tls) {
     if (!ca_file_.empty()) cli.set_ca_cert_path(ca_file_.c_str());
     cli.enable_server_certificate_verification(true);
@@ -100,13 +110,9 @@ Status EtcdWatch::run(const OnEvents& events) {
   cli.set_connection_timeout(connect_timeout_);
   cli.set_read_timeout(idle_timeout_);
   cli.set_write_timeout(connect_timeout_);
-  {
-    std::lock_guard lock(mu_);
-    if (cancelled_) return Status::Ok();
-    client_ = &cli;
-    running_ = true;
-  }
-  std::string what = "etcd watch on " + endpoint_.url();
+}
+
+httplib::Request EtcdWatch::watch_request(Stream& stream, const OnEvents& events) {
   json create = {{"key", base64_encode(prefix_)},
                  {"range_end", base64_encode(prefix_range_end(prefix_))},
                  {"start_revision", std::to_string(start_revision_)}};
@@ -116,65 +122,82 @@ Status EtcdWatch::run(const OnEvents& events) {
   req.body = json{{"create_request", create}}.dump();
   req.set_header("Content-Type", "application/json");
   if (!token_.empty()) req.set_header("Authorization", token_);
-
-  int http_status = 0;
-  std::string buffer;  // bytes of the line not yet complete
-  Status ended;        // set by a message that ends the watch
-  bool stopped_by_message = false;
-  auto last_data = std::chrono::steady_clock::now();
-  req.response_handler = [&](const httplib::Response& r) {
-    http_status = r.status;
+  req.response_handler = [&stream](const httplib::Response& r) {
+    stream.http_status = r.status;
     return true;
   };
-  req.content_receiver = [&](const char* data, size_t n, uint64_t, uint64_t) {
-    if (cancelled_) return false;
-    last_data = std::chrono::steady_clock::now();
-    buffer.append(data, n);
-    if (http_status != 200) return buffer.size() < 4096;  // the error answer, kept short
-    size_t start = 0;
-    for (size_t end; (end = buffer.find('\n', start)) != std::string::npos; start = end + 1) {
-      bool go_on = false;
-      try {  // nothing a peer sends may escape httplib's receiver as an exception
-        go_on = handle_line(buffer.substr(start, end - start), events, &ended);
-      } catch (const std::exception& e) {
-        ended = Unavailable(what + ": a message ecx cannot read: " + e.what());
-      }
-      if (!go_on) {
-        stopped_by_message = true;
-        return false;
-      }
+  req.content_receiver = [this, &stream, &events](const char* data, size_t n, uint64_t, uint64_t) {
+    return receive(stream, data, n, events);
+  };
+  return req;
+}
+
+bool EtcdWatch::receive(Stream& stream, const char* data, size_t n, const OnEvents& events) {
+  if (cancelled_) return false;
+  stream.last_data = Clock::now();
+  stream.buffer.append(data, n);
+  if (stream.http_status != 200) return stream.buffer.size() < 4096;  // the error, kept short
+  size_t start = 0;
+  for (size_t end; (end = stream.buffer.find('\n', start)) != std::string::npos; start = end + 1) {
+    bool go_on = false;
+    try {  // nothing a peer sends may escape httplib's receiver as an exception
+      go_on = handle_line(stream.buffer.substr(start, end - start), events, &stream.ended);
+    } catch (const std::exception& e) {
+      stream.ended = Unavailable(stream.what + ": a message ecx cannot read: " + e.what());
     }
-    buffer.erase(0, start);
-    if (buffer.size() > kMaxLineBytes) {
-      ended = Unavailable(what + ": a message longer than " + std::to_string(kMaxLineBytes));
-      stopped_by_message = true;
+    if (!go_on) {
+      stream.stopped_by_message = true;
       return false;
     }
-    return true;
-  };
-  auto result = cli.send(req);
+  }
+  stream.buffer.erase(0, start);
+  if (stream.buffer.size() > kMaxLineBytes) {
+    stream.ended =
+        Unavailable(stream.what + ": a message longer than " + std::to_string(kMaxLineBytes));
+    stream.stopped_by_message = true;
+    return false;
+  }
+  return true;
+}
+
+Status EtcdWatch::outcome(const Stream& stream, bool sent, const std::string& error) const {
+  if (cancelled_) return Status::Ok();
+  if (stream.stopped_by_message) return stream.ended;
+  if (stream.http_status != 0 && stream.http_status != 200) {
+    return Unavailable(stream.what + " answered " + std::to_string(stream.http_status) + ": " +
+                       stream.buffer.substr(0, 300));
+  }
+  if (!sent) {
+    auto silent = Clock::now() - stream.last_data;
+    if (created_ && silent >= idle_timeout_ * 95 / 100) {
+      return DeadlineExceeded(stream.what + ": no message for " +
+                              std::to_string(idle_timeout_.count()) + " ms");
+    }
+    return Unavailable(stream.what + ": " + error);
+  }
+  return Unavailable(stream.what + ": the stream ended");
+}
+
+Status EtcdWatch::run(const OnEvents& events) {
+  httplib::Client cli(endpoint_.url());
+  configure(cli);
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
+    if (cancelled_) return Status::Ok();
+    client_ = &cli;
+    running_ = true;
+  }
+  Stream stream;
+  stream.what = "etcd watch on " + endpoint_.url();
+  httplib::Result result = cli.send(watch_request(stream, events));
+  {
+    MutexLock lock(&mu_);
     client_ = nullptr;
     running_ = false;
   }
   cv_.notify_all();
-
-  if (cancelled_) return Status::Ok();
-  if (stopped_by_message) return ended;
-  if (http_status != 0 && http_status != 200) {
-    return Unavailable(what + " answered " + std::to_string(http_status) + ": " +
-                       buffer.substr(0, 300));
-  }
-  if (!result) {
-    auto silent = std::chrono::steady_clock::now() - last_data;
-    if (created_ && silent >= idle_timeout_ * 95 / 100) {
-      return DeadlineExceeded(what + ": no message for " + std::to_string(idle_timeout_.count()) +
-                              " ms");
-    }
-    return Unavailable(what + ": " + httplib::to_string(result.error()));
-  }
-  return Unavailable(what + ": the stream ended");
+  return outcome(stream, static_cast<bool>(result),
+                 result ? std::string() : httplib::to_string(result.error()));
 }
 
 }  // namespace ecx::directory

@@ -28,7 +28,7 @@ MembershipWatcher::MembershipWatcher(EtcdClient client, MembershipOptions option
 MembershipWatcher::~MembershipWatcher() {
   std::shared_ptr<EtcdWatch> watch;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     stop_ = true;
     watch = watch_;
   }
@@ -38,8 +38,9 @@ MembershipWatcher::~MembershipWatcher() {
 }
 
 bool MembershipWatcher::wait_synced(Deadline deadline) {
-  std::unique_lock lock(mu_);
-  return cv_.wait_until(lock, deadline.time_point(), [&] { return synced_; });
+  MutexLock lock(&mu_);
+  return cv_.wait_until(&mu_, deadline.time_point(),
+                        [this]() ECX_REQUIRES(mu_) { return synced_; });
 }
 
 std::optional<Instance> MembershipWatcher::usable(const KeyValue& kv) {
@@ -100,67 +101,75 @@ Result<int64_t> MembershipWatcher::read_all() {
 }
 
 void MembershipWatcher::run() {
-  auto backoff = std::chrono::milliseconds(100);
-  bool failing = false;  // logged once per outage
-  std::unique_lock lock(mu_);
-  while (!stop_) {
-    lock.unlock();
-    Status ended;
-    auto revision = read_all();
-    if (revision.ok()) {
-      lock.lock();
-      if (!synced_) {
-        synced_ = true;
-        cv_.notify_all();
-      }
-      lock.unlock();
-      if (failing) spdlog::info("event=etcd_reachable prefix={} watching again", prefix_);
-      failing = false;
-      // read_all() has just authenticated, if etcd wants it: the token is fresh.
-      auto token = client_.token();
-      auto watch = std::make_shared<EtcdWatch>(
-          client_.endpoint(), prefix_, *revision + 1, client_.timeout(), options_.idle_rewatch,
-          token.ok() ? *token : std::string(), client_.access().ca_file);
-      lock.lock();
-      if (stop_) break;
-      watch_ = watch;
-      lock.unlock();
-      auto t0 = Clock::now();
-      ended = watch->run([&](const std::vector<WatchEvent>& events, int64_t) {
-        for (const WatchEvent& e : events) {
-          if (e.type == WatchEvent::kDelete) {
-            members_.erase(e.kv.key);
-            rejected_.erase(e.kv.key);
-          } else if (auto instance = usable(e.kv)) {
-            members_[e.kv.key] = std::move(*instance);
-          } else {
-            members_.erase(e.kv.key);  // replaced by a value that is not usable
-          }
-        }
-        publish();
-      });
-      lock.lock();
-      watch_.reset();
-      lock.unlock();
-      // A watch that ran a while was healthy: start the backoff over.
-      if (Clock::now() - t0 > std::chrono::seconds(5)) backoff = std::chrono::milliseconds(100);
-    } else {
-      ended = revision.status();
-    }
-    lock.lock();
-    if (stop_) break;
+  Backoff backoff{std::chrono::milliseconds(100), false};
+  while (!stopping()) {
+    Result<int64_t> revision = read_all();
+    Status ended = revision.ok() ? follow(*revision, backoff) : revision.status();
+    MutexLock lock(&mu_);
+    if (stop_) return;
     if (ended.code() == StatusCode::kDeadlineExceeded) {
       spdlog::debug("event=watch_idle prefix={}: reading again", prefix_);
       continue;  // a quiet watch: read and watch again at once
     }
-    if (!failing) {
+    if (!backoff.failing) {
       spdlog::warn("event=watch_broken prefix={} error=\"{}\": reading again in {} ms", prefix_,
-                   ended.message(), backoff.count());
+                   ended.message(), backoff.wait.count());
     }
-    failing = !revision.ok();
-    cv_.wait_for(lock, backoff, [&] { return stop_; });
-    backoff = std::min(backoff * 2, options_.max_backoff);
+    backoff.failing = !revision.ok();
+    cv_.wait_for(&mu_, backoff.wait, [this]() ECX_REQUIRES(mu_) { return stop_; });
+    backoff.wait = std::min(backoff.wait * 2, options_.max_backoff);
   }
+}
+
+bool MembershipWatcher::stopping() {
+  MutexLock lock(&mu_);
+  return stop_;
+}
+
+Status MembershipWatcher::follow(int64_t revision, Backoff& backoff) {
+  {
+    MutexLock lock(&mu_);
+    if (!synced_) {
+      synced_ = true;
+      cv_.notify_all();
+    }
+  }
+  if (backoff.failing) spdlog::info("event=etcd_reachable prefix={} watching again", prefix_);
+  backoff.failing = false;
+  // read_all() has just authenticated, if etcd wants it: the token is fresh.
+  auto token = client_.token();
+  auto watch = std::make_shared<EtcdWatch>(
+      client_.endpoint(), prefix_, revision + 1, client_.timeout(), options_.idle_rewatch,
+      token.ok() ? *token : std::string(), client_.access().ca_file);
+  {
+    MutexLock lock(&mu_);
+    if (stop_) return Status::Ok();
+    watch_ = watch;
+  }
+  auto t0 = Clock::now();
+  Status ended =
+      watch->run([this](const std::vector<WatchEvent>& events, int64_t) { apply(events); });
+  {
+    MutexLock lock(&mu_);
+    watch_.reset();
+  }
+  // A watch that ran a while was healthy: start the backoff over.
+  if (Clock::now() - t0 > std::chrono::seconds(5)) backoff.wait = std::chrono::milliseconds(100);
+  return ended;
+}
+
+void MembershipWatcher::apply(const std::vector<WatchEvent>& events) {
+  for (const WatchEvent& e : events) {
+    if (e.type == WatchEvent::kDelete) {
+      members_.erase(e.kv.key);
+      rejected_.erase(e.kv.key);
+    } else if (auto instance = usable(e.kv)) {
+      members_[e.kv.key] = std::move(*instance);
+    } else {
+      members_.erase(e.kv.key);  // replaced by a value that is not usable
+    }
+  }
+  publish();
 }
 
 }  // namespace ecx::directory

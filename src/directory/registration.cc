@@ -18,18 +18,19 @@ Registration::Registration(EtcdClient client, std::string key, std::string value
 Registration::~Registration() { deregister(); }
 
 bool Registration::wait_registered(Deadline deadline) {
-  std::unique_lock lock(mu_);
-  return cv_.wait_until(lock, deadline.time_point(), [&] { return registered_ || stop_; }) &&
-         registered_;
+  MutexLock lock(&mu_);
+  return cv_.wait_until(&mu_, deadline.time_point(), [this]() ECX_REQUIRES(mu_) {
+    return registered_ || stop_;
+  }) && registered_;
 }
 
 void Registration::run() {
-  std::unique_lock lock(mu_);
+  MutexLock lock(&mu_);
   while (!stop_) {
     lock.unlock();
     Clock::time_point next = step();
     lock.lock();
-    cv_.wait_until(lock, next, [&] { return stop_; });
+    cv_.wait_until(&mu_, next, [this]() ECX_REQUIRES(mu_) { return stop_; });
   }
 }
 
@@ -58,7 +59,7 @@ std::optional<Clock::time_point> Registration::renew() {
     // gone; register again at once.
     spdlog::warn("event=lease_lost key={} lease={}: registering again", key_, lease_);
     lease_ = 0;
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     registered_ = false;
     return std::nullopt;
   }
@@ -92,7 +93,7 @@ Clock::time_point Registration::register_anew() {
   outage_ = false;
   backoff_ = std::chrono::milliseconds(100);
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     registered_ = true;
   }
   cv_.notify_all();
@@ -116,7 +117,7 @@ Status Registration::still_ours() {
 
 void Registration::deregister() {
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     if (done_) return;
     done_ = true;
     stop_ = true;
@@ -134,7 +135,7 @@ void Registration::deregister() {
     spdlog::info("event=deregistered key={} lease={}", key_, lease_);
   }
   lease_ = 0;
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   registered_ = false;
 }
 

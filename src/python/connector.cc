@@ -172,6 +172,28 @@ void bind_pool(nb::module_& m) {
       .def("stats", [](PyPool& p) { return json_to_python(connector::to_json(p.pool->stats())); });
 }
 
+// Params of items another producer holds, in one call: per item (params JSON, None) or
+// (None, (code, message)).
+nb::list remote_saved_params(PyConnector& c, const std::string& producer,
+                             const std::vector<std::string>& hashes, int64_t timeout_ms) {
+  std::vector<MmHash> parsed;
+  for (const auto& h : hashes) parsed.push_back(hash_of(h));
+  auto replies = unwrap(released([&] {
+    return c.get().remote_saved_params(producer, parsed, Deadline::after_ms(timeout_ms));
+  }));
+  nb::list out;
+  for (const auto& r : replies) {
+    if (r.ok()) {
+      out.append(nb::make_tuple(r->to_json().dump(), nb::none()));
+    } else {
+      out.append(nb::make_tuple(
+          nb::none(),
+          nb::make_tuple(std::string(status_code_name(r.status().code())), r.status().message())));
+    }
+  }
+  return out;
+}
+
 void bind_producer(nb::class_<PyConnector>& c) {
   c.def(
        "save",
@@ -203,31 +225,10 @@ void bind_producer(nb::class_<PyConnector>& c) {
       .def(
           "holds", [](PyConnector& c, const std::string& h) { return c.get().holds(hash_of(h)); },
           nb::arg("mm_hash"), "Whether this producer holds a ready entry (no pin taken).")
-      .def(
-          "remote_saved_params",
-          [](PyConnector& c, const std::string& producer, const std::vector<std::string>& hashes,
-             int64_t timeout_ms) {
-            std::vector<MmHash> parsed;
-            for (const auto& h : hashes) parsed.push_back(hash_of(h));
-            auto replies = unwrap(released([&] {
-              return c.get().remote_saved_params(producer, parsed, Deadline::after_ms(timeout_ms));
-            }));
-            // Per item: (params JSON, None) or (None, (code, message)).
-            nb::list out;
-            for (const auto& r : replies) {
-              if (r.ok()) {
-                out.append(nb::make_tuple(r->to_json().dump(), nb::none()));
-              } else {
-                out.append(nb::make_tuple(
-                    nb::none(), nb::make_tuple(std::string(status_code_name(r.status().code())),
-                                               r.status().message())));
-              }
-            }
-            return out;
-          },
-          nb::arg("producer"), nb::arg("mm_hashes"), nb::arg("timeout_ms"),
-          "Params of items the producer agent `producer` (its metadata JSON) holds, in one "
-          "call: per item (params JSON, None) or (None, (code, message)).")
+      .def("remote_saved_params", &remote_saved_params, nb::arg("producer"), nb::arg("mm_hashes"),
+           nb::arg("timeout_ms"),
+           "Params of items the producer agent `producer` (its metadata JSON) holds, in one "
+           "call: per item (params JSON, None) or (None, (code, message)).")
       .def(
           "wait_for_readers",
           [](PyConnector& c, int64_t timeout_ms) {
@@ -237,6 +238,9 @@ void bind_producer(nb::class_<PyConnector>& c) {
           nb::arg("timeout_ms"));
 }
 
+void bind_loaded(nb::class_<PyConnector>& c);
+
+// The scheduler side of a consumer.
 void bind_consumer(nb::class_<PyConnector>& c) {
   c.def(
        "has_caches",
@@ -252,13 +256,17 @@ void bind_consumer(nb::class_<PyConnector>& c) {
             check(c.get().update_state_after_alloc(request_of(id, items), index));
           },
           nb::arg("request_id"), nb::arg("items"), nb::arg("index"))
-      .def("build_connector_meta", [](PyConnector& c) { return c.get().build_connector_meta(); })
-      .def(
-          "start_load_caches",
-          [](PyConnector& c, const connector::ConnectorMetadata& meta) {
-            check(released([&] { return c.get().start_load_caches(meta); }));
-          },
-          nb::arg("metadata"))
+      .def("build_connector_meta", [](PyConnector& c) { return c.get().build_connector_meta(); });
+}
+
+// The worker side of a consumer: loads, and what they brought.
+void bind_consumer_worker(nb::class_<PyConnector>& c) {
+  c.def(
+       "start_load_caches",
+       [](PyConnector& c, const connector::ConnectorMetadata& meta) {
+         check(released([&] { return c.get().start_load_caches(meta); }));
+       },
+       nb::arg("metadata"))
       .def(
           "wait_for_load",
           [](PyConnector& c, const std::string& id, int64_t timeout_ms) {
@@ -276,15 +284,20 @@ void bind_consumer(nb::class_<PyConnector>& c) {
             return outcome_dict(o);
           },
           nb::arg("request_id"), nb::arg("items"), nb::arg("timeout_ms"))
-      .def("get_finished", [](PyConnector& c) { return c.get().get_finished(); })
-      .def(
-          "loaded",
-          [](nb::handle self, const std::string& id, const std::string& h) {
-            auto ref = unwrap(nb::cast<PyConnector&>(self).get().loaded(id, hash_of(h)));
-            return byte_view(ref.payload(), ref.payload_length(), self);
-          },
-          nb::arg("request_id"), nb::arg("mm_hash"),
-          "The loaded bytes, without a copy: valid until request_finished(request_id).")
+      .def("get_finished", [](PyConnector& c) { return c.get().get_finished(); });
+  bind_loaded(c);
+}
+
+// What a consumer holds once loaded: the bytes, shares of them, and their end.
+void bind_loaded(nb::class_<PyConnector>& c) {
+  c.def(
+       "loaded",
+       [](nb::handle self, const std::string& id, const std::string& h) {
+         auto ref = unwrap(nb::cast<PyConnector&>(self).get().loaded(id, hash_of(h)));
+         return byte_view(ref.payload(), ref.payload_length(), self);
+       },
+       nb::arg("request_id"), nb::arg("mm_hash"),
+       "The loaded bytes, without a copy: valid until request_finished(request_id).")
       .def(
           "loaded_address",
           [](PyConnector& c, const std::string& id, const std::string& h) {
@@ -355,6 +368,7 @@ void bind_connector(nb::module_& m) {
            [](PyConnector& c) { return json_to_python(connector::to_json(c.get().stats())); });
   bind_producer(c);
   bind_consumer(c);
+  bind_consumer_worker(c);
 }
 
 }  // namespace ecx::python

@@ -4,12 +4,12 @@
 #pragma once
 
 #include <map>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
 
+#include "ecx/common/mutex.h"
 #include "ecx/transfer/agent.h"
 #include "python/bindings.h"
 
@@ -30,9 +30,9 @@ class PyAgent {
 
   transfer::Agent& agent() const { return *agent_; }
 
-  PyRegion allocate(uint64_t length, bool remote_write, bool require_grant);
-  PyRegion register_memory(nb::ndarray<nb::c_contig> array, bool remote_write);
-  void deregister(uint32_t region);
+  PyRegion allocate(uint64_t length, bool remote_write, bool require_grant) ECX_EXCLUDES(mu_);
+  PyRegion register_memory(nb::ndarray<nb::c_contig> array, bool remote_write) ECX_EXCLUDES(mu_);
+  void deregister(uint32_t region) ECX_EXCLUDES(mu_);
   ByteArray buffer(uint32_t region, nb::handle self) const;
   std::string connect(const std::string& metadata, const std::string& backend,
                       std::optional<int64_t> timeout_ms);
@@ -43,14 +43,14 @@ class PyAgent {
                                  std::optional<int64_t> timeout_ms);
 
  private:
-  std::pair<std::byte*, uint64_t> local(uint32_t region) const;
+  std::pair<std::byte*, uint64_t> local(uint32_t region) const ECX_EXCLUDES(mu_);
   std::vector<transfer::TransferDescriptor> descriptors(
       const std::vector<DescriptorTuple>& batch) const;
 
   std::unique_ptr<transfer::Agent> agent_;
-  mutable std::mutex mu_;
-  std::map<uint32_t, std::pair<std::byte*, uint64_t>> regions_;  // guarded by mu_
-  std::map<uint32_t, nb::object> kept_;                          // guarded by mu_
+  mutable Mutex mu_;
+  std::map<uint32_t, std::pair<std::byte*, uint64_t>> regions_ ECX_GUARDED_BY(mu_);
+  std::map<uint32_t, nb::object> kept_ ECX_GUARDED_BY(mu_);
 };
 
 }  // namespace ecx::python

@@ -6,9 +6,9 @@
 #include <nanobind/stl/vector.h>
 
 #include <map>
-#include <mutex>
 
 #include "ecx/common/checksum.h"
+#include "ecx/common/mutex.h"
 #include "ecx/transfer/agent.h"
 #include "python/bindings.h"
 #include "python/py_agent.h"
@@ -72,7 +72,7 @@ PyAgent::~PyAgent() { agent_->shutdown(); }
 PyRegion PyAgent::allocate(uint64_t length, bool remote_write, bool require_grant) {
   auto region = unwrap(agent_->allocate(
       length, {.remote_read = true, .remote_write = remote_write, .require_grant = require_grant}));
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   regions_[region.id] = {region.data, region.length};
   return {region.id, region.length};
 }
@@ -81,7 +81,7 @@ PyRegion PyAgent::register_memory(nb::ndarray<nb::c_contig> array, bool remote_w
   Buffer b = buffer_of(array);
   auto region = unwrap(agent_->register_memory(b.data, b.length, transfer::MemoryKind::kHost,
                                                {.remote_write = remote_write}));
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   regions_[region.id] = {b.data, b.length};
   kept_[region.id] = nb::cast(array);  // the memory must outlive its registration
   return {region.id, region.length};
@@ -89,13 +89,13 @@ PyRegion PyAgent::register_memory(nb::ndarray<nb::c_contig> array, bool remote_w
 
 void PyAgent::deregister(uint32_t region) {
   check(agent_->deregister(region));
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   regions_.erase(region);
   kept_.erase(region);
 }
 
 std::pair<std::byte*, uint64_t> PyAgent::local(uint32_t region) const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   auto it = regions_.find(region);
   if (it == regions_.end()) check(NotFound("no local region " + std::to_string(region)));
   return it->second;
@@ -199,8 +199,33 @@ void bind_transfer(nb::module_& m) {
   bind_agent(m);
 }
 
+// Messages between agents: notify a peer, wait for a peer's word.
+void bind_notifications(nb::class_<PyAgent>& agent) {
+  agent
+      .def(
+          "notify",
+          [](PyAgent& a, const std::string& peer, std::string message) {
+            check(a.agent().notify(peer, std::move(message)));
+          },
+          nb::arg("peer"), nb::arg("message"))
+      .def(
+          "wait_notification",
+          [](PyAgent& a, int64_t timeout_ms) {
+            Result<transfer::Notification> n = Status(StatusCode::kInternal, "unset");
+            {
+              nb::gil_scoped_release release;
+              n = a.agent().wait_notification(Deadline::after_ms(timeout_ms));
+            }
+            auto got = unwrap(std::move(n));
+            return std::make_pair(got.from, got.message);
+          },
+          nb::arg("timeout_ms"));
+}
+
 void bind_agent(nb::module_& m) {
-  nb::class_<PyAgent>(m, "Agent", "One per process: registers memory, connects, moves bytes.")
+  nb::class_<PyAgent> agent(m, "Agent",
+                            "One per process: registers memory, connects, moves bytes.");
+  agent
       .def(
           "__init__",
           [](PyAgent* self, const std::string& name, const std::string& compat_hash,
@@ -242,25 +267,8 @@ void bind_agent(nb::module_& m) {
            "descriptors: [(local_region, local_offset, remote_region, remote_offset, length, "
            "capability_hex)]")
       .def("write", &PyAgent::write, nb::arg("peer"), nb::arg("descriptors"),
-           nb::arg("notification") = nb::none(), nb::arg("timeout_ms") = nb::none())
-      .def(
-          "notify",
-          [](PyAgent& a, const std::string& peer, std::string message) {
-            check(a.agent().notify(peer, std::move(message)));
-          },
-          nb::arg("peer"), nb::arg("message"))
-      .def(
-          "wait_notification",
-          [](PyAgent& a, int64_t timeout_ms) {
-            Result<transfer::Notification> n = Status(StatusCode::kInternal, "unset");
-            {
-              nb::gil_scoped_release release;
-              n = a.agent().wait_notification(Deadline::after_ms(timeout_ms));
-            }
-            auto got = unwrap(std::move(n));
-            return std::make_pair(got.from, got.message);
-          },
-          nb::arg("timeout_ms"));
+           nb::arg("notification") = nb::none(), nb::arg("timeout_ms") = nb::none());
+  bind_notifications(agent);
 }
 
 }  // namespace ecx::python

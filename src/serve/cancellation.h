@@ -5,9 +5,10 @@
 
 #include <atomic>
 #include <functional>
-#include <mutex>
 #include <utility>
 #include <vector>
+
+#include "ecx/common/mutex.h"
 
 namespace ecx::serve {
 
@@ -16,10 +17,10 @@ class Cancellation {
   bool cancelled() const { return cancelled_.load(std::memory_order_acquire); }
 
   // Sets it and runs each callback once, on this thread (so they must not block).
-  void cancel() {
+  void cancel() ECX_EXCLUDES(mu_) {
     std::vector<std::function<void()>> callbacks;
     {
-      std::lock_guard lock(mu_);
+      MutexLock lock(&mu_);
       if (cancelled_.exchange(true, std::memory_order_acq_rel)) return;
       callbacks.swap(callbacks_);
     }
@@ -27,9 +28,9 @@ class Cancellation {
   }
 
   // Runs `f` once when it is set: at once, here, when it already is.
-  void on_cancel(std::function<void()> f) {
+  void on_cancel(std::function<void()> f) ECX_EXCLUDES(mu_) {
     {
-      std::lock_guard lock(mu_);
+      MutexLock lock(&mu_);
       if (!cancelled_.load(std::memory_order_acquire)) {
         callbacks_.push_back(std::move(f));
         return;
@@ -40,8 +41,8 @@ class Cancellation {
 
  private:
   std::atomic<bool> cancelled_{false};
-  std::mutex mu_;
-  std::vector<std::function<void()>> callbacks_;  // guarded by mu_; run by cancel()
+  Mutex mu_;
+  std::vector<std::function<void()>> callbacks_ ECX_GUARDED_BY(mu_);  // run by cancel()
 };
 
 }  // namespace ecx::serve

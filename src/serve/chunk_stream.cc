@@ -3,34 +3,40 @@
 namespace ecx::serve {
 
 bool ChunkStream::write(std::string_view chunk) {
-  std::unique_lock lock(mu_);
-  bool room =
-      space_cv_.wait_for(lock, write_timeout_, [&] { return gone_ || pending_.size() < limit_; });
-  if (!room) gone_ = true;  // the client stopped reading
-  if (gone_) return false;
-  append(lock, chunk);
+  {
+    MutexLock lock(&mu_);
+    bool room = space_cv_.wait_for(&mu_, write_timeout_, [this]() ECX_REQUIRES(mu_) {
+      return gone_ || pending_.size() < limit_;
+    });
+    if (!room) gone_ = true;  // the client stopped reading
+    if (gone_) return false;
+    if (!append_locked(chunk)) return true;
+  }
+  wake();
   return true;
 }
 
 bool ChunkStream::push(std::string_view chunk) {
-  std::unique_lock lock(mu_);
-  if (gone_) return false;
-  append(lock, chunk);
+  {
+    MutexLock lock(&mu_);
+    if (gone_) return false;
+    if (!append_locked(chunk)) return true;
+  }
+  wake();
   return true;
 }
 
-void ChunkStream::append(std::unique_lock<std::mutex>& lock, std::string_view chunk) {
+bool ChunkStream::append_locked(std::string_view chunk) {
   pending_.append(chunk);
   total_ += chunk.size();
-  if (sending_) return;
+  if (sending_) return false;
   sending_ = true;
-  lock.unlock();
-  wake();
+  return true;
 }
 
 void ChunkStream::when_room(std::function<void()> ready) {
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     if (!gone_ && pending_.size() >= limit_) {
       room_waiter_ = std::move(ready);
       return;
@@ -42,7 +48,7 @@ void ChunkStream::when_room(std::function<void()> ready) {
 void ChunkStream::mark_gone() {
   std::function<void()> ready;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     gone_ = true;
     ready = std::move(room_waiter_);
     room_waiter_ = nullptr;
@@ -52,18 +58,19 @@ void ChunkStream::mark_gone() {
 }
 
 void ChunkStream::finish() {
-  std::unique_lock lock(mu_);
-  finished_ = true;
-  if (sending_) return;
-  sending_ = true;
-  lock.unlock();
+  {
+    MutexLock lock(&mu_);
+    finished_ = true;
+    if (sending_) return;
+    sending_ = true;
+  }
   wake();
 }
 
 bool ChunkStream::take(std::string* chunks, bool* ended, bool* gone) {
   std::function<void()> ready;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     *gone = gone_;
     *ended = finished_;
     if (gone_ && !finished_) {  // nothing more to send; finish() wakes us for the end

@@ -4,13 +4,12 @@
 #pragma once
 
 #include <chrono>
-#include <condition_variable>
 #include <cstddef>
 #include <functional>
-#include <mutex>
 #include <string>
 #include <string_view>
 
+#include "ecx/common/mutex.h"
 #include "serve/http_types.h"
 
 namespace ecx::serve {
@@ -23,46 +22,47 @@ class ChunkStream final : public StreamWriter, public AsyncStreamWriter {
   ChunkStream(size_t limit, std::chrono::seconds write_timeout)
       : limit_(limit), write_timeout_(write_timeout) {}
 
-  bool write(std::string_view chunk) override;
-  bool push(std::string_view chunk) override;
-  bool has_room() const override {
-    std::lock_guard lock(mu_);
+  bool write(std::string_view chunk) ECX_EXCLUDES(mu_) override;
+  bool push(std::string_view chunk) ECX_EXCLUDES(mu_) override;
+  bool has_room() const ECX_EXCLUDES(mu_) override {
+    MutexLock lock(&mu_);
     return gone_ || pending_.size() < limit_;
   }
-  void when_room(std::function<void()> ready) override;
-  bool client_gone() const override {
-    std::lock_guard lock(mu_);
+  void when_room(std::function<void()> ready) ECX_EXCLUDES(mu_) override;
+  bool client_gone() const ECX_EXCLUDES(mu_) override {
+    MutexLock lock(&mu_);
     return gone_;
   }
   // The connection's strand, to send next: the chunks waiting (moved out). `ended` is
   // true when nothing more will come: the worker finished, or the client is gone.
   // Returns false (and clears `sending_`) when there is nothing to do yet.
-  bool take(std::string* chunks, bool* ended, bool* gone);
-  void mark_gone();
-  size_t bytes_written() const {
-    std::lock_guard lock(mu_);
+  bool take(std::string* chunks, bool* ended, bool* gone) ECX_EXCLUDES(mu_);
+  void mark_gone() ECX_EXCLUDES(mu_);
+  size_t bytes_written() const ECX_EXCLUDES(mu_) {
+    MutexLock lock(&mu_);
     return total_;
   }
 
   // Set by the connection: schedules a pump on its strand.
   std::function<void()> wake;
   // The producer: the answer is complete.
-  void finish();
+  void finish() ECX_EXCLUDES(mu_);
 
  private:
-  // Appends `chunk` (mu_ held via `lock`); wakes the strand unless a pump is scheduled.
-  void append(std::unique_lock<std::mutex>& lock, std::string_view chunk);
+  // Appends `chunk`. True when no pump was scheduled: one is now, and the caller wakes
+  // the strand once it has let go of mu_.
+  bool append_locked(std::string_view chunk) ECX_REQUIRES(mu_);
 
   const size_t limit_;
   const std::chrono::seconds write_timeout_;
-  mutable std::mutex mu_;
-  std::condition_variable space_cv_;
-  std::string pending_;    // guarded by mu_
-  size_t total_ = 0;       // guarded by mu_
-  bool sending_ = true;    // guarded by mu_; a pump is scheduled or running (headers first)
-  bool finished_ = false;  // guarded by mu_
-  bool gone_ = false;      // guarded by mu_
-  std::function<void()> room_waiter_;  // guarded by mu_; when_room's, not yet called
+  mutable Mutex mu_;
+  CondVar space_cv_;
+  std::string pending_ ECX_GUARDED_BY(mu_);
+  size_t total_ ECX_GUARDED_BY(mu_) = 0;
+  bool sending_ ECX_GUARDED_BY(mu_) = true;  // a pump is scheduled or running (headers first)
+  bool finished_ ECX_GUARDED_BY(mu_) = false;
+  bool gone_ ECX_GUARDED_BY(mu_) = false;
+  std::function<void()> room_waiter_ ECX_GUARDED_BY(mu_);  // when_room's, not yet called
 };
 
 }  // namespace ecx::serve

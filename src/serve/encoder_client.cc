@@ -10,13 +10,7 @@
 namespace ecx::serve {
 
 using nlohmann::json;
-using Clock = std::chrono::steady_clock;
-
 namespace {
-
-double ms_since(Clock::time_point t) {
-  return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
-}
 
 bool is_client_error(int http_status) {
   return http_status == 400 || http_status == 413 || http_status == 422;

@@ -19,6 +19,7 @@
 #include "ecx/engine/image.h"
 #include "serve/http_server.h"
 #include "serve/instance_registration.h"
+#include "serve/metric_families.h"
 #include "serve/metrics.h"
 #include "serve/model_setup.h"
 #include "serve/openai_request.h"
@@ -27,8 +28,6 @@ namespace ecx::serve {
 namespace {
 
 using nlohmann::json;
-using Clock = std::chrono::steady_clock;
-
 // The image of a /v1/encode body {"image": "data:image/...;base64,..."}, decoded from
 // its data URL.
 Result<std::string> read_encode_body(const std::string& body) {
@@ -193,7 +192,7 @@ std::optional<RequestError> EncoderService::prepare(std::string_view bytes,
   auto image = engine::decode_image(
       bytes, {config_.common.max_image_bytes, config_.common.max_image_pixels});
   if (!image.ok()) {
-    metrics_.add("ecx_encode_failures_total", "reason=\"bad_image\"", 1);
+    metrics_.add(metric::kEncodeFailures, 1, {{"reason", "bad_image"}});
     int code = image.status().code() == StatusCode::kResourceExhausted ? 413 : 422;
     return RequestError{code, code == 413 ? "request_too_large" : "invalid_image",
                         image.status().message()};
@@ -206,7 +205,7 @@ std::optional<RequestError> EncoderService::prepare(std::string_view bytes,
 
 std::optional<RequestError> EncoderService::check_fits(int64_t tokens) {
   if (tokens < config_.max_model_len) return std::nullopt;
-  metrics_.add("ecx_encode_failures_total", "reason=\"context_length_exceeded\"", 1);
+  metrics_.add(metric::kEncodeFailures, 1, {{"reason", "context_length_exceeded"}});
   return RequestError{400, "context_length_exceeded",
                       "the images take " + std::to_string(tokens) +
                           " tokens; the model's context is " +
@@ -221,17 +220,15 @@ std::optional<RequestError> EncoderService::encode(const engine::PreparedImage& 
   auto saved = save(image, meta, req);
   if (!saved.ok()) {
     const Status& s = saved.status();
-    metrics_.add("ecx_encode_failures_total",
-                 "reason=\"" + std::string(status_code_name(s.code())) + "\"", 1);
+    metrics_.add(metric::kEncodeFailures, 1, {{"reason", std::string(status_code_name(s.code()))}});
     // A full pool is this server's condition, not the client's: 503, not 413.
     if (s.code() == StatusCode::kResourceExhausted) {
       return RequestError{503, "encoder_busy", s.message()};
     }
     return RequestError{http_status_for(s), std::string(status_code_name(s.code())), s.message()};
   }
-  metrics_.add("ecx_encode_requests_total", saved->cached ? "cache=\"hit\"" : "cache=\"miss\"", 1);
-  metrics_.add("ecx_ec_bytes_saved_total", "",
-               saved->cached ? 0 : static_cast<double>(meta.byte_size()));
+  metrics_.add(metric::kEncodeRequests, 1, {{"cache", saved->cached ? "hit" : "miss"}});
+  metrics_.add(metric::kEcBytesSaved, saved->cached ? 0 : static_cast<double>(meta.byte_size()));
   *out = std::move(*saved);
   return std::nullopt;
 }
@@ -240,7 +237,7 @@ void EncoderService::handle_encode(const HttpRequest& req, HttpResponse& res) {
   auto t0 = Clock::now();
   auto data_url = read_encode_body(req.body);
   if (!data_url.ok()) {
-    metrics_.add("ecx_encode_failures_total", "reason=\"bad_request\"", 1);
+    metrics_.add(metric::kEncodeFailures, 1, {{"reason", "bad_request"}});
     return send_error(res, 400, "invalid_request_error", data_url.status().message());
   }
   auto bytes = engine::decode_data_url(*data_url);
@@ -251,7 +248,7 @@ void EncoderService::handle_encode(const HttpRequest& req, HttpResponse& res) {
   Saved saved;
   if (auto err = encode(prepared, req, &saved)) return send_error(res, *err);
   double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
-  metrics_.observe("ecx_encode_seconds", "", ms / 1000);
+  metrics_.observe(metric::kEncodeSeconds, ms / 1000);
   res.set_content(json{{"mm_hash", prepared.mm_hash.str()},
                        {"num_tokens", prepared.tokens()},
                        {"ec_transfer_params", saved.params.to_json()},
@@ -288,7 +285,7 @@ void EncoderService::handle_chat(const HttpRequest& req, HttpResponse& res) {
   auto t0 = Clock::now();
   ChatRequest chat;
   if (auto err = read_chat_body(req.body, config_.common, &chat)) {
-    metrics_.add("ecx_encode_failures_total", "reason=\"bad_request\"", 1);
+    metrics_.add(metric::kEncodeFailures, 1, {{"reason", "bad_request"}});
     return send_error(res, *err);
   }
   std::vector<ChatImage> images;
@@ -316,8 +313,8 @@ void EncoderService::handle_chat(const HttpRequest& req, HttpResponse& res) {
     issued.push_back(std::move(saved.params));
   }
   double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
-  metrics_.observe("ecx_encode_seconds", "", ms / 1000);
-  metrics_.add("ecx_encode_chat_requests_total", "", 1);
+  metrics_.observe(metric::kEncodeSeconds, ms / 1000);
+  metrics_.add(metric::kEncodeChatRequests, 1);
   res.set_content(safe_dump(chat_answer(chat.model, tokens, std::move(by_hash))),
                   "application/json");
 }
@@ -341,7 +338,7 @@ void EncoderService::handle_release(const HttpRequest& req, HttpResponse& res) {
 
 std::string EncoderService::render_metrics() {
   set_producer_metrics(connector_->stats(), metrics_);
-  return metrics_.render("ecx encoder service");
+  return metrics_.render();
 }
 
 }  // namespace

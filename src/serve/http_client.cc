@@ -13,10 +13,11 @@
 #include <boost/beast/http.hpp>
 #include <cerrno>
 #include <map>
-#include <mutex>
 #include <optional>
 #include <thread>
 #include <vector>
+
+#include "ecx/common/mutex.h"
 
 namespace ecx::serve {
 
@@ -24,8 +25,6 @@ namespace beast = boost::beast;
 namespace http = beast::http;
 namespace net = boost::asio;
 using tcp = net::ip::tcp;
-using Clock = std::chrono::steady_clock;
-
 const char* client_error_name(ClientError error) {
   switch (error) {
     case ClientError::kNone:
@@ -77,8 +76,8 @@ struct HttpClient::Impl {
   explicit Impl(const Options& o) : options(o), work(net::make_work_guard(ioc)) {}
 
   // A pooled connection to `key` that is still open, newest first; null when none.
-  std::unique_ptr<PooledConnection> take(const std::string& key) {
-    std::lock_guard lock(mu);
+  std::unique_ptr<PooledConnection> take(const std::string& key) ECX_EXCLUDES(mu) {
+    MutexLock lock(&mu);
     auto it = idle.find(key);
     if (it == idle.end()) return nullptr;
     auto& list = it->second;
@@ -91,10 +90,10 @@ struct HttpClient::Impl {
   }
 
   // Keeps `c` for the next call to `key`, unless enough are kept already.
-  void give_back(const std::string& key, std::unique_ptr<PooledConnection> c) {
+  void give_back(const std::string& key, std::unique_ptr<PooledConnection> c) ECX_EXCLUDES(mu) {
     c->idle_since = Clock::now();
     c->stream.expires_never();
-    std::lock_guard lock(mu);
+    MutexLock lock(&mu);
     auto& list = idle[key];  // oldest first
     while (!list.empty() && c->idle_since - list.front()->idle_since >= options.keep_idle) {
       list.erase(list.begin());
@@ -106,8 +105,8 @@ struct HttpClient::Impl {
   net::io_context ioc;
   net::executor_work_guard<net::io_context::executor_type> work;
   std::vector<std::thread> threads;
-  mutable std::mutex mu;
-  std::map<std::string, std::vector<std::unique_ptr<PooledConnection>>> idle;  // guarded by mu
+  mutable Mutex mu;
+  std::map<std::string, std::vector<std::unique_ptr<PooledConnection>>> idle ECX_GUARDED_BY(mu);
   std::atomic<uint64_t> connects{0};
   std::atomic<uint64_t> reuses{0};
 };
@@ -350,7 +349,7 @@ HttpClient::Counts HttpClient::counts() const {
   Counts c;
   c.connects = impl_->connects.load();
   c.reuses = impl_->reuses.load();
-  std::lock_guard lock(impl_->mu);
+  MutexLock lock(&impl_->mu);
   for (const auto& [key, list] : impl_->idle) c.idle += list.size();
   return c;
 }

@@ -73,29 +73,30 @@ int64_t ServerState::client_share() const {
 }
 
 bool ServerState::join_client(const std::string& client) {
-  std::lock_guard lock(clients_mu_);
+  MutexLock lock(&clients_mu_);
   return ++connections_by_client_[client] <= client_share();
 }
 
 void ServerState::leave_client(const std::string& client) {
-  std::lock_guard lock(clients_mu_);
+  MutexLock lock(&clients_mu_);
   auto it = connections_by_client_.find(client);
   if (it != connections_by_client_.end() && --it->second <= 0) connections_by_client_.erase(it);
 }
 
 void ServerState::begin_request() {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   ++in_flight_;
 }
 
 void ServerState::end_request() {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   if (--in_flight_ == 0) idle_cv_.notify_all();
 }
 
 bool ServerState::wait_idle(Deadline deadline) {
-  std::unique_lock lock(mu_);
-  return idle_cv_.wait_until(lock, deadline.time_point(), [this] { return in_flight_ == 0; });
+  MutexLock lock(&mu_);
+  return idle_cv_.wait_until(&mu_, deadline.time_point(),
+                             [this]() ECX_REQUIRES(mu_) { return in_flight_ == 0; });
 }
 
 namespace {

@@ -5,16 +5,15 @@
 #include <atomic>
 #include <boost/asio/ip/tcp.hpp>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <unordered_map>
 #include <utility>
 
 #include "ecx/common/deadline.h"
+#include "ecx/common/mutex.h"
 #include "ecx/serve/services.h"
 #include "serve/http_types.h"
 #include "serve/request_queue.h"
@@ -64,8 +63,8 @@ struct ServerState {
   int64_t client_share() const;
   // Counts a connection of `client`; false when the client is past its share (the
   // connection is still counted: leave_client() when it closes).
-  bool join_client(const std::string& client);
-  void leave_client(const std::string& client);
+  bool join_client(const std::string& client) ECX_EXCLUDES(clients_mu_);
+  void leave_client(const std::string& client) ECX_EXCLUDES(clients_mu_);
 
   // The budget of request bodies held at once (max_buffered_bytes): takes `bytes` of it,
   // or nothing and false when they would pass it. A body is charged as it arrives (in
@@ -77,17 +76,17 @@ struct ServerState {
   uint64_t buffered_bytes() const { return buffered_bytes_.load(); }
 
   // Admitted work routes not yet answered (queued, running or streaming).
-  void begin_request();
-  void end_request();
+  void begin_request() ECX_EXCLUDES(mu_);
+  void end_request() ECX_EXCLUDES(mu_);
   // Until none is in flight or `deadline`; false on the deadline.
-  bool wait_idle(Deadline deadline);
+  bool wait_idle(Deadline deadline) ECX_EXCLUDES(mu_);
 
  private:
-  std::mutex mu_;
-  std::condition_variable idle_cv_;
-  int64_t in_flight_ = 0;  // guarded by mu_
-  std::mutex clients_mu_;
-  std::unordered_map<std::string, int64_t> connections_by_client_;  // guarded by clients_mu_
+  Mutex mu_;
+  CondVar idle_cv_;
+  int64_t in_flight_ ECX_GUARDED_BY(mu_) = 0;
+  Mutex clients_mu_;
+  std::unordered_map<std::string, int64_t> connections_by_client_ ECX_GUARDED_BY(clients_mu_);
   std::atomic<uint64_t> buffered_bytes_{0};
 };
 

@@ -22,6 +22,7 @@
 #include "ecx/common/json_reader.h"
 #include "ecx/common/log.h"
 #include "serve/http_connection.h"
+#include "serve/metric_families.h"
 
 namespace ecx::serve {
 
@@ -113,12 +114,6 @@ int process_threads() {
   return -1;
 }
 
-void metric_line(std::ostringstream& out, const char* name, const char* type, const char* help,
-                 double value) {
-  out << "# HELP " << name << " " << help << "\n# TYPE " << name << " " << type << "\n"
-      << name << " " << value << "\n";
-}
-
 }  // namespace
 
 std::optional<std::string> HttpServer::stuck(std::chrono::milliseconds after) const {
@@ -135,47 +130,29 @@ std::optional<std::string> HttpServer::stuck(std::chrono::milliseconds after) co
 }
 
 std::string HttpServer::render_metrics() const {
-  std::ostringstream out;
+  using namespace metric;
   const ServerState& s = *state_;
-  metric_line(out, "ecx_http_abandoned_total", "counter",
-              "queued requests dropped before they ran because their client had left",
-              static_cast<double>(s.abandoned.load()));
-  metric_line(out, "ecx_http_rejected_total", "counter",
-              "requests refused with 503 because the queue was full (--max-queued)",
-              static_cast<double>(s.rejected.load()));
-  size_t waiting = (s.queue ? s.queue->waiting() : 0) + (s.slots ? s.slots->waiting() : 0);
-  size_t running = (s.queue ? s.queue->running() : 0) + (s.slots ? s.slots->running() : 0);
-  metric_line(out, "ecx_http_queue_depth", "gauge", "requests waiting for a worker",
-              static_cast<double>(waiting));
-  metric_line(out, "ecx_http_requests_running", "gauge", "requests on a worker now",
-              static_cast<double>(running));
-  metric_line(out, "ecx_http_max_queued", "gauge", "the queue bound (--max-queued)",
-              static_cast<double>(max_queued_));
-  metric_line(out, "ecx_http_workers", "gauge",
-              "worker threads, or async requests run at once (--workers)", s.workers);
-  metric_line(out, "ecx_http_io_threads", "gauge", "I/O threads (--io-threads)", s.io_threads);
-  metric_line(out, "ecx_http_open_connections", "gauge", "open client connections",
-              static_cast<double>(s.open_connections.load()));
-  metric_line(out, "ecx_http_max_connections", "gauge",
-              "connections held before work is refused (--max-connections, open-files limit)",
-              static_cast<double>(s.max_connections));
-  metric_line(out, "ecx_http_connections_refused_total", "counter",
-              "requests refused with 503 on a connection past the connection limit",
-              static_cast<double>(s.connections_refused.load()));
-  metric_line(out, "ecx_http_buffered_bytes", "gauge",
-              "request bodies held now (being read, waiting or running)",
-              static_cast<double>(s.buffered_bytes()));
-  metric_line(out, "ecx_http_max_buffered_bytes", "gauge",
-              "the budget of request bodies held at once (--max-buffered-bytes)",
-              static_cast<double>(s.max_buffered_bytes));
-  metric_line(out, "ecx_http_buffered_rejected_total", "counter",
-              "requests refused with 503 because their body would pass --max-buffered-bytes",
-              static_cast<double>(s.buffered_rejected.load()));
-  metric_line(out, "ecx_http_accept_errors_total", "counter",
-              "connections the server could not accept (out of file descriptors, say)",
-              static_cast<double>(s.accept_errors.load()));
-  metric_line(out, "ecx_process_threads", "gauge", "threads of this process", process_threads());
-  return out.str();
+  Metrics m;
+  auto set = [&m](const MetricFamily& family, auto value) {
+    m.set(family, static_cast<double>(value));
+  };
+  set(kHttpAbandoned, s.abandoned.load());
+  set(kHttpRejected, s.rejected.load());
+  set(kHttpQueueDepth, (s.queue ? s.queue->waiting() : 0) + (s.slots ? s.slots->waiting() : 0));
+  set(kHttpRequestsRunning,
+      (s.queue ? s.queue->running() : 0) + (s.slots ? s.slots->running() : 0));
+  set(kHttpMaxQueued, max_queued_);
+  set(kHttpWorkers, s.workers);
+  set(kHttpIoThreads, s.io_threads);
+  set(kHttpOpenConnections, s.open_connections.load());
+  set(kHttpMaxConnections, s.max_connections);
+  set(kHttpConnectionsRefused, s.connections_refused.load());
+  set(kHttpBufferedBytes, s.buffered_bytes());
+  set(kHttpMaxBufferedBytes, s.max_buffered_bytes);
+  set(kHttpBufferedRejected, s.buffered_rejected.load());
+  set(kHttpAcceptErrors, s.accept_errors.load());
+  set(kProcessThreads, process_threads());
+  return m.render();
 }
 
 bool announce_secret(const std::string& role, const std::string& token,
@@ -228,15 +205,13 @@ void add_common_routes(HttpServer& server, const CommonServiceConfig& config,
     res.set_content(json{{"object", "list"}, {"data", json::array({entry})}}.dump(),
                     "application/json");
   });
-  server.fast(
-      "GET", "/metrics", [metrics, &server, secured](const HttpRequest&, HttpResponse& res) {
-        std::string auth =
-            "# HELP ecx_auth_secret_configured 1 when the service runs with a deployment secret\n"
-            "# TYPE ecx_auth_secret_configured gauge\n"
-            "ecx_auth_secret_configured " +
-            std::string(secured ? "1" : "0") + "\n";
-        res.set_content(metrics() + auth + server.render_metrics(), "text/plain; version=0.0.4");
-      });
+  server.fast("GET", "/metrics",
+              [metrics, &server, secured](const HttpRequest&, HttpResponse& res) {
+                Metrics auth;
+                auth.set(metric::kAuthSecretConfigured, secured ? 1 : 0);
+                res.set_content(metrics() + auth.render() + server.render_metrics(),
+                                "text/plain; version=0.0.4");
+              });
 }
 
 void block_shutdown_signals() {

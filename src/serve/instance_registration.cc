@@ -3,13 +3,13 @@
 #include <algorithm>
 #include <chrono>
 #include <memory>
-#include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <thread>
 
 #include "ecx/common/auth.h"
 #include "ecx/common/log.h"
+#include "ecx/common/mutex.h"
 #include "ecx/directory/instance.h"
 #include "ecx/directory/registration.h"
 #include "serve/model_setup.h"
@@ -50,8 +50,8 @@ Result<std::string> challenge_of(const std::string& query) {
 
 // Who this instance is, once it listens: what it proves to proxies.
 struct ProvenSelf {
-  std::mutex mu;
-  std::optional<directory::Instance> self;  // guarded by mu
+  Mutex mu;
+  std::optional<directory::Instance> self ECX_GUARDED_BY(mu);
 };
 
 void add_prove_route(HttpServer& server, std::shared_ptr<ProvenSelf> proven, std::string secret) {
@@ -61,7 +61,7 @@ void add_prove_route(HttpServer& server, std::shared_ptr<ProvenSelf> proven, std
       send_error(res, 400, "invalid_request_error", nonce.status().message());
       return;
     }
-    std::lock_guard lock(proven->mu);
+    MutexLock lock(&proven->mu);
     if (!proven->self) {
       send_error(res, 503, "unavailable", "not registered yet");
       return;
@@ -139,7 +139,7 @@ int serve_registered(HttpServer& server, const DirectoryConfig& directory,
     std::string key = directory::instance_key(directory.etcd_prefix, self);
     directory::sign_instance(self, key, *secret);
     {
-      std::lock_guard lock(proven->mu);
+      MutexLock lock(&proven->mu);
       proven->self = self;
     }
     spdlog::info("event=registering key={} url={} compat_hash={} etcd={}", key, self.url,

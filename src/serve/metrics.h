@@ -1,28 +1,62 @@
-// Prometheus text-format metrics of a service, and the connector's figures rendered
-// into them (one function per role: the names are a contract, see docs/SERVING.md).
+// Prometheus metrics of a service. Each family is declared once (metric_families.h: its
+// name, type, help and, for a histogram, its buckets); a service adds to it, sets it or
+// observes into it with label values, and one renderer writes the text format. The names
+// are a contract (docs/SERVING.md).
 #pragma once
 
+#include <cstdint>
 #include <map>
-#include <mutex>
+#include <span>
 #include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
 
+#include "ecx/common/mutex.h"
 #include "ecx/connector/ec_connector.h"
 
 namespace ecx::serve {
 
-// Counters and gauges with labels. Thread-safe.
+enum class MetricType { kCounter, kGauge, kHistogram };
+
+struct MetricFamily {
+  std::string_view name;
+  MetricType type;
+  std::string_view help;
+  std::span<const double> buckets = {};  // histograms: upper bounds, ascending (+Inf implied)
+};
+
+// A series' label names and values; values are escaped when rendered.
+using Labels = std::vector<std::pair<std::string_view, std::string>>;
+
+// Series of declared families. Thread-safe.
 class Metrics {
  public:
-  void add(const std::string& name, const std::string& labels, double value);
-  void set(const std::string& name, const std::string& labels, double value);
-  // Counts one observation: <name>_sum and <name>_count.
-  void observe(const std::string& name, const std::string& labels, double value);
-  // Every series; a name ending in _total, _count or _sum is a counter, others gauges.
-  std::string render(const std::string& help_prefix) const;
+  // Counters (and gauges): adds `value`.
+  void add(const MetricFamily& family, double value, const Labels& labels = {}) ECX_EXCLUDES(mu_);
+  // Gauges, and counters kept elsewhere (a connector's totals): the value now.
+  void set(const MetricFamily& family, double value, const Labels& labels = {}) ECX_EXCLUDES(mu_);
+  // Histograms: one observation, counted in its bucket, _sum and _count.
+  void observe(const MetricFamily& family, double value, const Labels& labels = {})
+      ECX_EXCLUDES(mu_);
+  // Every family with a series: HELP and TYPE once, then its series.
+  std::string render() const ECX_EXCLUDES(mu_);
 
  private:
-  mutable std::mutex mu_;
-  std::map<std::string, std::map<std::string, double>> values_;  // guarded by mu_
+  struct Series {
+    double value = 0;               // counter, gauge
+    std::vector<uint64_t> buckets;  // histogram: observations <= each bound
+    double sum = 0;
+    uint64_t count = 0;
+  };
+  struct Family {
+    const MetricFamily* family;
+    std::map<std::string, Series> series;  // by rendered labels
+  };
+  Series& series_locked(const MetricFamily& family, const Labels& labels) ECX_REQUIRES(mu_);
+
+  mutable Mutex mu_;
+  std::map<std::string_view, Family> families_ ECX_GUARDED_BY(mu_);
 };
 
 // E: the producer pool as ecx_pool_{capacity_bytes,used_bytes,entries,pins,evictions}.

@@ -11,6 +11,7 @@
 #include "ecx/common/log.h"
 #include "serve/http_server.h"
 #include "serve/instance_registration.h"
+#include "serve/metric_families.h"
 #include "serve/metrics.h"
 #include "serve/model_setup.h"
 #include "serve/openai_request.h"
@@ -91,7 +92,7 @@ void PdService::handle_chat(const HttpRequest& req, HttpResponse& res) {
   auto job = std::make_shared<Job>(prepared_images_, *connector_, make_id("chatcmpl"));
   job->client_gone = req.client_gone;
   if (auto err = parse_chat_request(req.body, config_.common, &job->request)) {
-    metrics_.add("ecx_request_failures_total", "reason=\"bad_request\"", 1);
+    metrics_.add(metric::kRequestFailures, 1, {{"reason", "bad_request"}});
     return send_error(res, *err);
   }
   if (auto err = prepare_prompt(*job)) return send_error(res, *err);
@@ -139,22 +140,28 @@ std::optional<RequestError> PdService::load(Job& job, const connector::LoadReque
   job.timings["ec_load_ms"] = report.ec_load_ms();
   job.timings["encode_ms"] = report.encode_ms;
   job.timings["items_recomputed"] = report.recomputed;
-  metrics_.observe("ecx_ec_load_seconds", "", report.ec_load_ms() / 1000);
-  metrics_.add("ecx_ec_bytes_loaded_total", "", static_cast<double>(report.outcome.bytes));
-  metrics_.add("ecx_items_recomputed_total", "", report.recomputed);
+  metrics_.observe(metric::kEcLoadSeconds, report.ec_load_ms() / 1000);
+  metrics_.add(metric::kEcBytesLoaded, static_cast<double>(report.outcome.bytes));
+  metrics_.add(metric::kItemsRecomputed, report.recomputed);
   const Status& status = report.outcome.status;
   if (status.ok()) return std::nullopt;
-  metrics_.add("ecx_request_failures_total",
-               "reason=\"" + std::string(status_code_name(status.code())) + "\"", 1);
+  metrics_.add(metric::kRequestFailures, 1,
+               {{"reason", std::string(status_code_name(status.code()))}});
   return load_error(status);
 }
 
 void PdService::record(Job& job, const Generation& generation, bool ok) {
   job.timings["prefill_ms"] = generation.prefill_ms;
   job.timings["decode_ms"] = generation.total_ms - generation.prefill_ms;
-  metrics_.add("ecx_requests_total", ok ? "status=\"ok\"" : "status=\"error\"", 1);
-  metrics_.observe("ecx_request_seconds", "", ms_since(job.start) / 1000);
-  metrics_.add("ecx_generated_tokens_total", "", generation.generated);
+  metrics_.add(metric::kRequests, 1, {{"status", ok ? "ok" : "error"}});
+  const double request_ms = ms_since(job.start);
+  metrics_.observe(metric::kRequestSeconds, request_ms / 1000);
+  // The first token comes when prefill ends: all but the decode steps.
+  if (ok && generation.generated > 0) {
+    metrics_.observe(metric::kTimeToFirstToken,
+                     (request_ms - (generation.total_ms - generation.prefill_ms)) / 1000);
+  }
+  metrics_.add(metric::kGeneratedTokens, generation.generated);
 }
 
 void PdService::answer(Job& job, HttpResponse& res) {
@@ -190,7 +197,7 @@ bool PdService::stream(Job& job, StreamWriter& writer) {
   record(job, generation, generation.status.ok() && open);
   job.hold.release();
   if (!open) {
-    metrics_.add("ecx_client_disconnects_total", "", 1);
+    metrics_.add(metric::kClientDisconnects, 1);
     return false;
   }
   if (!generation.status.ok()) {
@@ -210,7 +217,7 @@ bool PdService::stream(Job& job, StreamWriter& writer) {
 
 std::string PdService::render_metrics() {
   set_consumer_metrics(connector_->stats(), metrics_);
-  return metrics_.render("ecx prefill/decode service");
+  return metrics_.render();
 }
 
 }  // namespace

@@ -9,24 +9,20 @@ namespace ecx::serve {
 
 using nlohmann::json;
 
-double ms_since(Clock::time_point t) {
-  return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
-}
-
 void PreparedImages::put(const engine::PreparedImage& image) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   auto& e = map_[image.mm_hash];
   if (e.refs++ == 0) e.image = std::make_shared<engine::PreparedImage>(image);
 }
 
 void PreparedImages::drop(const MmHash& mm_hash) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   auto it = map_.find(mm_hash);
   if (it != map_.end() && --it->second.refs == 0) map_.erase(it);
 }
 
 std::shared_ptr<engine::PreparedImage> PreparedImages::get(const MmHash& mm_hash) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   auto it = map_.find(mm_hash);
   return it == map_.end() ? nullptr : it->second.image;
 }

@@ -19,36 +19,33 @@
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "ecx/common/mutex.h"
 #include "ecx/connector/ec_connector.h"
 #include "ecx/engine/model.h"
 #include "serve/openai_request.h"
 
 namespace ecx::serve {
 
-using Clock = std::chrono::steady_clock;
-double ms_since(Clock::time_point t);
-
 // Images prepared for the requests in flight, so a recompute can encode them. Counted
 // per mm_hash: two requests with the same image share one entry. Thread-safe.
 class PreparedImages {
  public:
-  void put(const engine::PreparedImage& image);
-  void drop(const MmHash& mm_hash);
-  std::shared_ptr<engine::PreparedImage> get(const MmHash& mm_hash);
+  void put(const engine::PreparedImage& image) ECX_EXCLUDES(mu_);
+  void drop(const MmHash& mm_hash) ECX_EXCLUDES(mu_);
+  std::shared_ptr<engine::PreparedImage> get(const MmHash& mm_hash) ECX_EXCLUDES(mu_);
 
  private:
   struct Entry {
     std::shared_ptr<engine::PreparedImage> image;
     int refs = 0;
   };
-  std::mutex mu_;
-  std::map<MmHash, Entry> map_;  // guarded by mu_
+  Mutex mu_;
+  std::map<MmHash, Entry> map_ ECX_GUARDED_BY(mu_);
 };
 
 // What one request holds on the PD, given back exactly once, on every path (the

@@ -33,7 +33,6 @@
 #include <chrono>
 #include <iostream>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <set>
 
@@ -42,6 +41,7 @@
 #include "ecx/common/json_reader.h"
 #include "ecx/common/log.h"
 #include "ecx/common/mm_hash.h"
+#include "ecx/common/mutex.h"
 #include "ecx/directory/membership.h"
 #include "ecx/engine/image.h"
 #include "ecx/engine/model.h"
@@ -49,6 +49,7 @@
 #include "serve/http_client.h"
 #include "serve/http_server.h"
 #include "serve/instance_registration.h"
+#include "serve/metric_families.h"
 #include "serve/metrics.h"
 #include "serve/openai_request.h"
 #include "serve/upstream.h"
@@ -58,8 +59,6 @@ namespace ecx::serve {
 namespace {
 
 using nlohmann::json;
-using Clock = std::chrono::steady_clock;
-
 // Bounds the TCP connect to a PD (the library's default is 300 s).
 constexpr std::chrono::milliseconds kPdConnectTimeout{3000};
 // Bounds each call that gives params back to an encoder.
@@ -67,10 +66,6 @@ constexpr std::chrono::milliseconds kReleaseTimeout{2000};
 // Bounds each call to etcd, and how long start-up waits for the first read of members.
 constexpr std::chrono::milliseconds kEtcdTimeout{2000};
 constexpr std::chrono::milliseconds kEtcdSyncWait{3000};
-
-double ms_since(Clock::time_point t) {
-  return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
-}
 
 // What encoding a request's images came to.
 struct EncodedImages {
@@ -101,9 +96,9 @@ struct ChatCall {
   json forward;                                    // the request as the PD gets it
 
   // Encoding: the answers, in the order the images were sent.
-  std::mutex mu;
-  std::vector<ImageEncode> encodes;  // guarded by mu
-  size_t encodes_left = 0;           // guarded by mu
+  Mutex mu;
+  std::vector<ImageEncode> encodes ECX_GUARDED_BY(mu);
+  size_t encodes_left ECX_GUARDED_BY(mu) = 0;
   EncodedImages encoded;
 
   // Forwarding: the PDs to try, in order, and what failed so far.
@@ -125,7 +120,7 @@ class Proxy {
         use_encoders_(config.connector != "local"),
         client_(HttpClient::Options{}),
         releaser_(client_, kReleaseTimeout,
-                  [this](int n) { metrics_.add("ecx_proxy_params_released_total", "", n); }) {}
+                  [this](int n) { metrics_.add(metric::kProxyParamsReleased, n); }) {}
 
   // The upstreams the prober watches: every PD, and the encoders when they are used.
   UpstreamList probed() const {
@@ -183,7 +178,7 @@ class Proxy {
   void answer_no_pd(const Call& call);
   void answer_pd_failure(const Call& call, const Upstream& pd, const ClientResult& result);
   void count_answer(int http_status) {
-    metrics_.add("ecx_proxy_requests_total", "status=\"" + std::to_string(http_status) + "\"", 1);
+    metrics_.add(metric::kProxyRequests, 1, {{"status", std::to_string(http_status)}});
   }
 
   const ProxyServiceConfig& config_;
@@ -245,17 +240,22 @@ EncodeCall Proxy::encode_call(const ChatRequest& chat, const ContentPart& part,
 }
 
 void Proxy::encodes_done(const Call& call) {
+  // Every encode has answered (or there was none): nothing writes them any more.
+  std::vector<ImageEncode> encodes;
+  {
+    MutexLock lock(&call->mu);
+    encodes.swap(call->encodes);
+  }
   EncodedImages& out = call->encoded;
-  for (ImageEncode& r : call->encodes) {
+  for (ImageEncode& r : encodes) {
     out.ms = std::max(out.ms, r.ms);
     if (r.outcome == ImageEncode::kEncoded && !r.result.mm_hash.empty()) {
       out.issued[r.encoder][r.result.mm_hash] = r.result.params;
     }
   }
   if (call->req->abandoned()) return answer_abandoned(call);
-  for (ImageEncode& r : call->encodes) {
-    if (r.failed_attempts > 0)
-      metrics_.add("ecx_proxy_encoder_errors_total", "", r.failed_attempts);
+  for (ImageEncode& r : encodes) {
+    if (r.failed_attempts > 0) metrics_.add(metric::kProxyEncoderErrors, r.failed_attempts);
     switch (r.outcome) {
       case ImageEncode::kEncoded:
         if (r.result.mm_hash.empty()) break;  // the encoder handed nothing over
@@ -267,7 +267,7 @@ void Proxy::encodes_done(const Call& call) {
           out.error = RequestError{r.result.http_status, "invalid_image", r.result.error};
         break;
       case ImageEncode::kFallback:
-        metrics_.add("ecx_proxy_encoder_fallbacks_total", "reason=\"" + r.reason_label + "\"", 1);
+        metrics_.add(metric::kProxyEncoderFallbacks, 1, {{"reason", r.reason_label}});
         spdlog::warn("event=encoder_fallback reason={} detail=\"{}\": the PD encodes the image",
                      r.reason_label, r.why);
         break;
@@ -275,12 +275,12 @@ void Proxy::encodes_done(const Call& call) {
   }
   if (out.error) {
     releaser_.release(out.issued);  // the images that did encode
-    metrics_.add("ecx_proxy_failures_total", "reason=\"invalid_image\"", 1);
+    metrics_.add(metric::kProxyFailures, 1, {{"reason", "invalid_image"}});
     HttpResponse res;
     send_error(res, *out.error);
     return call->reply->respond(std::move(res));
   }
-  metrics_.observe("ecx_proxy_encode_seconds", "", out.ms / 1000);
+  metrics_.observe(metric::kProxyEncodeSeconds, out.ms / 1000);
   // Only params from our encoders travel on: a client must not choose what PD reads.
   call->forward["ec_transfer_params"] = out.params;
   // About the request as it came (its images as they were), and the params added.
@@ -320,7 +320,7 @@ void Proxy::start_chat(const Call& call) {
     err = parse_chat_request(body, config_.common, &call->chat);
   }
   if (err) {
-    metrics_.add("ecx_proxy_failures_total", "reason=\"bad_request\"", 1);
+    metrics_.add(metric::kProxyFailures, 1, {{"reason", "bad_request"}});
     HttpResponse res;
     send_error(res, *err);
     return call->reply->respond(std::move(res));
@@ -330,7 +330,7 @@ void Proxy::start_chat(const Call& call) {
   std::vector<ImageJob> jobs = image_jobs(*call);
   if (jobs.empty()) return encodes_done(call);
   {
-    std::lock_guard lock(call->mu);
+    MutexLock lock(&call->mu);
     call->encodes.resize(jobs.size());
     call->encodes_left = jobs.size();
   }
@@ -339,7 +339,7 @@ void Proxy::start_chat(const Call& call) {
                          config_.encode_timeout_ms, [this, call, i](ImageEncode r) {
                            bool last;
                            {
-                             std::lock_guard lock(call->mu);
+                             MutexLock lock(&call->mu);
                              call->encodes[i] = std::move(r);
                              last = --call->encodes_left == 0;
                            }
@@ -423,7 +423,7 @@ void Proxy::finish_stream(const Call& call, const Upstream& pd, const ClientResu
   if (call->writer != nullptr) {  // the client has its stream
     count_answer(200);
     if (call->client_gone) {
-      metrics_.add("ecx_proxy_client_disconnects_total", "", 1);
+      metrics_.add(metric::kProxyClientDisconnects, 1);
     } else if (!result.ok()) {
       // PD failed mid-stream: say so instead of ending as if complete.
       std::string message = "pd " + pd.url + ": " + result.message;
@@ -448,14 +448,14 @@ void Proxy::answer_not_taken(const Call& call, HttpResponse res) {
 }
 
 void Proxy::answer_abandoned(const Call& call) {
-  metrics_.add("ecx_proxy_client_disconnects_total", "", 1);
+  metrics_.add(metric::kProxyClientDisconnects, 1);
   HttpResponse res;
   send_error(res, 499, "client_closed_request", "the client closed its connection");
   answer_not_taken(call, std::move(res));
 }
 
 void Proxy::answer_no_pd(const Call& call) {
-  metrics_.add("ecx_proxy_failures_total", "reason=\"no_pd\"", 1);
+  metrics_.add(metric::kProxyFailures, 1, {{"reason", "no_pd"}});
   HttpResponse res;
   send_error(res, 502, "pd_failed",
              call->pds.empty() ? std::string("no PD is known (none given, none registered in etcd)")
@@ -465,7 +465,7 @@ void Proxy::answer_no_pd(const Call& call) {
 
 void Proxy::answer_pd_failure(const Call& call, const Upstream& pd, const ClientResult& result) {
   bool timeout = result.error == ClientError::kTimeout;
-  metrics_.add("ecx_proxy_failures_total", "reason=\"pd\"", 1);
+  metrics_.add(metric::kProxyFailures, 1, {{"reason", "pd"}});
   HttpResponse res;
   send_error(res, timeout ? 504 : 502, timeout ? "pd_timeout" : "pd_failed",
              "pd " + pd.url + ": " + result.message);
@@ -523,8 +523,7 @@ bool Proxy::apply_membership(const std::vector<directory::Instance>& instances) 
         std::pair<const UpstreamList*, const char*>{&change.removed, "removed"}}) {
     for (const auto& u : *list) {
       spdlog::info("event=upstream_{} role={} url={} source={}", what, u->role, u->url, u->source);
-      metrics_.add("ecx_proxy_membership_changes_total",
-                   "role=\"" + u->role + "\",change=\"" + what + "\"", 1);
+      metrics_.add(metric::kProxyMembershipChanges, 1, {{"role", u->role}, {"change", what}});
     }
   }
   if (!change.empty()) {
@@ -538,20 +537,17 @@ bool Proxy::apply_membership(const std::vector<directory::Instance>& instances) 
 std::string Proxy::render_metrics() {
   // The members now, rendered here (not kept in metrics_): one that left leaves no series.
   auto members = upstreams_.snapshot();
-  std::string out = metrics_.render("ecx proxy");
-  out += "# HELP ecx_proxy_upstreams upstreams the proxy routes over now, by role\n";
-  out += "# TYPE ecx_proxy_upstreams gauge\n";
-  out += "ecx_proxy_upstreams{role=\"encoder\"} " + std::to_string(members->encoders.size()) + "\n";
-  out += "ecx_proxy_upstreams{role=\"pd\"} " + std::to_string(members->pds.size()) + "\n";
-  out += "# HELP ecx_proxy_upstream_up 1 when the upstream is reachable\n";
-  out += "# TYPE ecx_proxy_upstream_up gauge\n";
+  Metrics now;
+  now.set(metric::kProxyUpstreams, static_cast<double>(members->encoders.size()),
+          {{"role", "encoder"}});
+  now.set(metric::kProxyUpstreams, static_cast<double>(members->pds.size()), {{"role", "pd"}});
   for (const auto* list : {&members->pds, &members->encoders}) {
     for (const auto& u : *list) {
-      out += "ecx_proxy_upstream_up{role=\"" + u->role + "\",url=\"" + u->url + "\"} " +
-             (u->reachable() ? "1" : "0") + "\n";
+      now.set(metric::kProxyUpstreamUp, u->reachable() ? 1 : 0,
+              {{"role", u->role}, {"url", u->url}});
     }
   }
-  return out;
+  return metrics_.render() + now.render();
 }
 
 std::string Proxy::upstreams_json() const {

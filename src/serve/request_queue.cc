@@ -57,7 +57,7 @@ bool RequestQueue::push(const std::string& client, std::function<void()> job,
                         std::function<void()> refuse) {
   std::function<void()> displaced;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     if (stopping_ || !jobs_.admit({client, std::move(job), std::move(refuse)}, max_queued_,
                                   queue_share(max_queued_), &displaced)) {
       return false;
@@ -70,7 +70,7 @@ bool RequestQueue::push(const std::string& client, std::function<void()> job,
 
 void RequestQueue::stop() {
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     stopping_ = true;
   }
   cv_.notify_all();
@@ -80,21 +80,21 @@ void RequestQueue::stop() {
 }
 
 size_t RequestQueue::waiting() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   return jobs_.size();
 }
 
 size_t RequestQueue::running() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   return running_;
 }
 
 void RequestQueue::work() {
-  std::unique_lock lock(mu_);
+  MutexLock lock(&mu_);
   while (true) {
     // No deadline: a worker waits for work for as long as the service runs; stop()
     // wakes it.
-    cv_.wait(lock, [this] { return stopping_ || !jobs_.empty(); });
+    cv_.wait(&mu_, [this]() ECX_REQUIRES(mu_) { return stopping_ || !jobs_.empty(); });
     if (jobs_.empty()) return;  // stopping, and everything queued has run
     std::function<void()> job = std::move(jobs_.pop_front().job);
     ++running_;
@@ -109,7 +109,7 @@ void RequestQueue::work() {
 }
 
 size_t RequestQueue::busy_longer_than(std::chrono::milliseconds after) const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   auto since = std::chrono::steady_clock::now() - after;
   return static_cast<size_t>(std::distance(started_.begin(), started_.lower_bound(since)));
 }
@@ -121,7 +121,7 @@ SlotQueue::SlotQueue(size_t slots, size_t max_queued,
 bool SlotQueue::push(const std::string& client, Job job, std::function<void()> refuse) {
   std::function<void()> displaced;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     if (running_ >= slots_) {
       if (!jobs_.admit({client, std::move(job), std::move(refuse)}, max_queued_,
                        queue_share(max_queued_), &displaced)) {
@@ -148,7 +148,7 @@ SlotQueue::Done SlotQueue::make_done() {
 void SlotQueue::release() {
   Job next;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     if (jobs_.empty()) {
       --running_;
       return;
@@ -159,12 +159,12 @@ void SlotQueue::release() {
 }
 
 size_t SlotQueue::waiting() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   return jobs_.size();
 }
 
 size_t SlotQueue::running() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   return running_;
 }
 

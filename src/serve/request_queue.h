@@ -12,16 +12,16 @@
 #pragma once
 
 #include <chrono>
-#include <condition_variable>
 #include <cstddef>
 #include <deque>
 #include <functional>
 #include <map>
-#include <mutex>
 #include <set>
 #include <string>
 #include <thread>
 #include <vector>
+
+#include "ecx/common/mutex.h"
 
 namespace ecx::serve {
 
@@ -67,28 +67,29 @@ class RequestQueue {
   // Appends `job` of `client`; false (and `job` dropped) when `max_queued` jobs are
   // already waiting and no place can be taken (see above), or the queue is stopping.
   // `refuse` runs instead of `job` when its place is taken by another client's.
-  bool push(const std::string& client, std::function<void()> job, std::function<void()> refuse);
+  bool push(const std::string& client, std::function<void()> job, std::function<void()> refuse)
+      ECX_EXCLUDES(mu_);
   // Runs every job already queued, then joins the workers. Idempotent.
-  void stop();
+  void stop() ECX_EXCLUDES(mu_);
 
-  size_t waiting() const;  // queued, not yet started
-  size_t running() const;  // on a worker now
+  size_t waiting() const ECX_EXCLUDES(mu_);  // queued, not yet started
+  size_t running() const ECX_EXCLUDES(mu_);  // on a worker now
   // Workers that have run their current job for longer than `after`.
-  size_t busy_longer_than(std::chrono::milliseconds after) const;
+  size_t busy_longer_than(std::chrono::milliseconds after) const ECX_EXCLUDES(mu_);
   int workers() const { return static_cast<int>(threads_.size()); }
   size_t max_queued() const { return max_queued_; }
 
  private:
-  void work();
+  void work() ECX_EXCLUDES(mu_);
 
   const size_t max_queued_;
-  mutable std::mutex mu_;
-  std::condition_variable cv_;
-  FairFifo<std::function<void()>> jobs_;  // guarded by mu_
-  size_t running_ = 0;                    // guarded by mu_
-  // When each running job started; guarded by mu_.
-  std::multiset<std::chrono::steady_clock::time_point> started_;
-  bool stopping_ = false;             // guarded by mu_
+  mutable Mutex mu_;
+  CondVar cv_;
+  FairFifo<std::function<void()>> jobs_ ECX_GUARDED_BY(mu_);
+  size_t running_ ECX_GUARDED_BY(mu_) = 0;
+  // When each running job started.
+  std::multiset<std::chrono::steady_clock::time_point> started_ ECX_GUARDED_BY(mu_);
+  bool stopping_ ECX_GUARDED_BY(mu_) = false;
   std::vector<std::thread> threads_;  // set in the constructor, joined by stop()
 };
 
@@ -105,23 +106,23 @@ class SlotQueue {
   // Runs `job` of `client` now, in the caller, when a slot is free; else queues it. False
   // (and `job` dropped) when `max_queued` jobs are already waiting and no place can be
   // taken (see above); `refuse` runs instead of `job` when its place is taken.
-  bool push(const std::string& client, Job job, std::function<void()> refuse);
+  bool push(const std::string& client, Job job, std::function<void()> refuse) ECX_EXCLUDES(mu_);
 
-  size_t waiting() const;
-  size_t running() const;
+  size_t waiting() const ECX_EXCLUDES(mu_);
+  size_t running() const ECX_EXCLUDES(mu_);
   size_t slots() const { return slots_; }
   size_t max_queued() const { return max_queued_; }
 
  private:
   Done make_done();
-  void release();  // a slot is free: the next waiting job gets it
+  void release() ECX_EXCLUDES(mu_);  // a slot is free: the next waiting job gets it
 
   const size_t slots_;
   const size_t max_queued_;
   const std::function<void(std::function<void()>)> post_;
-  mutable std::mutex mu_;
-  FairFifo<Job> jobs_;  // guarded by mu_
-  size_t running_ = 0;  // guarded by mu_
+  mutable Mutex mu_;
+  FairFifo<Job> jobs_ ECX_GUARDED_BY(mu_);
+  size_t running_ ECX_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace ecx::serve

@@ -13,12 +13,12 @@
 namespace ecx::serve {
 
 std::string Upstream::last_error() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   return last_error_;
 }
 
 void Upstream::mark_down(const std::string& error) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   if (reachable_.exchange(false, std::memory_order_acq_rel)) {
     spdlog::warn("upstream={} url={} reachable=false error=\"{}\"", role, url, error);
   }
@@ -26,7 +26,7 @@ void Upstream::mark_down(const std::string& error) {
 }
 
 void Upstream::mark_up(const std::string& note) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   if (!reachable_.exchange(true, std::memory_order_acq_rel)) {
     spdlog::info("upstream={} url={} reachable=true", role, url);
   }
@@ -107,7 +107,7 @@ void probe_upstream(Upstream& upstream, const UpstreamProber::Options& options) 
 UpstreamProber::UpstreamProber(std::vector<std::shared_ptr<Upstream>> upstreams, Options options)
     : options_(std::move(options)) {
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     for (auto& u : upstreams) add_locked(u);
   }
   for (int i = 0; i < std::max(1, options_.threads); ++i) {
@@ -117,7 +117,7 @@ UpstreamProber::UpstreamProber(std::vector<std::shared_ptr<Upstream>> upstreams,
 
 UpstreamProber::~UpstreamProber() {
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     stop_ = true;
   }
   cv_.notify_all();
@@ -134,7 +134,7 @@ void UpstreamProber::add_locked(const std::shared_ptr<Upstream>& upstream) {
 
 void UpstreamProber::update(const std::vector<std::shared_ptr<Upstream>>& upstreams) {
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     if (stop_) return;
     std::map<const Upstream*, bool> listed;
     for (const auto& u : upstreams) listed[u.get()] = true;
@@ -147,31 +147,31 @@ void UpstreamProber::update(const std::vector<std::shared_ptr<Upstream>>& upstre
 }
 
 size_t UpstreamProber::size() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   return probes_.size();
 }
 
 bool UpstreamProber::wait_first_round(Deadline deadline) {
-  std::unique_lock lock(mu_);
-  return cv_.wait_until(lock, deadline.time_point(), [&] {
+  MutexLock lock(&mu_);
+  return cv_.wait_until(&mu_, deadline.time_point(), [this]() ECX_REQUIRES(mu_) {
     return std::all_of(probes_.begin(), probes_.end(),
                        [](const auto& entry) { return entry.second->probed; });
   });
 }
 
 void UpstreamProber::run() {
-  std::unique_lock lock(mu_);
+  MutexLock lock(&mu_);
   while (!stop_) {
     std::shared_ptr<Probe> next;  // the one due first that no thread holds
     for (const auto& [key, probe] : probes_) {
       if (!probe->busy && (!next || probe->due < next->due)) next = probe;
     }
     if (!next) {
-      cv_.wait(lock);
+      cv_.wait(&mu_);
       continue;
     }
     if (next->due > Clock::now()) {
-      cv_.wait_until(lock, next->due);
+      cv_.wait_until(&mu_, next->due);
       continue;
     }
     next->busy = true;

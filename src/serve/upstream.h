@@ -4,15 +4,14 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "ecx/common/deadline.h"
+#include "ecx/common/mutex.h"
 
 namespace ecx::serve {
 
@@ -45,17 +44,17 @@ class Upstream {
   // True when the last probe (or forwarded request) reached it. Never blocks.
   bool reachable() const { return reachable_.load(std::memory_order_acquire); }
   // Why it was last found unreachable (or slow); empty when it answered.
-  std::string last_error() const;
+  std::string last_error() const ECX_EXCLUDES(mu_);
   // Down at once: a probe or a forwarded request could not connect.
-  void mark_down(const std::string& error);
+  void mark_down(const std::string& error) ECX_EXCLUDES(mu_);
   // Up: it accepted a connection. `note` says what was odd about it (a slow answer).
-  void mark_up(const std::string& note = "");
+  void mark_up(const std::string& note = "") ECX_EXCLUDES(mu_);
 
  private:
   std::atomic<bool> reachable_{false};
   std::atomic<bool> proven_{false};
-  mutable std::mutex mu_;
-  std::string last_error_;  // guarded by mu_
+  mutable Mutex mu_;
+  std::string last_error_ ECX_GUARDED_BY(mu_);
 };
 
 using UpstreamList = std::vector<std::shared_ptr<Upstream>>;
@@ -88,30 +87,32 @@ class UpstreamProber {
 
   // Waits until every upstream probed now has been probed once, or `deadline`. True if
   // all were.
-  bool wait_first_round(Deadline deadline);
+  bool wait_first_round(Deadline deadline) ECX_EXCLUDES(mu_);
   // Probes exactly `upstreams` from now on: one not probed yet at once; one no longer
   // listed no more (after the probe in progress, if any).
-  void update(const std::vector<std::shared_ptr<Upstream>>& upstreams);
+  void update(const std::vector<std::shared_ptr<Upstream>>& upstreams) ECX_EXCLUDES(mu_);
   // How many upstreams are probed now.
-  size_t size() const;
+  size_t size() const ECX_EXCLUDES(mu_);
 
  private:
+  // Its fields are read and written with the prober's mu_ held; they carry no
+  // ECX_GUARDED_BY, as the analysis cannot name the enclosing prober's mutex from here.
   struct Probe {
     std::shared_ptr<Upstream> upstream;
-    Clock::time_point due;  // guarded by mu_
-    bool probed = false;    // probed at least once; guarded by mu_
-    bool busy = false;      // a thread probes it now; guarded by mu_
+    Clock::time_point due;
+    bool probed = false;  // probed at least once
+    bool busy = false;    // a thread probes it now
   };
-  void add_locked(const std::shared_ptr<Upstream>& upstream);
+  void add_locked(const std::shared_ptr<Upstream>& upstream) ECX_REQUIRES(mu_);
   // A pool thread: probes whatever is due first, until stop.
-  void run();
+  void run() ECX_EXCLUDES(mu_);
 
   const Options options_;
-  mutable std::mutex mu_;
-  std::condition_variable cv_;
-  bool stop_ = false;                                         // guarded by mu_
-  std::map<const Upstream*, std::shared_ptr<Probe>> probes_;  // guarded by mu_
-  std::vector<std::thread> threads_;                          // started last
+  mutable Mutex mu_;
+  CondVar cv_;
+  bool stop_ ECX_GUARDED_BY(mu_) = false;
+  std::map<const Upstream*, std::shared_ptr<Probe>> probes_ ECX_GUARDED_BY(mu_);
+  std::vector<std::thread> threads_;  // started last
 };
 
 // One probe of `upstream` as described above; updates its flags.

@@ -16,7 +16,7 @@ UpstreamSet::UpstreamSet(UpstreamList static_encoders, UpstreamList static_pds) 
 }
 
 std::shared_ptr<const UpstreamMembers> UpstreamSet::snapshot() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   return current_;
 }
 
@@ -65,7 +65,7 @@ UpstreamList merge(const UpstreamList& before, const std::string& role,
 }  // namespace
 
 MembershipChange UpstreamSet::set_discovered(const std::vector<directory::Instance>& instances) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   MembershipChange change;
   auto next = std::make_shared<UpstreamMembers>();
   next->encoders = merge(current_->encoders, "encoder", instances, change);

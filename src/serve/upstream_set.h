@@ -6,10 +6,10 @@
 #pragma once
 
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
+#include "ecx/common/mutex.h"
 #include "ecx/directory/instance.h"
 #include "serve/upstream.h"
 
@@ -32,16 +32,17 @@ class UpstreamSet {
   UpstreamSet(UpstreamList static_encoders, UpstreamList static_pds);
 
   // The members now. Never null. Thread-safe.
-  std::shared_ptr<const UpstreamMembers> snapshot() const;
+  std::shared_ptr<const UpstreamMembers> snapshot() const ECX_EXCLUDES(mu_);
 
   // Makes the members found through etcd exactly `instances` (the static ones stay). An
   // instance whose role and URL are already members keeps its Upstream (in-flight count,
   // reachable flag); a static URL is not listed twice. Thread-safe.
-  MembershipChange set_discovered(const std::vector<directory::Instance>& instances);
+  MembershipChange set_discovered(const std::vector<directory::Instance>& instances)
+      ECX_EXCLUDES(mu_);
 
  private:
-  mutable std::mutex mu_;
-  std::shared_ptr<const UpstreamMembers> current_;  // guarded by mu_
+  mutable Mutex mu_;
+  std::shared_ptr<const UpstreamMembers> current_ ECX_GUARDED_BY(mu_);
 };
 
 }  // namespace ecx::serve

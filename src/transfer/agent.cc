@@ -1,23 +1,22 @@
 #include "ecx/transfer/agent.h"
 
 #include <atomic>
-#include <condition_variable>
 #include <deque>
 #include <map>
-#include <mutex>
 #include <thread>
 #include <vector>
 
 #include "ecx/common/auth.h"
 #include "ecx/common/bytes.h"
 #include "ecx/common/log.h"
+#include "ecx/common/mutex.h"
 #include "transfer/connection.h"
 #include "transfer/data_path.h"
 #include "transfer/memory.h"
+#include "transfer/serve_io.h"
 #include "transfer/server.h"
 #include "transfer/shm_backend.h"
 #include "transfer/tcp_backend.h"
-#include "transfer/test_hooks.h"
 #include "transfer/ucx_backend.h"
 #include "transfer/wire.h"
 
@@ -70,8 +69,9 @@ class AgentImpl final : public Agent {
   void revoke(const Capability& capability) override { regions_.revoke(capability); }
   Status deregister(uint32_t region_id) override { return regions_.remove(region_id); }
   AgentMetadata metadata() const override;
-  Result<AgentMetadata> connect(const AgentMetadata& peer, ConnectOptions options) override;
-  void disconnect(const std::string& peer) override;
+  Result<AgentMetadata> connect(const AgentMetadata& peer, ConnectOptions options) override
+      ECX_EXCLUDES(mu_);
+  void disconnect(const std::string& peer) override ECX_EXCLUDES(mu_);
   Result<Backend> peer_backend(const std::string& peer) const override;
   Result<TransferHandle> read(const std::string& peer,
                               std::span<const TransferDescriptor> descriptors,
@@ -87,23 +87,23 @@ class AgentImpl final : public Agent {
   Status notify(const std::string& peer, std::string message) override;
   Result<std::string> call(const std::string& peer, std::string request,
                            Deadline deadline) override;
-  void set_call_handler(CallHandler handler) override;
-  void set_peer_gone_handler(PeerGoneHandler handler) override;
-  void set_notification_handler(NotificationHandler handler) override;
-  Result<Notification> wait_notification(Deadline deadline) override;
+  void set_call_handler(CallHandler handler) override ECX_EXCLUDES(mu_);
+  void set_peer_gone_handler(PeerGoneHandler handler) override ECX_EXCLUDES(mu_);
+  void set_notification_handler(NotificationHandler handler) override ECX_EXCLUDES(mu_);
+  Result<Notification> wait_notification(Deadline deadline) override ECX_EXCLUDES(notify_mu_);
   Result<RemoteView> view(const std::string& peer, uint32_t region, uint64_t offset,
                           uint64_t length, const Capability& capability) override;
-  AgentStats stats() const override {
+  AgentStats stats() const override ECX_EXCLUDES(mu_) {
     AgentStats s = stats_.snapshot();
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     s.connects_by_backend = connects_by_backend_;
     return s;
   }
-  void shutdown() override;
-  void set_test_faults(const TestFaults& faults) { server_->set_test_faults(faults); }
+  void shutdown() override ECX_EXCLUDES(mu_);
+  void set_serve_io(ServeIo& io) { server_->set_serve_io(io); }
 
  private:
-  Result<std::shared_ptr<Peer>> connected_peer(const std::string& name) const;
+  Result<std::shared_ptr<Peer>> connected_peer(const std::string& name) const ECX_EXCLUDES(mu_);
   Result<std::shared_ptr<Peer>> open_peer(const AgentMetadata& meta, Backend backend,
                                           Deadline deadline);
   Result<std::shared_ptr<Peer>> open_with(BackendEngine& engine, const AgentMetadata& meta,
@@ -119,9 +119,10 @@ class AgentImpl final : public Agent {
   std::function<Status(const Status&)> transfer_finalizer(
       const std::shared_ptr<ControlChannel>& control, bool write, uint64_t total,
       std::optional<std::string> notification);
-  void on_peer_death(const std::string& name, uint64_t connection_id, const Status& reason);
+  void on_peer_death(const std::string& name, uint64_t connection_id, const Status& reason)
+      ECX_EXCLUDES(mu_);
   // Destroys dead peers (joins their threads, unmaps their memory) off their own threads.
-  void reap_dead_peers();
+  void reap_dead_peers() ECX_EXCLUDES(mu_);
 
   const AgentConfig config_;
   RegionTable regions_;
@@ -141,23 +142,23 @@ class AgentImpl final : public Agent {
   const std::string session_key_ = random_bytes(32);
   std::atomic<uint64_t> next_connection_id_{1};
 
-  mutable std::mutex mu_;
-  std::condition_variable peers_cv_;
-  std::map<std::string, PeerSlot> peers_;                // guarded by mu_
-  std::map<std::string, uint64_t> connects_by_backend_;  // guarded by mu_
-  CallHandler call_handler_;                             // guarded by mu_
-  PeerGoneHandler peer_gone_handler_;                    // guarded by mu_
-  NotificationHandler notification_handler_;             // guarded by mu_
-  bool stopped_ = false;                                 // guarded by mu_
+  mutable Mutex mu_;
+  CondVar peers_cv_;
+  std::map<std::string, PeerSlot> peers_ ECX_GUARDED_BY(mu_);
+  std::map<std::string, uint64_t> connects_by_backend_ ECX_GUARDED_BY(mu_);
+  CallHandler call_handler_ ECX_GUARDED_BY(mu_);
+  PeerGoneHandler peer_gone_handler_ ECX_GUARDED_BY(mu_);
+  NotificationHandler notification_handler_ ECX_GUARDED_BY(mu_);
+  bool stopped_ ECX_GUARDED_BY(mu_) = false;
   // Peers whose connection died, waiting for the reaper thread to destroy them.
-  std::vector<std::shared_ptr<Peer>> dead_peers_;  // guarded by mu_
-  std::condition_variable reaper_cv_;
+  std::vector<std::shared_ptr<Peer>> dead_peers_ ECX_GUARDED_BY(mu_);
+  CondVar reaper_cv_;
   std::thread reaper_;
 
-  std::mutex notify_mu_;
-  std::condition_variable notify_cv_;
-  std::deque<Notification> notifications_;  // guarded by notify_mu_
-  size_t notification_bytes_ = 0;           // guarded by notify_mu_
+  Mutex notify_mu_;
+  CondVar notify_cv_;
+  std::deque<Notification> notifications_ ECX_GUARDED_BY(notify_mu_);
+  size_t notification_bytes_ ECX_GUARDED_BY(notify_mu_) = 0;
 };
 
 AgentImpl::~AgentImpl() { shutdown(); }
@@ -166,7 +167,7 @@ void AgentImpl::shutdown() {
   // The server first: its handlers may connect to peers. Then the peers, outside mu_,
   // because their threads may call back into on_peer_death.
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     stopped_ = true;
   }
   reaper_cv_.notify_all();
@@ -175,7 +176,7 @@ void AgentImpl::shutdown() {
   std::map<std::string, PeerSlot> peers;
   std::vector<std::shared_ptr<Peer>> dead;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     peers.swap(peers_);
     dead.swap(dead_peers_);
   }
@@ -185,15 +186,16 @@ void AgentImpl::shutdown() {
 }
 
 void AgentImpl::reap_dead_peers() {
-  std::unique_lock lock(mu_);
   while (true) {
-    reaper_cv_.wait(lock, [&] { return stopped_ || !dead_peers_.empty(); });
-    if (stopped_) return;
     std::vector<std::shared_ptr<Peer>> dead;
-    dead.swap(dead_peers_);
-    lock.unlock();
+    {
+      MutexLock lock(&mu_);
+      reaper_cv_.wait(&mu_,
+                      [this]() ECX_REQUIRES(mu_) { return stopped_ || !dead_peers_.empty(); });
+      if (stopped_) return;
+      dead.swap(dead_peers_);
+    }
     dead.clear();  // joins the peer's threads, closes its fds, drops its mappings
-    lock.lock();
   }
 }
 
@@ -204,7 +206,7 @@ Status AgentImpl::start() {
   hooks.deliver_notification = [this](Notification n) {
     NotificationHandler handler;
     {
-      std::lock_guard lock(mu_);
+      MutexLock lock(&mu_);
       handler = notification_handler_;
     }
     if (handler) {
@@ -212,7 +214,7 @@ Status AgentImpl::start() {
       return;
     }
     {
-      std::lock_guard lock(notify_mu_);
+      MutexLock lock(&notify_mu_);
       // Bounded by count and bytes: a peer cannot exhaust memory; the oldest go first.
       while (!notifications_.empty() &&
              (notifications_.size() >= kMaxQueuedNotifications ||
@@ -228,7 +230,7 @@ Status AgentImpl::start() {
   hooks.handle_call = [this](const Caller& peer, std::string_view request) {
     CallHandler handler;
     {
-      std::lock_guard lock(mu_);
+      MutexLock lock(&mu_);
       handler = call_handler_;
     }
     if (!handler) {
@@ -240,7 +242,7 @@ Status AgentImpl::start() {
   hooks.peer_gone = [this](const std::string& peer) {
     PeerGoneHandler handler;
     {
-      std::lock_guard lock(mu_);
+      MutexLock lock(&mu_);
       handler = peer_gone_handler_;
     }
     if (handler) handler(peer);
@@ -393,7 +395,7 @@ Result<AgentMetadata> AgentImpl::connect(const AgentMetadata& meta, ConnectOptio
   }
   {
     // Fast path: already connected (the common case on every load).
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     auto it = peers_.find(meta.name);
     if (it != peers_.end() && it->second.peer && it->second.peer->control->alive() &&
         it->second.peer->control->peer().compat_hash == meta.compat_hash) {
@@ -406,24 +408,27 @@ Result<AgentMetadata> AgentImpl::connect(const AgentMetadata& meta, ConnectOptio
     return s;
   }
   Deadline deadline = options.deadline.value_or(Deadline::after_ms(config_.connect_timeout_ms));
-  std::unique_lock lock(mu_);
-  if (stopped_) return Unavailable("agent " + config_.name + " is shut down");
-  while (true) {
-    PeerSlot& slot = peers_[meta.name];
-    if (slot.peer && slot.peer->control->alive()) return slot.peer->control->peer();
-    if (!slot.connecting) break;
-    if (!peers_cv_.wait_until(lock, deadline.time_point(),
-                              [&] { return !peers_[meta.name].connecting; })) {
-      return DeadlineExceeded("connect to agent '" + meta.name + "': deadline passed");
+  std::shared_ptr<Peer> stale;
+  {
+    MutexLock lock(&mu_);
+    if (stopped_) return Unavailable("agent " + config_.name + " is shut down");
+    while (true) {
+      PeerSlot& slot = peers_[meta.name];
+      if (slot.peer && slot.peer->control->alive()) return slot.peer->control->peer();
+      if (!slot.connecting) break;
+      if (!peers_cv_.wait_until(&mu_, deadline.time_point(), [&]() ECX_REQUIRES(mu_) {
+            return !peers_[meta.name].connecting;
+          })) {
+        return DeadlineExceeded("connect to agent '" + meta.name + "': deadline passed");
+      }
     }
+    PeerSlot& slot = peers_[meta.name];
+    slot.connecting = true;
+    stale = std::move(slot.peer);
   }
-  PeerSlot& slot = peers_[meta.name];
-  slot.connecting = true;
-  std::shared_ptr<Peer> stale = std::move(slot.peer);
-  lock.unlock();
   stale.reset();  // a dead previous connection: its threads are joined outside mu_
   auto opened = open_peer(meta, options.backend, deadline);
-  lock.lock();
+  MutexLock lock(&mu_);
   PeerSlot& done = peers_[meta.name];
   done.connecting = false;
   if (opened.ok()) {
@@ -444,7 +449,7 @@ Result<AgentMetadata> AgentImpl::connect(const AgentMetadata& meta, ConnectOptio
 void AgentImpl::disconnect(const std::string& name) {
   std::shared_ptr<Peer> peer;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     auto it = peers_.find(name);
     if (it == peers_.end() || it->second.connecting) return;
     peer = std::move(it->second.peer);
@@ -456,7 +461,7 @@ void AgentImpl::on_peer_death(const std::string& name, uint64_t connection_id,
                               const Status& reason) {
   // Runs on the peer's reader thread. No reference to the Peer is taken here: dropping
   // the last one on this thread would make the channel join its own thread.
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   auto it = peers_.find(name);
   if (it == peers_.end() || !it->second.peer || it->second.peer->connection_id != connection_id) {
     return;  // an older connection, or one we dropped on purpose
@@ -473,7 +478,7 @@ void AgentImpl::on_peer_death(const std::string& name, uint64_t connection_id,
 }
 
 Result<std::shared_ptr<Peer>> AgentImpl::connected_peer(const std::string& name) const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   auto it = peers_.find(name);
   if (it == peers_.end() || !it->second.peer) {
     if (it != peers_.end() && !it->second.error.ok()) {
@@ -574,24 +579,25 @@ Result<std::string> AgentImpl::call(const std::string& peer_name, std::string re
 }
 
 void AgentImpl::set_call_handler(CallHandler handler) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   call_handler_ = std::move(handler);
 }
 
 void AgentImpl::set_peer_gone_handler(PeerGoneHandler handler) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   peer_gone_handler_ = std::move(handler);
 }
 
 void AgentImpl::set_notification_handler(NotificationHandler handler) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   notification_handler_ = std::move(handler);
 }
 
 Result<Notification> AgentImpl::wait_notification(Deadline deadline) {
-  std::unique_lock lock(notify_mu_);
-  if (!notify_cv_.wait_until(lock, deadline.time_point(),
-                             [&] { return !notifications_.empty(); })) {
+  MutexLock lock(&notify_mu_);
+  if (!notify_cv_.wait_until(&notify_mu_, deadline.time_point(), [this]() ECX_REQUIRES(notify_mu_) {
+        return !notifications_.empty();
+      })) {
     return DeadlineExceeded("agent " + config_.name + ": no notification before the deadline");
   }
   Notification n = std::move(notifications_.front());
@@ -631,8 +637,6 @@ Result<std::unique_ptr<Agent>> Agent::create(AgentConfig config) {
   return std::unique_ptr<Agent>(std::move(agent));
 }
 
-void set_test_faults(Agent& agent, const TestFaults& faults) {
-  static_cast<AgentImpl&>(agent).set_test_faults(faults);
-}
+void set_serve_io(Agent& agent, ServeIo& io) { static_cast<AgentImpl&>(agent).set_serve_io(io); }
 
 }  // namespace ecx::transfer

@@ -182,7 +182,7 @@ bool ControlChannel::alive_now() const {
 }
 
 Status ControlChannel::death_status() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   if (alive()) {
     return Unavailable("connection to agent '" + peer_.name + "' lost: peer hung up");
   }
@@ -205,7 +205,7 @@ void ControlChannel::reader_loop() {
                            frame_type_name(h.type) + " frame from it");
       break;
     }
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     auto it = pending_.find(h.id);
     if (it == pending_.end()) continue;  // reply to a request that timed out
     Pending& p = it->second;
@@ -221,7 +221,7 @@ void ControlChannel::reader_loop() {
     cv_.notify_all();
   }
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     death_ = reason;
     alive_.store(false, std::memory_order_release);
     for (auto& [id, p] : pending_) {
@@ -240,7 +240,7 @@ Result<ControlChannel::Pending> ControlChannel::request(uint16_t type, uint32_t 
                                                         Deadline deadline, uint16_t flags) {
   uint64_t id = next_id_.fetch_add(1);
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     if (!alive()) return death_;
     pending_.emplace(id, Pending{});
   }
@@ -251,15 +251,16 @@ Result<ControlChannel::Pending> ControlChannel::request(uint16_t type, uint32_t 
   h.region = region;
   Status sent;
   {
-    std::lock_guard lock(send_mu_);
+    MutexLock lock(&send_mu_);
     sent = send_frame(fd_.get(), h, payload, deadline);
   }
-  std::unique_lock lock(mu_);
+  MutexLock lock(&mu_);
   if (!sent.ok()) {
     pending_.erase(id);
     return sent.with_context(std::string(frame_type_name(type)) + " to agent '" + peer_.name + "'");
   }
-  bool done = cv_.wait_until(lock, deadline.time_point(), [&] { return pending_[id].done; });
+  bool done = cv_.wait_until(&mu_, deadline.time_point(),
+                             [&]() ECX_REQUIRES(mu_) { return pending_[id].done; });
   Pending p = std::move(pending_[id]);
   pending_.erase(id);
   if (!done) {
@@ -280,7 +281,7 @@ Status ControlChannel::notify(const std::string& message) {
   if (!alive()) return death_status();
   FrameHeader h;
   h.type = static_cast<uint16_t>(FrameType::kNotify);
-  std::lock_guard lock(send_mu_);
+  MutexLock lock(&send_mu_);
   return send_frame(fd_.get(), h, message, Deadline::after_ms(10000))
       .with_context("notify agent '" + peer_.name + "'");
 }

@@ -3,16 +3,15 @@
 #pragma once
 
 #include <atomic>
-#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 
 #include "ecx/common/deadline.h"
+#include "ecx/common/mutex.h"
 #include "ecx/common/status.h"
 #include "ecx/transfer/metadata.h"
 #include "transfer/socket.h"
@@ -80,14 +79,14 @@ class ControlChannel {
   // seen at once even before the reader thread wakes (one poll(2), no blocking).
   bool alive_now() const;
   // The reason the channel died (ok while alive).
-  Status death_status() const;
+  Status death_status() const ECX_EXCLUDES(mu_);
 
-  Result<std::string> call(const std::string& request, Deadline deadline);
-  Status notify(const std::string& message);
+  Result<std::string> call(const std::string& request, Deadline deadline) ECX_EXCLUDES(mu_);
+  Status notify(const std::string& message) ECX_EXCLUDES(mu_, send_mu_);
   // Asks for a region's length and access (and, over unix, its memfd; or with
   // `want_ucx_key`, its ucx key), presenting `capability` for regions that require a grant.
   Result<RegionGrant> query_region(uint32_t region, const Capability& capability, Deadline deadline,
-                                   bool want_ucx_key = false);
+                                   bool want_ucx_key = false) ECX_EXCLUDES(mu_);
   // Shuts the socket down; pending requests fail with kUnavailable.
   void close();
 
@@ -102,9 +101,9 @@ class ControlChannel {
   };
 
   ControlChannel(UniqueFd fd, bool unix_socket, AgentMetadata peer, DeathHandler on_death);
-  void reader_loop();
+  void reader_loop() ECX_EXCLUDES(mu_);
   Result<Pending> request(uint16_t type, uint32_t region, const std::string& payload,
-                          Deadline deadline, uint16_t flags = 0);
+                          Deadline deadline, uint16_t flags = 0) ECX_EXCLUDES(mu_, send_mu_);
   // Whether a frame from the peer is a reply this channel can take.
   static bool is_reply(uint16_t type);
 
@@ -114,11 +113,11 @@ class ControlChannel {
   DeathHandler on_death_;
   std::atomic<bool> alive_{true};
   std::atomic<uint64_t> next_id_{1};
-  std::mutex send_mu_;  // serialises frames written to fd_
-  mutable std::mutex mu_;
-  std::condition_variable cv_;
-  std::map<uint64_t, Pending> pending_;  // guarded by mu_
-  Status death_;                         // guarded by mu_
+  Mutex send_mu_;  // serialises frames written to fd_
+  mutable Mutex mu_;
+  CondVar cv_;
+  std::map<uint64_t, Pending> pending_ ECX_GUARDED_BY(mu_);
+  Status death_ ECX_GUARDED_BY(mu_);
   std::thread reader_;
 };
 

@@ -128,7 +128,7 @@ Status check_announced_regions(std::span<const TransferDescriptor> descriptors,
 }
 
 LocalRegion RegionTable::add(std::shared_ptr<RegionEntry> entry) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   entry->id = next_id_++;
   if (entry->kind == MemoryKind::kCuda) cuda_regions_++;
   LocalRegion out{entry->id, entry->data, entry->length};
@@ -137,7 +137,7 @@ LocalRegion RegionTable::add(std::shared_ptr<RegionEntry> entry) {
 }
 
 Status RegionTable::remove(uint32_t id) {
-  std::unique_lock lock(mu_);
+  MutexLock lock(&mu_);
   std::vector<Capability> ended;
   for (auto g = grants_.begin(); g != grants_.end();) {
     if (g->second.region == id) {
@@ -147,7 +147,7 @@ Status RegionTable::remove(uint32_t id) {
       ++g;
     }
   }
-  for (const auto& capability : ended) end_writes_locked(lock, capability);
+  for (const auto& capability : ended) end_writes_locked(capability);
   auto it = regions_.find(id);
   if (it == regions_.end()) {
     return NotFound("region " + std::to_string(id) + " is not registered on agent " + agent_name_);
@@ -160,7 +160,7 @@ Status RegionTable::remove(uint32_t id) {
 Status RegionTable::check_host_buffers(std::span<const TransferDescriptor> descriptors, bool write,
                                        Backend backend) const {
   if (backend == Backend::kUcx) return Status::Ok();
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   if (cuda_regions_ == 0) return Status::Ok();
   for (size_t i = 0; i < descriptors.size(); ++i) {
     const auto* begin = static_cast<const std::byte*>(descriptors[i].local);
@@ -181,7 +181,7 @@ Status RegionTable::check_host_buffers(std::span<const TransferDescriptor> descr
 }
 
 std::vector<RegionInfo> RegionTable::list() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   std::vector<RegionInfo> out;
   out.reserve(regions_.size());
   for (const auto& [id, entry] : regions_) out.push_back(entry->info());
@@ -189,7 +189,7 @@ std::vector<RegionInfo> RegionTable::list() const {
 }
 
 std::shared_ptr<RegionEntry> RegionTable::find(uint32_t id) const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   auto it = regions_.find(id);
   return it == regions_.end() ? nullptr : it->second;
 }
@@ -198,7 +198,7 @@ Result<std::shared_ptr<RegionEntry>> RegionTable::check_access(uint32_t id, uint
                                                                uint64_t length, bool write,
                                                                const std::string& peer,
                                                                const Capability& capability) const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   return check_access_locked(id, offset, length, write, peer, capability);
 }
 
@@ -207,7 +207,7 @@ Result<std::shared_ptr<RegionEntry>> RegionTable::begin_write(uint32_t id, uint6
                                                               const std::string& peer,
                                                               const Capability& capability,
                                                               int fd) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   ECX_ASSIGN_OR_RETURN(auto entry,
                        check_access_locked(id, offset, length, /*write=*/true, peer, capability));
   if (entry->access.require_grant) writes_[capability].insert(fd);
@@ -216,7 +216,7 @@ Result<std::shared_ptr<RegionEntry>> RegionTable::begin_write(uint32_t id, uint6
 
 void RegionTable::end_write(const Capability& capability, int fd) {
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     auto it = writes_.find(capability);
     if (it == writes_.end()) return;
     it->second.erase(fd);
@@ -273,7 +273,7 @@ Status RegionTable::check_grant_locked(uint32_t id, uint64_t offset, uint64_t le
 
 Status RegionTable::check_region_grant(uint32_t id, const std::string& peer,
                                        const Capability& capability) const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   auto it = regions_.find(id);
   if (it == regions_.end()) {
     return NotFound("region " + std::to_string(id) + " on agent " + agent_name_ +
@@ -291,7 +291,7 @@ Status RegionTable::check_region_grant(uint32_t id, const std::string& peer,
 
 Result<Capability> RegionTable::grant(uint32_t id, uint64_t offset, uint64_t length, bool write,
                                       const std::string& holder) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   auto it = regions_.find(id);
   if (it == regions_.end()) {
     return NotFound("grant on region " + std::to_string(id) + " of agent " + agent_name_ +
@@ -307,26 +307,25 @@ Result<Capability> RegionTable::grant(uint32_t id, uint64_t offset, uint64_t len
 }
 
 void RegionTable::revoke(const Capability& capability) {
-  std::unique_lock lock(mu_);
+  MutexLock lock(&mu_);
   grants_.erase(capability);
-  end_writes_locked(lock, capability);
+  end_writes_locked(capability);
 }
 
-void RegionTable::end_writes_locked(std::unique_lock<std::mutex>& lock,
-                                    const Capability& capability) {
+void RegionTable::end_writes_locked(const Capability& capability) {
   auto in_flight = writes_.find(capability);
   if (in_flight == writes_.end()) return;
   // Their streams are cut, so each server thread leaves its recv at once and ends its
   // write; the bound only guards against a bug there.
   for (int fd : in_flight->second) ::shutdown(fd, SHUT_RDWR);
-  if (!write_ended_.wait_for(lock, std::chrono::seconds(10),
-                             [&] { return writes_.count(capability) == 0; })) {
+  if (!write_ended_.wait_for(&mu_, std::chrono::seconds(10),
+                             [&]() ECX_REQUIRES(mu_) { return writes_.count(capability) == 0; })) {
     spdlog::error("agent {}: a WRITE on a revoked grant did not end within 10 s", agent_name_);
   }
 }
 
 size_t RegionTable::grant_count() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   return grants_.size();
 }
 

@@ -1,16 +1,15 @@
 // Registered memory of one agent: memfd arenas and caller-owned buffers, by region id.
 #pragma once
 
-#include <condition_variable>
 #include <cstdint>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <set>
 #include <span>
 #include <string>
 #include <vector>
 
+#include "ecx/common/mutex.h"
 #include "ecx/common/status.h"
 #include "ecx/transfer/metadata.h"
 #include "ecx/transfer/types.h"
@@ -70,10 +69,10 @@ class RegionTable {
   explicit RegionTable(std::string agent_name) : agent_name_(std::move(agent_name)) {}
 
   // Assigns the next id and adds the region.
-  LocalRegion add(std::shared_ptr<RegionEntry> entry);
-  Status remove(uint32_t id);
-  std::vector<RegionInfo> list() const;
-  std::shared_ptr<RegionEntry> find(uint32_t id) const;
+  LocalRegion add(std::shared_ptr<RegionEntry> entry) ECX_EXCLUDES(mu_);
+  Status remove(uint32_t id) ECX_EXCLUDES(mu_);
+  std::vector<RegionInfo> list() const ECX_EXCLUDES(mu_);
+  std::shared_ptr<RegionEntry> find(uint32_t id) const ECX_EXCLUDES(mu_);
   // Validates a peer's request against the region: exists, access allowed, and
   // [offset, offset + length) inside it (overflow-safe); for a region that requires
   // grants, `capability` must be a grant of that region covering the range, for `peer`
@@ -81,31 +80,33 @@ class RegionTable {
   // the region, held.
   Result<std::shared_ptr<RegionEntry>> check_access(uint32_t id, uint64_t offset, uint64_t length,
                                                     bool write, const std::string& peer = {},
-                                                    const Capability& capability = {}) const;
+                                                    const Capability& capability = {}) const
+      ECX_EXCLUDES(mu_);
   // check_access for a WRITE whose data arrives on `fd`: when it passes under a grant,
   // the write is registered in flight on that grant (in the same lock) until end_write.
   // revoke() of the grant shuts `fd` down and waits for end_write, so no byte of the
   // write lands in the window after revoke() returns.
   Result<std::shared_ptr<RegionEntry>> begin_write(uint32_t id, uint64_t offset, uint64_t length,
                                                    const std::string& peer,
-                                                   const Capability& capability, int fd);
-  void end_write(const Capability& capability, int fd);
+                                                   const Capability& capability, int fd)
+      ECX_EXCLUDES(mu_);
+  void end_write(const Capability& capability, int fd) ECX_EXCLUDES(mu_);
   // Over shm and tcp the CPU copies the bytes: no local buffer of a batch may lie in a
   // CUDA region of this agent (kFailedPrecondition naming the descriptor and region).
   Status check_host_buffers(std::span<const TransferDescriptor> descriptors, bool write,
-                            Backend backend) const;
+                            Backend backend) const ECX_EXCLUDES(mu_);
   // Whether `peer` may have the region's memfd: the region needs no grant, or
   // `capability` is a grant of `peer` (or of any peer) in it.
   Status check_region_grant(uint32_t id, const std::string& peer,
-                            const Capability& capability) const;
+                            const Capability& capability) const ECX_EXCLUDES(mu_);
 
   // `holder`: a peer identity ("name#session": that process only), a bare agent name
   // (any process that declares it) or empty (any authenticated peer).
   Result<Capability> grant(uint32_t id, uint64_t offset, uint64_t length, bool write,
-                           const std::string& holder);
+                           const std::string& holder) ECX_EXCLUDES(mu_);
   // Ends the grant; WRITEs in flight on it are aborted and waited for (begin_write).
-  void revoke(const Capability& capability);
-  size_t grant_count() const;
+  void revoke(const Capability& capability) ECX_EXCLUDES(mu_);
+  size_t grant_count() const ECX_EXCLUDES(mu_);
 
  private:
   struct Grant {
@@ -117,22 +118,23 @@ class RegionTable {
   };
   Status check_grant_locked(uint32_t id, uint64_t offset, uint64_t length, bool write,
                             const std::string& peer, const Capability& capability,
-                            const std::string& what) const;
-  // Cuts the WRITEs in flight on `capability` and waits (releasing `lock`) until they end.
-  void end_writes_locked(std::unique_lock<std::mutex>& lock, const Capability& capability);
+                            const std::string& what) const ECX_REQUIRES(mu_);
+  // Cuts the WRITEs in flight on `capability` and waits (releasing mu_) until they end.
+  void end_writes_locked(const Capability& capability) ECX_REQUIRES(mu_);
   Result<std::shared_ptr<RegionEntry>> check_access_locked(uint32_t id, uint64_t offset,
                                                            uint64_t length, bool write,
                                                            const std::string& peer,
-                                                           const Capability& capability) const;
+                                                           const Capability& capability) const
+      ECX_REQUIRES(mu_);
 
   const std::string agent_name_;
-  mutable std::mutex mu_;
-  uint32_t next_id_ = 1;                                      // guarded by mu_
-  std::map<uint32_t, std::shared_ptr<RegionEntry>> regions_;  // guarded by mu_
-  size_t cuda_regions_ = 0;                                   // guarded by mu_
-  std::map<Capability, Grant> grants_;                        // guarded by mu_
-  std::map<Capability, std::set<int>> writes_;                // guarded by mu_; fds in flight
-  std::condition_variable write_ended_;                       // a write left writes_
+  mutable Mutex mu_;
+  uint32_t next_id_ ECX_GUARDED_BY(mu_) = 1;
+  std::map<uint32_t, std::shared_ptr<RegionEntry>> regions_ ECX_GUARDED_BY(mu_);
+  size_t cuda_regions_ ECX_GUARDED_BY(mu_) = 0;
+  std::map<Capability, Grant> grants_ ECX_GUARDED_BY(mu_);
+  std::map<Capability, std::set<int>> writes_ ECX_GUARDED_BY(mu_);  // fds in flight
+  CondVar write_ended_;                                             // a write left writes_
 };
 
 }  // namespace ecx::transfer

@@ -100,7 +100,7 @@ Server::~Server() { stop(); }
 
 void Server::stop() {
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     if (stopping_) return;
     stopping_ = true;
     for (auto& c : connections_) {
@@ -114,7 +114,7 @@ void Server::stop() {
   if (tcp_acceptor_.joinable()) tcp_acceptor_.join();
   std::list<Connection> all;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     all.swap(connections_);
   }
   for (auto& c : all) {
@@ -125,7 +125,7 @@ void Server::stop() {
 void Server::reap_finished() {
   std::list<Connection> done;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     for (auto it = connections_.begin(); it != connections_.end();) {
       auto next = std::next(it);
       if (it->finished) done.splice(done.end(), connections_, it);
@@ -143,9 +143,12 @@ void Server::accept_loop(int listen_fd, bool unix_socket) {
     if (!accepted.ok()) {
       // Out of descriptors or similar: back off instead of spinning, but wake on stop.
       spdlog::warn("agent {}: {}", config_.name, accepted.status().to_string());
-      std::unique_lock lock(mu_);
-      if (stop_cv_.wait_for(lock, std::chrono::milliseconds(100), [&] { return stopping_; }))
-        return;
+      {
+        MutexLock lock(&mu_);
+        if (stop_cv_.wait_for(&mu_, std::chrono::milliseconds(100),
+                              [this]() ECX_REQUIRES(mu_) { return stopping_; }))
+          return;
+      }
       continue;
     }
     if (!accepted->valid()) return;  // listener shut down
@@ -158,7 +161,7 @@ void Server::accept_loop(int listen_fd, bool unix_socket) {
         continue;
       }
     }
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     if (stopping_) return;
     if (established_locked(unix_socket) >=
         static_cast<size_t>(std::max(1, config_.max_connections))) {
@@ -213,7 +216,7 @@ void Server::serve(Connection* connection) {
   // Counted against max_connections once its proof is checked, before it is answered:
   // those that finished their handshake meanwhile may have taken the last places.
   auto admit = [&]() -> Status {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     if (established_locked(connection->unix_socket) >=
         static_cast<size_t>(std::max(1, config_.max_connections))) {
       stats_->connections_refused++;
@@ -254,7 +257,7 @@ void Server::serve(Connection* connection) {
     }
     if (!data_only && hooks_.peer_gone) hooks_.peer_gone(caller.holder);
   }
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   connection->fd.reset();  // closed now, not when the next connection reaps this one
   connection->finished = true;
 }
@@ -309,14 +312,9 @@ bool Server::serve_read(int fd, const std::string& peer, const FrameHeader& h,
   reply.length = h.length;
   if (!send_frame(fd, reply, std::string(), reply_deadline).ok()) return false;
   const std::byte* src = (*region)->data + h.offset;
-  uint64_t stall = stall_read_after_bytes_.load(std::memory_order_relaxed);
-  if (stall > 0 && h.length > stall) {
-    send_all(fd, src, stall, reply_deadline, "send READ data").ignore_error();
-    std::unique_lock lock(mu_);
-    stop_cv_.wait(lock, [&] { return stopping_; });  // fault injection: hang until stopped
-    return false;
-  }
-  return send_all(fd, src, h.length, reply_deadline, "send READ data").ok();
+  return io_.load(std::memory_order_acquire)
+      ->send_read_data(fd, src, h.length, reply_deadline)
+      .ok();
 }
 
 bool Server::serve_write(int fd, const std::string& peer, const FrameHeader& h,

@@ -4,19 +4,18 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <functional>
 #include <list>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 
+#include "ecx/common/mutex.h"
 #include "ecx/transfer/agent.h"
 #include "transfer/memory.h"
+#include "transfer/serve_io.h"
 #include "transfer/socket.h"
 #include "transfer/stats_counters.h"
-#include "transfer/test_hooks.h"
 #include "transfer/wire.h"
 
 namespace ecx::transfer {
@@ -42,10 +41,9 @@ class Server {
   const std::string& shm_endpoint() const { return shm_endpoint_; }
   const std::string& tcp_endpoint() const { return tcp_endpoint_; }
   // Closes listeners and every connection, and joins all threads.
-  void stop();
-  void set_test_faults(const TestFaults& faults) {
-    stall_read_after_bytes_.store(faults.stall_read_after_bytes, std::memory_order_relaxed);
-  }
+  void stop() ECX_EXCLUDES(mu_);
+  // How READ replies go out (serve_io.h); `io` must outlive the server.
+  void set_serve_io(ServeIo& io) { io_.store(&io, std::memory_order_release); }
 
  private:
   struct Connection {
@@ -53,16 +51,19 @@ class Server {
     bool unix_socket = false;
     std::chrono::steady_clock::time_point accepted_at;
     std::thread thread;
-    bool handshaking = true;  // guarded by Server::mu_
-    bool cut = false;         // guarded by Server::mu_; shut down to make room
-    bool finished = false;    // guarded by Server::mu_
+    // Guarded by Server::mu_, which ECX_GUARDED_BY cannot name from a nested struct: only
+    // read or written with it held.
+    bool handshaking = true;
+    bool cut = false;  // shut down to make room
+    bool finished = false;
   };
 
   Server(const AgentConfig& config, RegionTable* regions, StatsCounters* stats, ServerHooks hooks);
-  void accept_loop(int listen_fd, bool unix_socket);
-  void make_room_for_handshake_locked(bool unix_socket);
-  size_t established_locked(bool unix_socket) const;  // handshake done, not finished
-  void serve(Connection* connection);
+  void accept_loop(int listen_fd, bool unix_socket) ECX_EXCLUDES(mu_);
+  void make_room_for_handshake_locked(bool unix_socket) ECX_REQUIRES(mu_);
+  // Handshake done, not finished.
+  size_t established_locked(bool unix_socket) const ECX_REQUIRES(mu_);
+  void serve(Connection* connection) ECX_EXCLUDES(mu_);
   // Handles one request frame; returns false when the connection must close.
   // Grants are checked against `caller.holder`, the peer's authenticated identity.
   bool handle_frame(Connection* connection, const Caller& caller, Frame& frame);
@@ -72,13 +73,13 @@ class Server {
                                                          const Capability& capability, bool write);
   // One per request type, as handle_frame: false when the connection must close.
   bool serve_read(int fd, const std::string& peer, const FrameHeader& h,
-                  const Capability& capability);
+                  const Capability& capability) ECX_EXCLUDES(mu_);
   bool serve_write(int fd, const std::string& peer, const FrameHeader& h,
                    const Capability& capability);
   bool serve_region_query(const Connection& connection, const std::string& peer,
                           const FrameHeader& h, const Capability& capability);
   bool serve_call(int fd, const Caller& caller, const FrameHeader& h, std::string_view payload);
-  void reap_finished();
+  void reap_finished() ECX_EXCLUDES(mu_);
 
   const AgentConfig config_;
   RegionTable* const regions_;
@@ -91,11 +92,11 @@ class Server {
   std::thread unix_acceptor_;
   std::thread tcp_acceptor_;
 
-  std::mutex mu_;
-  std::condition_variable stop_cv_;                  // wakes fault-injection stalls on stop
-  bool stopping_ = false;                            // guarded by mu_
-  std::list<Connection> connections_;                // guarded by mu_
-  std::atomic<uint64_t> stall_read_after_bytes_{0};  // TestFaults
+  Mutex mu_;
+  CondVar stop_cv_;  // wakes the accept loop's back-off on stop
+  bool stopping_ ECX_GUARDED_BY(mu_) = false;
+  std::list<Connection> connections_ ECX_GUARDED_BY(mu_);
+  std::atomic<ServeIo*> io_{&ServeIo::standard()};
 };
 
 }  // namespace ecx::transfer

@@ -18,7 +18,7 @@ Result<std::shared_ptr<ShmDataPath::Mapping>> ShmDataPath::mapping(uint32_t regi
                                                                    const Capability& capability,
                                                                    Deadline deadline) {
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     auto it = mappings_.find(region);
     if (it != mappings_.end()) return it->second;
   }
@@ -43,7 +43,7 @@ Result<std::shared_ptr<ShmDataPath::Mapping>> ShmDataPath::mapping(uint32_t regi
   m->data = static_cast<std::byte*>(p);
   m->length = grant.length;
   m->readable = grant.remote_read;
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   auto [it, inserted] = mappings_.emplace(region, m);
   return it->second;  // a concurrent mapper may have won; both views are equivalent
 }

@@ -7,10 +7,10 @@
 #include <cstdint>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <span>
 #include <string>
 
+#include "ecx/common/mutex.h"
 #include "ecx/transfer/agent.h"
 #include "transfer/connection.h"
 #include "transfer/data_path.h"
@@ -48,7 +48,7 @@ class ShmDataPath final : public DataPath {
     ~Mapping();
   };
   Result<std::shared_ptr<Mapping>> mapping(uint32_t region, const Capability& capability,
-                                           Deadline deadline);
+                                           Deadline deadline) ECX_EXCLUDES(mu_);
   // Resolves and range-checks each descriptor against the peer's mappings.
   Result<std::vector<std::shared_ptr<Mapping>>> resolve(
       std::span<const TransferDescriptor> descriptors, Deadline deadline);
@@ -56,8 +56,8 @@ class ShmDataPath final : public DataPath {
   const std::shared_ptr<ControlChannel> control_;
   StatsCounters* const stats_;
   const std::shared_ptr<TcpDataPool> writes_;
-  std::mutex mu_;
-  std::map<uint32_t, std::shared_ptr<Mapping>> mappings_;  // guarded by mu_
+  Mutex mu_;
+  std::map<uint32_t, std::shared_ptr<Mapping>> mappings_ ECX_GUARDED_BY(mu_);
 };
 
 }  // namespace ecx::transfer

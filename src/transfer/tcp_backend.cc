@@ -29,7 +29,7 @@ TcpDataPool::TcpDataPool(const AgentConfig& config, AgentMetadata self, AgentMet
 
 TcpDataPool::~TcpDataPool() {
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     stopping_ = true;
     for (auto& w : workers_) {
       if (w->current != nullptr && w->fd.valid()) ::shutdown(w->fd.get(), SHUT_RDWR);
@@ -65,7 +65,7 @@ std::shared_ptr<TransferState> TcpDataPool::submit(std::span<const TransferDescr
   state->set_cancel_hook([weak, raw] {
     if (auto pool = weak.lock()) pool->interrupt(raw);
   });
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   if (!failed_.ok() || stopping_) {
     Status why = failed_.ok() ? Unavailable("agent shutting down") : failed_;
     for (size_t i = 0; i < jobs.size(); ++i) state->part_done(why);
@@ -83,7 +83,7 @@ std::shared_ptr<TransferState> TcpDataPool::submit(std::span<const TransferDescr
 }
 
 void TcpDataPool::fail_all(const Status& reason) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   if (failed_.ok()) failed_ = reason;
   for (auto& w : workers_) {
     if (w->current != nullptr && w->fd.valid()) ::shutdown(w->fd.get(), SHUT_RDWR);
@@ -94,7 +94,7 @@ void TcpDataPool::fail_all(const Status& reason) {
 void TcpDataPool::interrupt(TransferState* state) {
   std::vector<Job> dropped;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     for (auto& w : workers_) {
       if (w->current == state && w->fd.valid()) ::shutdown(w->fd.get(), SHUT_RDWR);
       // Jobs still queued for this transfer never start.
@@ -118,8 +118,8 @@ void TcpDataPool::run(Worker* worker) {
     Job job;
     Status failed;
     {
-      std::unique_lock lock(mu_);
-      cv_.wait(lock, [&] { return stopping_ || !worker->jobs.empty(); });
+      MutexLock lock(&mu_);
+      cv_.wait(&mu_, [&]() ECX_REQUIRES(mu_) { return stopping_ || !worker->jobs.empty(); });
       if (worker->jobs.empty()) return;  // stopping, nothing left
       job = std::move(worker->jobs.front());
       worker->jobs.pop_front();
@@ -135,7 +135,7 @@ void TcpDataPool::run(Worker* worker) {
       result = run_job(worker, job);
     }
     {
-      std::lock_guard lock(mu_);
+      MutexLock lock(&mu_);
       if (!result.ok()) worker->fd.reset();  // the stream may be mid-frame: start over
       worker->current = nullptr;
       if (!result.ok() && job.state->cancelled() &&
@@ -155,7 +155,7 @@ Status TcpDataPool::ensure_connected(Worker* worker, Job& job) {
   int raw = fd.get();
   {
     // Installed before the handshake, so a cancel or a peer death can shut it down.
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     if (job.state->cancelled()) {
       return Status(StatusCode::kCancelled, job.state->description() + ": cancelled");
     }

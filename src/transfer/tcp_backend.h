@@ -5,16 +5,15 @@
 // capability; the serving agent checks it before any byte moves.
 #pragma once
 
-#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <span>
 #include <thread>
 #include <vector>
 
+#include "ecx/common/mutex.h"
 #include "ecx/transfer/agent.h"
 #include "transfer/data_path.h"
 #include "transfer/socket.h"
@@ -39,9 +38,9 @@ class TcpDataPool final : public DataPath, public std::enable_shared_from_this<T
   // Starts a batched transfer; the returned state completes when every slice has.
   std::shared_ptr<TransferState> submit(std::span<const TransferDescriptor> descriptors, bool write,
                                         Deadline deadline, std::string description,
-                                        TransferFinalizer finalizer) override;
+                                        TransferFinalizer finalizer) override ECX_EXCLUDES(mu_);
   // Fails in-flight and future work with `reason` (the peer died).
-  void fail_all(const Status& reason) override;
+  void fail_all(const Status& reason) override ECX_EXCLUDES(mu_);
   Backend kind() const override { return Backend::kTcp; }
 
  private:
@@ -60,15 +59,17 @@ class TcpDataPool final : public DataPath, public std::enable_shared_from_this<T
   };
   struct Worker {
     std::thread thread;
-    UniqueFd fd;                       // installed/closed under mu_; shut down by others
-    std::deque<Job> jobs;              // guarded by pool mu_
-    TransferState* current = nullptr;  // guarded by pool mu_
+    UniqueFd fd;  // installed/closed under mu_; shut down by others
+    // Guarded by the pool's mu_, which ECX_GUARDED_BY cannot name from a nested struct:
+    // only read or written with it held.
+    std::deque<Job> jobs;
+    TransferState* current = nullptr;
   };
 
-  void run(Worker* worker);
-  Status run_job(Worker* worker, Job& job);
-  Status ensure_connected(Worker* worker, Job& job);
-  void interrupt(TransferState* state);
+  void run(Worker* worker) ECX_EXCLUDES(mu_);
+  Status run_job(Worker* worker, Job& job) ECX_EXCLUDES(mu_);
+  Status ensure_connected(Worker* worker, Job& job) ECX_EXCLUDES(mu_);
+  void interrupt(TransferState* state) ECX_EXCLUDES(mu_);
 
   const AgentConfig config_;
   const AgentMetadata self_;
@@ -76,11 +77,11 @@ class TcpDataPool final : public DataPath, public std::enable_shared_from_this<T
   const Dialer dial_;
   const std::string label_;
 
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool stopping_ = false;   // guarded by mu_
-  Status failed_;           // guarded by mu_; set once the peer is gone
-  size_t next_worker_ = 0;  // guarded by mu_
+  Mutex mu_;
+  CondVar cv_;
+  bool stopping_ ECX_GUARDED_BY(mu_) = false;
+  Status failed_ ECX_GUARDED_BY(mu_);  // set once the peer is gone
+  size_t next_worker_ ECX_GUARDED_BY(mu_) = 0;
   std::vector<std::unique_ptr<Worker>> workers_;
 };
 

@@ -15,7 +15,7 @@ void TransferState::part_done(const Status& status) {
   std::function<Status(const Status&)> finalizer;
   Status aggregate;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     if (!status.ok() && status_.ok()) status_ = status;
     if (--remaining_ > 0) return;
     finalizer = std::move(finalizer_);
@@ -26,7 +26,7 @@ void TransferState::part_done(const Status& status) {
   if (finalizer) aggregate = finalizer(aggregate);
   std::vector<std::function<void(const Status&)>> callbacks;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     status_ = aggregate;
     done_ = true;
     callbacks.swap(callbacks_);
@@ -36,24 +36,26 @@ void TransferState::part_done(const Status& status) {
 }
 
 void TransferState::set_finalizer(std::function<Status(const Status&)> finalizer) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   finalizer_ = std::move(finalizer);
 }
 
 void TransferState::set_cancel_hook(std::function<void()> hook) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   cancel_hook_ = std::move(hook);
 }
 
 Status TransferState::wait(Deadline deadline) {
-  std::unique_lock lock(mu_);
-  if (cv_.wait_until(lock, deadline.time_point(), [&] { return done_; })) return status_;
-  lock.unlock();
+  {
+    MutexLock lock(&mu_);
+    if (cv_.wait_until(&mu_, deadline.time_point(), [this]() ECX_REQUIRES(mu_) { return done_; }))
+      return status_;
+  }
   cancel();
-  lock.lock();
+  MutexLock lock(&mu_);
   // Parts in progress were interrupted; wait for them so no byte lands after we return.
-  bool drained =
-      cv_.wait_for(lock, std::chrono::milliseconds(kCancelDrainMs), [&] { return done_; });
+  bool drained = cv_.wait_for(&mu_, std::chrono::milliseconds(kCancelDrainMs),
+                              [this]() ECX_REQUIRES(mu_) { return done_; });
   if (!drained) {
     return Internal(description_ + ": deadline passed and the transfer did not stop after cancel");
   }
@@ -65,7 +67,7 @@ Status TransferState::wait(Deadline deadline) {
 }
 
 bool TransferState::done() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   return done_;
 }
 
@@ -73,7 +75,7 @@ void TransferState::cancel() {
   if (cancelled_.exchange(true)) return;
   std::function<void()> hook;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     if (done_) return;
     hook = cancel_hook_;
   }
@@ -83,7 +85,7 @@ void TransferState::cancel() {
 void TransferState::on_complete(std::function<void(const Status&)> callback) {
   Status final_status;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     if (!done_) {
       callbacks_.push_back(std::move(callback));
       return;

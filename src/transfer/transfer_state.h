@@ -3,13 +3,12 @@
 #pragma once
 
 #include <atomic>
-#include <condition_variable>
 #include <functional>
-#include <mutex>
 #include <string>
 #include <vector>
 
 #include "ecx/common/deadline.h"
+#include "ecx/common/mutex.h"
 #include "ecx/common/status.h"
 
 namespace ecx::transfer {
@@ -21,31 +20,31 @@ class TransferState {
 
   // Records one finished part. The first error wins. The last part runs the finalizer
   // (if any), then wakes waiters and runs callbacks.
-  void part_done(const Status& status);
+  void part_done(const Status& status) ECX_EXCLUDES(mu_);
   // Runs on the completing thread with the aggregate status; may replace it
   // (e.g. to send the notification that follows a WRITE).
-  void set_finalizer(std::function<Status(const Status&)> finalizer);
+  void set_finalizer(std::function<Status(const Status&)> finalizer) ECX_EXCLUDES(mu_);
   // Called once by cancel() to interrupt parts in progress (e.g. shut sockets down).
-  void set_cancel_hook(std::function<void()> hook);
+  void set_cancel_hook(std::function<void()> hook) ECX_EXCLUDES(mu_);
 
-  Status wait(Deadline deadline);
-  bool done() const;
-  void cancel();
+  Status wait(Deadline deadline) ECX_EXCLUDES(mu_);
+  bool done() const ECX_EXCLUDES(mu_);
+  void cancel() ECX_EXCLUDES(mu_);
   bool cancelled() const { return cancelled_.load(std::memory_order_acquire); }
-  void on_complete(std::function<void(const Status&)> callback);
+  void on_complete(std::function<void(const Status&)> callback) ECX_EXCLUDES(mu_);
   const std::string& description() const { return description_; }
 
  private:
   const std::string description_;
   std::atomic<bool> cancelled_{false};
-  mutable std::mutex mu_;
-  std::condition_variable cv_;
-  int remaining_;                                              // guarded by mu_
-  bool done_ = false;                                          // guarded by mu_
-  Status status_;                                              // guarded by mu_
-  std::function<Status(const Status&)> finalizer_;             // guarded by mu_
-  std::function<void()> cancel_hook_;                          // guarded by mu_
-  std::vector<std::function<void(const Status&)>> callbacks_;  // guarded by mu_
+  mutable Mutex mu_;
+  CondVar cv_;
+  int remaining_ ECX_GUARDED_BY(mu_);
+  bool done_ ECX_GUARDED_BY(mu_) = false;
+  Status status_ ECX_GUARDED_BY(mu_);
+  std::function<Status(const Status&)> finalizer_ ECX_GUARDED_BY(mu_);
+  std::function<void()> cancel_hook_ ECX_GUARDED_BY(mu_);
+  std::vector<std::function<void(const Status&)>> callbacks_ ECX_GUARDED_BY(mu_);
 };
 
 }  // namespace ecx::transfer

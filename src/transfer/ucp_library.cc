@@ -9,8 +9,9 @@
 #include <filesystem>
 #include <iterator>
 #include <memory>
-#include <mutex>
 #include <vector>
+
+#include "ecx/common/mutex.h"
 
 namespace ecx::transfer {
 namespace {
@@ -24,8 +25,8 @@ struct Loaded {
   std::unique_ptr<UcpApi> api;
 };
 
-std::mutex g_mutex;
-Loaded* g_loaded = nullptr;  // guarded by g_mutex; set once, never freed
+Mutex g_mutex;
+Loaded* g_loaded ECX_GUARDED_BY(g_mutex) = nullptr;  // set once, never freed
 
 std::string dl_error() {
   const char* e = dlerror();
@@ -147,16 +148,8 @@ std::string name_of(const std::string& label, const std::string& file) {
   return label == file ? file : label + " (" + file + ")";
 }
 
-Result<std::unique_ptr<UcpApi>> load(const std::string& file, const std::string& label) {
-  dlerror();
-  ErrorSignalsGuard signals;
-  // RTLD_LOCAL: UCX resolves its own modules (libuct_*.so) through their NEEDED
-  // entries, so nothing needs ucp's symbols in the global namespace.
-  void* handle = dlopen(file.c_str(), RTLD_NOW | RTLD_LOCAL);
-  if (handle == nullptr) {
-    return Unavailable("cannot load UCX library " + name_of(label, file) + ": " + dl_error());
-  }
-  auto api = std::make_unique<UcpApi>();
+// Looks up every UCX function ecx calls; the names of those missing.
+std::string resolve_all(void* handle, UcpApi* api) {
   std::string missing;
   resolve(handle, "ucp_config_read", &api->config_read, &missing);
   resolve(handle, "ucp_config_release", &api->config_release, &missing);
@@ -195,12 +188,11 @@ Result<std::unique_ptr<UcpApi>> load(const std::string& file, const std::string&
   resolve(handle, "ucp_request_free", &api->request_free, &missing);
   resolve(handle, "ucp_request_cancel", &api->request_cancel, &missing);
   resolve(handle, "ucs_status_string", &api->status_string, &missing);
-  if (!missing.empty()) {
-    // Not dlclose'd: UCX's constructors have run, and its destructors are not safe to
-    // run while anything it started (its async thread) may be alive.
-    return Unavailable("UCX library " + name_of(label, file) + " lacks " + missing);
-  }
+  return missing;
+}
 
+// The loaded library's version and libucs are ones ecx works with.
+Status check_version(UcpApi* api, const std::string& label) {
   api->path = file_of(reinterpret_cast<void*>(api->init_version));
   unsigned major = 0, minor = 0, release = 0;
   api->get_version(&major, &minor, &release);
@@ -221,6 +213,27 @@ Result<std::unique_ptr<UcpApi>> load(const std::string& file, const std::string&
                   "UCX library " + name_of(label, api->path) + " runs with libucs from " + ucs +
                       ", another UCX install already loaded in this process");
   }
+  return Status::Ok();
+}
+
+Result<std::unique_ptr<UcpApi>> load(const std::string& file, const std::string& label) {
+  dlerror();
+  ErrorSignalsGuard signals;
+  // RTLD_LOCAL: UCX resolves its own modules (libuct_*.so) through their NEEDED
+  // entries, so nothing needs ucp's symbols in the global namespace.
+  void* handle = dlopen(file.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (handle == nullptr) {
+    return Unavailable("cannot load UCX library " + name_of(label, file) + ": " + dl_error());
+  }
+  auto api = std::make_unique<UcpApi>();
+  std::string missing = resolve_all(handle, api.get());
+  if (!missing.empty()) {
+    // Not dlclose'd: UCX's constructors have run, and its destructors are not safe to
+    // run while anything it started (its async thread) may be alive.
+    return Unavailable("UCX library " + name_of(label, file) + " lacks " + missing);
+  }
+
+  ECX_RETURN_IF_ERROR(check_version(api.get(), label));
   return api;
 }
 
@@ -236,7 +249,7 @@ Result<std::string> library_file(const std::string& library, const std::string& 
 }  // namespace
 
 Result<const UcpApi*> load_ucp(const std::string& library, const std::string& venv_dir) {
-  std::lock_guard lock(g_mutex);
+  MutexLock lock(&g_mutex);
   std::string request = describe(library, venv_dir);
   if (g_loaded != nullptr) {
     if (g_loaded->request == request) return g_loaded->api.get();

@@ -11,6 +11,7 @@
 #include "ecx/common/log.h"
 #include "transfer/memory.h"
 #include "transfer/socket.h"
+#include "transfer/ucx_data_path.h"
 #include "transfer/ucx_worker.h"
 
 namespace ecx::transfer {
@@ -73,7 +74,7 @@ bool ucx_auto_mode_is_none(const std::string& tls, bool same_host) {
 }
 
 void UcxBatch::fail(const Status& status) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   if (status_.ok()) status_ = status;
 }
 
@@ -92,7 +93,7 @@ void UcxBatch::complete() {
   if (completed_.exchange(true, std::memory_order_acq_rel)) return;
   Status final_status;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     final_status = status_;
   }
   state_->part_done(final_status.with_context(state_->description()));
@@ -171,19 +172,19 @@ UcxWorker::~UcxWorker() {
   if (context_ != nullptr) api_.cleanup(context_);
   std::unordered_map<void*, void (*)(void*)> pending;
   {
-    std::lock_guard lock(ops_mu_);
+    MutexLock lock(&ops_mu_);
     pending.swap(ops_);
   }
   for (auto& [op, drop] : pending) drop(op);
 }
 
 void UcxWorker::request_posted(void* op, void (*drop)(void*)) {
-  std::lock_guard lock(ops_mu_);
+  MutexLock lock(&ops_mu_);
   ops_.emplace(op, drop);
 }
 
 void UcxWorker::request_completed(void* op) {
-  std::lock_guard lock(ops_mu_);
+  MutexLock lock(&ops_mu_);
   ops_.erase(op);
 }
 
@@ -209,7 +210,7 @@ void UcxWorker::watch(Deadline deadline, std::weak_ptr<void> owner,
                       std::function<void()> on_expire) {
   bool earliest = false;
   {
-    std::lock_guard lock(watch_mu_);
+    MutexLock lock(&watch_mu_);
     auto it =
         watches_.emplace(deadline.time_point(), Watch{std::move(owner), std::move(on_expire)});
     earliest = it == watches_.begin();
@@ -219,7 +220,7 @@ void UcxWorker::watch(Deadline deadline, std::weak_ptr<void> owner,
 
 void UcxWorker::defer(std::function<void()> task) {
   {
-    std::lock_guard lock(watch_mu_);
+    MutexLock lock(&watch_mu_);
     deferred_.push_back(std::move(task));
   }
   wake();
@@ -229,7 +230,7 @@ int UcxWorker::run_due() {
   std::vector<std::function<void()>> due;
   int next_ms = -1;
   {
-    std::lock_guard lock(watch_mu_);
+    MutexLock lock(&watch_mu_);
     due.swap(deferred_);
     auto now = std::chrono::steady_clock::now();
     while (!watches_.empty()) {

@@ -3,6 +3,7 @@
 // Locking: UCX runs request and error callbacks inside ucp_worker_progress, holding the
 // worker's lock. So this file never calls UCX while holding mu_, and calls that purge
 // requests (closing an endpoint) run on the progress thread through UcxWorker::defer.
+#include "transfer/ucx_data_path.h"
 #include "ecx/common/log.h"
 #include "transfer/connection.h"
 #include "transfer/memory.h"
@@ -16,8 +17,8 @@ struct UcxDataPath::Endpoint {
   std::shared_ptr<UcxWorker> worker;
   std::weak_ptr<UcxDataPath> path;
   ucp_ep_h ep = nullptr;
-  std::mutex mu;
-  std::map<uint32_t, ucp_rkey_h> rkeys;  // guarded by mu
+  Mutex mu;
+  std::map<uint32_t, ucp_rkey_h> rkeys ECX_GUARDED_BY(mu);
 
   ~Endpoint() {
     for (auto& [region, rkey] : rkeys) worker->api().rkey_destroy(rkey);
@@ -138,7 +139,7 @@ UcxDataPath::UcxDataPath(std::shared_ptr<UcxWorker> worker, PeerLink link, std::
 UcxDataPath::~UcxDataPath() {
   std::shared_ptr<Endpoint> ep;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     ep = std::move(ep_);
   }
   if (ep) worker_->defer([ep] { close_endpoint(ep); });
@@ -148,7 +149,7 @@ void UcxDataPath::fail_all(const Status& reason) {
   std::shared_ptr<Endpoint> ep;
   std::vector<std::weak_ptr<UcxBatch>> inflight;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     if (failed_.ok()) failed_ = reason;
     ep = ep_;
     inflight.swap(inflight_);
@@ -168,7 +169,7 @@ void UcxDataPath::fail_all(const Status& reason) {
 
 void UcxDataPath::reset_endpoint(const std::shared_ptr<Endpoint>& ep) {
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     if (ep_ != ep) return;  // already replaced
     ep_.reset();
   }
@@ -178,7 +179,7 @@ void UcxDataPath::reset_endpoint(const std::shared_ptr<Endpoint>& ep) {
 void UcxDataPath::endpoint_failed(ucp_ep_h ep, ucs_status_t status) {
   std::shared_ptr<Endpoint> current;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     if (!ep_ || ep_->ep != ep) return;
     current = ep_;
   }
@@ -204,7 +205,7 @@ Status UcxDataPath::post(const std::shared_ptr<UcxBatch>& batch,
                          std::span<const TransferDescriptor> descriptors, bool write,
                          Deadline deadline) {
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     if (!failed_.ok()) return failed_;
   }
   ECX_ASSIGN_OR_RETURN(auto keys, resolve(descriptors, write, deadline));
@@ -214,8 +215,23 @@ Status UcxDataPath::post(const std::shared_ptr<UcxBatch>& batch,
     ECX_ASSIGN_OR_RETURN(ucp_rkey_h rkey, rkey_for(*ep, descriptors[i].remote_region, *keys[i]));
     rkeys.push_back(rkey);
   }
-  // A deadline or a cancel force-closes the endpoint: its requests are purged, and the
-  // batch completes with the reason once they are.
+  ECX_RETURN_IF_ERROR(arm_abort(batch, ep, deadline));
+  worker_->batch_started();
+  std::weak_ptr<UcxWorker> weak_worker = worker_;  // a callback never owns the worker
+  batch->state()->on_complete([weak_worker](const Status&) {
+    if (auto worker = weak_worker.lock()) worker->batch_finished();
+  });
+  issue(batch, *ep, descriptors, keys, rkeys, write);
+  worker_->wake();
+  return Status::Ok();
+}
+
+// How a batch ends early: a deadline or a cancel force-closes the endpoint (peer error
+// mode), or, over shared memory, fail_all abandons it with a dead peer.
+Status UcxDataPath::arm_abort(const std::shared_ptr<UcxBatch>& batch,
+                              const std::shared_ptr<Endpoint>& ep, Deadline deadline) {
+  // A force-closed endpoint's requests are purged, and the batch completes with the
+  // reason once they are.
   std::weak_ptr<UcxDataPath> weak_path = weak_from_this();
   std::weak_ptr<Endpoint> weak_ep = ep;
   std::weak_ptr<UcxBatch> weak_batch = batch;
@@ -234,17 +250,20 @@ Status UcxDataPath::post(const std::shared_ptr<UcxBatch>& batch,
   } else {
     // Shared memory: requests complete without the peer (and cannot be purged); a dead
     // peer's batches are abandoned by fail_all.
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     if (!failed_.ok()) return failed_;  // fail_all ran since the check above: not listed there
     std::erase_if(inflight_, [](const auto& weak) { return weak.expired(); });
     inflight_.push_back(batch);
   }
 
-  worker_->batch_started();
-  std::weak_ptr<UcxWorker> weak_worker = worker_;  // a callback never owns the worker
-  batch->state()->on_complete([weak_worker](const Status&) {
-    if (auto worker = weak_worker.lock()) worker->batch_finished();
-  });
+  return Status::Ok();
+}
+
+// Posts one get (or put) per descriptor, and after puts a flush.
+void UcxDataPath::issue(const std::shared_ptr<UcxBatch>& batch, Endpoint& ep,
+                        std::span<const TransferDescriptor> descriptors,
+                        const std::vector<std::shared_ptr<const UcxRemoteKey>>& keys,
+                        const std::vector<ucp_rkey_h>& rkeys, bool write) {
   const UcpApi& api = worker_->api();
   for (size_t i = 0; i < descriptors.size(); ++i) {
     const auto& d = descriptors[i];
@@ -252,8 +271,8 @@ Status UcxDataPath::post(const std::shared_ptr<UcxBatch>& batch,
     batch->add_request();
     auto* op = new_op(batch, *worker_);
     ucp_request_param_t param = request_param(op);
-    track(write ? api.put_nbx(ep->ep, d.local, d.length, remote, rkeys[i], &param)
-                : api.get_nbx(ep->ep, d.local, d.length, remote, rkeys[i], &param),
+    track(write ? api.put_nbx(ep.ep, d.local, d.length, remote, rkeys[i], &param)
+                : api.get_nbx(ep.ep, d.local, d.length, remote, rkeys[i], &param),
           op);
   }
   if (write) {
@@ -262,10 +281,8 @@ Status UcxDataPath::post(const std::shared_ptr<UcxBatch>& batch,
     batch->add_request();
     auto* op = new_op(batch, *worker_);
     ucp_request_param_t param = request_param(op);
-    track(api.ep_flush_nbx(ep->ep, &param), op);
+    track(api.ep_flush_nbx(ep.ep, &param), op);
   }
-  worker_->wake();
-  return Status::Ok();
 }
 
 Result<std::vector<std::shared_ptr<const UcxRemoteKey>>> UcxDataPath::resolve(
@@ -297,7 +314,7 @@ Result<std::vector<std::shared_ptr<const UcxRemoteKey>>> UcxDataPath::resolve(
 Result<std::shared_ptr<const UcxRemoteKey>> UcxDataPath::key_for(const TransferDescriptor& d,
                                                                  Deadline deadline) {
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     auto it = keys_.find(d.remote_region);
     if (it != keys_.end()) return it->second;
   }
@@ -311,13 +328,13 @@ Result<std::shared_ptr<const UcxRemoteKey>> UcxDataPath::key_for(const TransferD
   ECX_ASSIGN_OR_RETURN(UcxRemoteKey key,
                        parse_ucx_key(grant.ucx_key, grant.length, grant.remote_write));
   auto shared = std::make_shared<const UcxRemoteKey>(std::move(key));
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   return keys_.emplace(d.remote_region, std::move(shared)).first->second;
 }
 
 Result<std::shared_ptr<Endpoint>> UcxDataPath::endpoint() {
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     if (ep_) return ep_;
   }
   auto e = std::make_shared<Endpoint>();
@@ -336,7 +353,7 @@ Result<std::shared_ptr<Endpoint>> UcxDataPath::endpoint() {
   }
   std::shared_ptr<Endpoint> raced;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     if (!ep_) {
       ep_ = e;
       return e;
@@ -349,7 +366,7 @@ Result<std::shared_ptr<Endpoint>> UcxDataPath::endpoint() {
 
 Result<ucp_rkey_h> UcxDataPath::rkey_for(Endpoint& ep, uint32_t region, const UcxRemoteKey& key) {
   {
-    std::lock_guard lock(ep.mu);
+    MutexLock lock(&ep.mu);
     auto it = ep.rkeys.find(region);
     if (it != ep.rkeys.end()) return it->second;
   }
@@ -361,7 +378,7 @@ Result<ucp_rkey_h> UcxDataPath::rkey_for(Endpoint& ep, uint32_t region, const Uc
         worker_->api(), s,
         "unpack the ucx key of region " + std::to_string(region) + " of agent " + peer_);
   }
-  std::lock_guard lock(ep.mu);
+  MutexLock lock(&ep.mu);
   auto [it, added] = ep.rkeys.emplace(region, rkey);
   if (!added) worker_->api().rkey_destroy(rkey);  // unpacked twice at once: keep one
   return it->second;

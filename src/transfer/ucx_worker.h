@@ -1,17 +1,18 @@
 // The ucx backend's internals (see transfer/ucx_backend.h): the per-agent UCX worker
-// with its progress thread, and the per-peer data path.
+// with its progress thread, and one batch in flight. The per-peer data path is
+// ucx_data_path.h.
 #pragma once
 
 #include <atomic>
 #include <chrono>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <unordered_map>
 #include <vector>
 
+#include "ecx/common/mutex.h"
 #include "transfer/data_path.h"
 #include "transfer/ucp_library.h"
 
@@ -32,7 +33,7 @@ class UcxBatch {
   void request_done(const Status& status);
   // Records why the batch fails (the first reason wins) without completing it: its
   // requests still complete (purged) before it does.
-  void fail(const Status& status);
+  void fail(const Status& status) ECX_EXCLUDES(mu_);
   // Completes the batch now with `reason`, leaving its requests behind. Only for a dead
   // peer on shared memory (error mode none), whose requests UCX cannot purge and whose
   // memory can no longer be copied; called on the progress thread, between progress
@@ -41,13 +42,13 @@ class UcxBatch {
   bool completed() const { return completed_.load(std::memory_order_acquire); }
 
  private:
-  void complete();
+  void complete() ECX_EXCLUDES(mu_);
 
   const std::shared_ptr<TransferState> state_;
   std::atomic<int> outstanding_{1};  // the submitter's count
   std::atomic<bool> completed_{false};
-  std::mutex mu_;
-  Status status_;  // guarded by mu_
+  Mutex mu_;
+  Status status_ ECX_GUARDED_BY(mu_);
 };
 
 // The ucp context and worker of one agent, and the thread that progresses it. Shared
@@ -71,11 +72,12 @@ class UcxWorker : public std::enable_shared_from_this<UcxWorker> {
   void wake() const { api_.worker_signal(worker_); }
   // The progress thread calls `on_expire` once `deadline` passes, unless `owner` is
   // gone by then.
-  void watch(Deadline deadline, std::weak_ptr<void> owner, std::function<void()> on_expire);
+  void watch(Deadline deadline, std::weak_ptr<void> owner, std::function<void()> on_expire)
+      ECX_EXCLUDES(watch_mu_);
   // Runs `task` on the progress thread, outside UCX's callbacks. Calls that may purge
   // requests (closing an endpoint) go here: their callbacks then never run on a thread
   // that holds a lock of ours.
-  void defer(std::function<void()> task);
+  void defer(std::function<void()> task) ECX_EXCLUDES(watch_mu_);
   // Batches in flight. While there are some, the progress thread also wakes on a short
   // timer (a safety net should UCX owe progress without signalling its event fd).
   void batch_started() { batches_.fetch_add(1, std::memory_order_relaxed); }
@@ -86,8 +88,8 @@ class UcxWorker : public std::enable_shared_from_this<UcxWorker> {
   // Requests posted and not yet completed, by their user data. UCX never completes a
   // request to a dead peer over shared memory (it cannot be purged); when the worker is
   // destroyed, `drop` frees the user data of each one still pending.
-  void request_posted(void* op, void (*drop)(void*));
-  void request_completed(void* op);
+  void request_posted(void* op, void (*drop)(void*)) ECX_EXCLUDES(ops_mu_);
+  void request_completed(void* op) ECX_EXCLUDES(ops_mu_);
 
  private:
   UcxWorker(const UcpApi& api, std::string agent) : api_(api), agent_(std::move(agent)) {}
@@ -95,7 +97,7 @@ class UcxWorker : public std::enable_shared_from_this<UcxWorker> {
   void progress_loop();
   // Runs deferred tasks and the callbacks of watches whose deadline passed; returns ms
   // to the next deadline (-1: none).
-  int run_due();
+  int run_due() ECX_EXCLUDES(watch_mu_);
 
   struct Watch {
     std::weak_ptr<void> owner;
@@ -113,69 +115,11 @@ class UcxWorker : public std::enable_shared_from_this<UcxWorker> {
   std::thread progress_;
   std::atomic<int> closing_{0};
   std::atomic<int> batches_{0};
-  std::mutex watch_mu_;
-  std::multimap<std::chrono::steady_clock::time_point, Watch> watches_;  // guarded by watch_mu_
-  std::vector<std::function<void()>> deferred_;                          // guarded by watch_mu_
-  std::mutex ops_mu_;
-  std::unordered_map<void*, void (*)(void*)> ops_;  // guarded by ops_mu_
-};
-
-// A peer region's key as the peer packed it: where the region is, how long, and the
-// packed rkey (unpacked per endpoint).
-struct UcxRemoteKey {
-  uint64_t address = 0;
-  uint64_t length = 0;
-  bool writable = false;
-  std::string packed;
-};
-// Parses a key as RegionEntry::ucx_key spells it (hex of address | packed rkey).
-Result<UcxRemoteKey> parse_ucx_key(std::string_view hex, uint64_t length, bool writable);
-
-class UcxDataPath final : public DataPath, public std::enable_shared_from_this<UcxDataPath> {
- public:
-  UcxDataPath(std::shared_ptr<UcxWorker> worker, PeerLink link, std::string peer_address,
-              ucp_err_handling_mode_t mode);
-  ~UcxDataPath() override;
-
-  std::shared_ptr<TransferState> submit(std::span<const TransferDescriptor> descriptors, bool write,
-                                        Deadline deadline, std::string description,
-                                        TransferFinalizer finalizer) override;
-  void fail_all(const Status& reason) override;
-  Backend kind() const override { return Backend::kUcx; }
-
-  // UCX reported the endpoint broken (peer error mode): it is closed and reopened for
-  // the next batch.
-  void endpoint_failed(ucp_ep_h ep, ucs_status_t status);
-
-  // An endpoint to the peer and the rkeys unpacked on it (ucx_data_path.cc).
-  struct Endpoint;
-
- private:
-  Status post(const std::shared_ptr<UcxBatch>& batch,
-              std::span<const TransferDescriptor> descriptors, bool write, Deadline deadline);
-  // The keys of every region the batch names, asking the peer for those it lacks.
-  Result<std::vector<std::shared_ptr<const UcxRemoteKey>>> resolve(
-      std::span<const TransferDescriptor> descriptors, bool write, Deadline deadline);
-  Result<std::shared_ptr<const UcxRemoteKey>> key_for(const TransferDescriptor& d,
-                                                      Deadline deadline);
-  Result<std::shared_ptr<Endpoint>> endpoint();
-  Result<ucp_rkey_h> rkey_for(Endpoint& ep, uint32_t region, const UcxRemoteKey& key);
-  // Makes `ep` no longer current, and force-closes it (purging its requests) on the
-  // progress thread.
-  void reset_endpoint(const std::shared_ptr<Endpoint>& ep);
-
-  const std::shared_ptr<UcxWorker> worker_;
-  const std::shared_ptr<ControlChannel> control_;
-  StatsCounters* const stats_;
-  const std::string peer_;
-  const std::string peer_address_;  // the peer's worker address (bytes)
-  const ucp_err_handling_mode_t mode_;
-
-  std::mutex mu_;
-  std::shared_ptr<Endpoint> ep_;                   // guarded by mu_
-  std::vector<std::weak_ptr<UcxBatch>> inflight_;  // guarded by mu_ (error mode none only)
-  std::map<uint32_t, std::shared_ptr<const UcxRemoteKey>> keys_;  // guarded by mu_
-  Status failed_;                                                 // guarded by mu_
+  Mutex watch_mu_;
+  std::multimap<std::chrono::steady_clock::time_point, Watch> watches_ ECX_GUARDED_BY(watch_mu_);
+  std::vector<std::function<void()>> deferred_ ECX_GUARDED_BY(watch_mu_);
+  Mutex ops_mu_;
+  std::unordered_map<void*, void (*)(void*)> ops_ ECX_GUARDED_BY(ops_mu_);
 };
 
 }  // namespace ecx::transfer

@@ -10,6 +10,7 @@
 #include "ecx/common/checksum.h"
 #include "ecx/connector/ec_connector.h"
 #include "support/connector_peer_process.h"
+#include "support/poll.h"
 
 namespace ecx::connector {
 namespace {
@@ -60,16 +61,13 @@ class ReleaseTest : public ::testing::TestWithParam<std::string> {
 
   // The producer's pins, once the consumer's asynchronous release has arrived (at most
   // 5 s: far below the lease).
-  uint64_t producer_pins_settled() {
-    uint64_t pins = 0;
-    for (int i = 0; i < 100; ++i) {
+  uint64_t producer_pins_settled(uint64_t want = 0) {
+    uint64_t pins = UINT64_MAX;
+    ecx::testing::poll_until(Deadline::after_ms(5000), [&] {
       auto s = producer_->stats();
-      EXPECT_TRUE(s.ok()) << s.status().to_string();
-      if (!s.ok()) return UINT64_MAX;
-      pins = (*s)["producer_pool"]["pins"].get<uint64_t>();
-      if (pins == 0) return 0;
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    }
+      pins = s.ok() ? (*s)["producer_pool"]["pins"].get<uint64_t>() : UINT64_MAX;
+      return pins == want;
+    });
     return pins;
   }
 
@@ -116,11 +114,15 @@ TEST_P(ReleaseTest, ForgedParamsReleaseNothing) {
   EcTransferParams p = save("a");
   EcTransferParams forged = p;
   forged.signature.clear();
-  consumer_->discard({.request_id = "r1", .items = {{hash_of("a"), kItem, forged}}});
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  // A genuine item in the same request: once its pin has ended, the whole request's
+  // release has been sent and handled, the forged item's included.
+  EcTransferParams genuine = save("b");
+  consumer_->discard({.request_id = "r1",
+                      .items = {{hash_of("a"), kItem, forged}, {hash_of("b"), kItem, genuine}}});
+  EXPECT_EQ(producer_pins_settled(1), 1u) << "the genuine pin ends, the forged one's stays";
   auto s = producer_->stats();
   ASSERT_TRUE(s.ok()) << s.status().to_string();
-  EXPECT_EQ((*s)["producer_pool"]["pins"].get<uint64_t>(), 1u);
+  EXPECT_EQ((*s)["releases_received"].get<uint64_t>(), 1u) << "nothing was sent for the forgery";
 }
 
 // What E does when the proxy gives back the params of a request that never reached PD.

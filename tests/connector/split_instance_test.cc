@@ -15,6 +15,7 @@
 #include "ecx/common/checksum.h"
 #include "ecx/connector/ec_connector.h"
 #include "support/connector_peer_process.h"
+#include "support/poll.h"
 
 namespace ecx::connector {
 namespace {
@@ -57,11 +58,8 @@ uint64_t pins_of(EcConnector& c) { return c.stats().consumer_cache->pins; }
 // Pins our cache still grants, once the readers' asynchronous RELEASEs arrived (at most
 // 5 s, far below the 600 s lease that could otherwise have ended them).
 uint64_t pins_settled(EcConnector& c, uint64_t want) {
-  uint64_t pins = pins_of(c);
-  for (int i = 0; i < 100 && pins != want; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    pins = pins_of(c);
-  }
+  uint64_t pins = 0;
+  ecx::testing::poll_until(Deadline::after_ms(5000), [&] { return (pins = pins_of(c)) == want; });
   return pins;
 }
 
@@ -117,13 +115,11 @@ TEST_F(SplitInstanceTest, AProducerSchedulerGetsItsWorkersParamsInOneCall) {
   pd->request_finished("r");
   // Only the two pins the saves' own params hold are left at the worker.
   uint64_t pins = 0;
-  for (int i = 0; i < 100; ++i) {
+  ecx::testing::poll_until(Deadline::after_ms(5000), [&] {
     auto s = worker_->stats();
-    ASSERT_TRUE(s.ok());
-    pins = (*s)["producer_pool"]["pins"].get<uint64_t>();
-    if (pins == 2) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
+    pins = s.ok() ? (*s)["producer_pool"]["pins"].get<uint64_t>() : UINT64_MAX;
+    return pins == 2;
+  });
   EXPECT_EQ(pins, 2u);
 }
 

@@ -19,41 +19,17 @@
 #include "ecx/engine/image.h"
 #include "ecx/serve/services.h"
 #include "serve/http_server.h"
+#include "support/poll.h"
+#include "support/service_process.h"
 
 namespace ecx::serve {
 namespace {
 
+using ecx::testing::chat;
+using ecx::testing::image_request;
+using ecx::testing::Service;
+using ecx::testing::start;
 using nlohmann::json;
-
-// A running `ecx serve ROLE` process.
-struct Service {
-  std::optional<Subprocess> process;
-  std::string url;
-  std::string host;
-  int port = 0;
-
-  httplib::Client client(int timeout_s = 120) const {
-    httplib::Client cli(host, port);
-    cli.set_read_timeout(std::chrono::seconds(timeout_s));
-    return cli;
-  }
-  void kill_now() {
-    ASSERT_TRUE(process->kill(SIGKILL).ok());
-    ASSERT_TRUE(process->wait(Deadline::after_ms(20000)).ok());
-  }
-};
-
-Status start(Service& s, const std::string& role, std::vector<std::string> flags) {
-  std::vector<std::string> argv = {ECX_BINARY, "serve", role};
-  argv.insert(argv.end(), flags.begin(), flags.end());
-  ECX_ASSIGN_OR_RETURN(RunningService r, spawn_service(argv, Deadline::after_ms(60000)));
-  ECX_ASSIGN_OR_RETURN(auto host_port, parse_url(r.url));
-  s.process.emplace(std::move(r.process));
-  s.url = r.url;
-  s.host = host_port.first;
-  s.port = host_port.second;
-  return Status::Ok();
-}
 
 std::vector<std::string> service_flags(const std::string& connector) {
   json ec = {{"connector", connector}, {"extra", {{"pool_bytes", "96MiB"}}}};
@@ -66,33 +42,7 @@ std::string join(const std::vector<Service*>& services) {
   return out;
 }
 
-// A request with one small image of its own (seed) and a few output tokens.
-std::string image_request(uint64_t seed, bool stream = false) {
-  auto png = engine::encode_png(engine::synthetic_image(112, 112, seed)).value();
-  json content = json::array(
-      {{{"type", "text"}, {"text", "Describe:"}},
-       {{"type", "image_url"}, {"image_url", {{"url", engine::make_data_url(png, "image/png")}}}}});
-  return json{{"model", "ecx-tiny-vl"},
-              {"messages", json::array({{{"role", "user"}, {"content", content}}})},
-              {"max_tokens", 4},
-              {"ignore_eos", true},
-              {"stream", stream}}
-      .dump();
-}
-
-httplib::Result chat(const Service& proxy, const std::string& body) {
-  return proxy.client().Post("/v1/chat/completions", body, "application/json");
-}
-
-// Asks again every 50 ms until `done` holds or `deadline` passes; true if it held.
-// (The other process gives no event to wait on: its /health is the observable state.)
-bool poll_until(Deadline deadline, const std::function<bool()>& done) {
-  while (true) {
-    if (done()) return true;
-    if (deadline.expired()) return false;
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-}
+using ecx::testing::poll_until;
 
 // GET /health: {status, body}; {0, null} when the proxy did not answer.
 std::pair<int, json> health(const Service& proxy) {
@@ -117,7 +67,7 @@ TEST(ProxyAvailability, HealthIs503WithAReasonOnceTheOnlyPdDiesAnd200WhenItIsBac
   EXPECT_EQ(body["status"], "ok");
   EXPECT_EQ(body["pd_reachable"], 1);
 
-  ASSERT_NO_FATAL_FAILURE(pd.kill_now());
+  ASSERT_TRUE(pd.kill_now().ok());
   json last;
   EXPECT_TRUE(poll_until(Deadline::after_ms(5000),
                          [&] {
@@ -156,7 +106,7 @@ TEST(ProxyAvailability, NonStreamingSuccessIsCountedWithItsHttpStatus) {
   auto res = chat(proxy, image_request(3));
   ASSERT_TRUE(res);
   ASSERT_EQ(res->status, 200) << res->body;
-  auto streamed = chat(proxy, image_request(4, /*stream=*/true));
+  auto streamed = chat(proxy, image_request(4, /*max_tokens=*/4, /*stream=*/true));
   ASSERT_TRUE(streamed);
   ASSERT_EQ(streamed->status, 200) << streamed->body;
   std::string text = metrics(proxy);
@@ -214,7 +164,7 @@ TEST(ProxyAvailability, TheOnlyEncoderDyingUnderABurstFailsNoRequest) {
     std::unique_lock lock(mu);
     cv.wait_for(lock, std::chrono::seconds(120), [&] { return answered > 0; });
   }
-  stack.encoders[0].kill_now();
+  ASSERT_TRUE(stack.encoders[0].kill_now().ok());
   for (int i = kRequests / 2; i < kRequests; ++i) send(i);
   for (auto& t : clients) t.join();
   int recomputed = 0;
@@ -241,7 +191,7 @@ TEST(ProxyAvailability, AnotherEncoderTakesOverWhenOneDies) {
   auto warm = chat(stack.proxy, image_request(200));
   ASSERT_TRUE(warm);
   ASSERT_EQ(warm->status, 200) << warm->body;
-  stack.encoders[0].kill_now();
+  ASSERT_TRUE(stack.encoders[0].kill_now().ok());
   // At once (the proxy may not have noticed yet) and later: every image is encoded by
   // the live encoder, so the PD loads it instead of encoding it.
   for (int i = 0; i < 6; ++i) {

@@ -19,39 +19,20 @@
 #include "ecx/serve/services.h"
 #include "serve/http_server.h"
 #include "support/etcd_events.h"
+#include "support/poll.h"
+#include "support/service_process.h"
 
 namespace ecx::serve {
 namespace {
 
+using ecx::testing::chat;
+using ecx::testing::image_request;
 using ecx::testing::KeyRecorder;
+using ecx::testing::Service;
+using ecx::testing::start;
 using nlohmann::json;
 
 constexpr int kTtl = 2;  // seconds: the lease of every instance here
-
-struct Service {
-  std::optional<Subprocess> process;
-  std::string url;
-  std::string host;
-  int port = 0;
-
-  httplib::Client client(int timeout_s = 120) const {
-    httplib::Client cli(host, port);
-    cli.set_read_timeout(std::chrono::seconds(timeout_s));
-    return cli;
-  }
-};
-
-Status start(Service& s, const std::string& role, std::vector<std::string> flags) {
-  std::vector<std::string> argv = {ECX_BINARY, "serve", role};
-  argv.insert(argv.end(), flags.begin(), flags.end());
-  ECX_ASSIGN_OR_RETURN(RunningService r, spawn_service(argv, Deadline::after_ms(60000)));
-  ECX_ASSIGN_OR_RETURN(auto host_port, parse_url(r.url));
-  s.process.emplace(std::move(r.process));
-  s.url = r.url;
-  s.host = host_port.first;
-  s.port = host_port.second;
-  return Status::Ok();
-}
 
 // Flags of a service on any free port; connector "local" (PD encodes) or "p2p".
 std::vector<std::string> plain_flags(const std::string& connector) {
@@ -67,32 +48,7 @@ std::vector<std::string> flags(const std::string& connector, const std::string& 
   return out;
 }
 
-std::string image_request(uint64_t seed, int max_tokens = 4, bool stream = false) {
-  auto png = engine::encode_png(engine::synthetic_image(112, 112, seed)).value();
-  json content = json::array(
-      {{{"type", "text"}, {"text", "Describe:"}},
-       {{"type", "image_url"}, {"image_url", {{"url", engine::make_data_url(png, "image/png")}}}}});
-  return json{{"model", "ecx-tiny-vl"},
-              {"messages", json::array({{{"role", "user"}, {"content", content}}})},
-              {"max_tokens", max_tokens},
-              {"ignore_eos", true},
-              {"stream", stream}}
-      .dump();
-}
-
-httplib::Result chat(const Service& proxy, const std::string& body) {
-  return proxy.client().Post("/v1/chat/completions", body, "application/json");
-}
-
-// Asks again every 20 ms until `done` holds or `deadline` passes; true if it held.
-// (The proxy gives no event to wait on: its /v1/upstreams is the observable state.)
-bool poll_until(Deadline deadline, const std::function<bool()>& done) {
-  while (true) {
-    if (done()) return true;
-    if (deadline.expired()) return false;
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-}
+using ecx::testing::poll_until;
 
 // The proxy's GET /v1/upstreams entry for `url`, or null when it is not listed.
 json upstream(const Service& proxy, const std::string& url) {

@@ -21,9 +21,16 @@ bench::TransferPeerOptions peer_options(const BackendCase& backend) {
   return options;
 }
 
-Result<PeerProcess> PeerProcess::start(const bench::TransferPeerOptions& o) {
-  ECX_ASSIGN_OR_RETURN(Subprocess child,
-                       Subprocess::spawn(bench::transfer_peer_command(ecx_binary(), o)));
+Result<PeerProcess> PeerProcess::start(const bench::TransferPeerOptions& o,
+                                       const PeerFaults& faults) {
+  std::vector<std::string> argv = bench::transfer_peer_command(ecx_binary(), o);
+  if (faults.stall_read_after_bytes > 0) {
+    // The same producer flags, without `ecx bench transfer-peer`.
+    argv.erase(argv.begin(), argv.begin() + 3);
+    argv.insert(argv.begin(), {ECX_FAULT_PEER, "--stall-read-after-bytes",
+                               std::to_string(faults.stall_read_after_bytes)});
+  }
+  ECX_ASSIGN_OR_RETURN(Subprocess child, Subprocess::spawn(argv));
   PeerProcess peer(std::move(child));
   ECX_ASSIGN_OR_RETURN(std::string line, peer.process_.read_line(Deadline::after_ms(30000)));
   auto ready = nlohmann::json::parse(line, nullptr, false);

@@ -24,10 +24,18 @@ bench::TransferPeerOptions peer_options();
 // The same, with `backend`'s ucx settings (the peer enables ucx for ucx cases).
 bench::TransferPeerOptions peer_options(const BackendCase& backend);
 
+// How a peer misbehaves on purpose: any fault set starts the test binary ecx_fault_peer
+// (tests/support/fault_peer_main.cc) in place of `ecx bench transfer-peer`.
+struct PeerFaults {
+  // Sends this many bytes of a longer READ reply, then hangs. 0: off.
+  uint64_t stall_read_after_bytes = 0;
+};
+
 class PeerProcess {
  public:
   // Starts the process and waits (with a deadline) for its ready line.
-  static Result<PeerProcess> start(const bench::TransferPeerOptions& options = peer_options());
+  static Result<PeerProcess> start(const bench::TransferPeerOptions& options = peer_options(),
+                                   const PeerFaults& faults = {});
 
   const transfer::AgentMetadata& metadata() const { return metadata_; }
   uint32_t source_region() const { return source_region_; }

@@ -222,9 +222,8 @@ class AgentProcessFailure : public ::testing::Test {
  protected:
   // Starts an 8 MiB READ over tcp from a peer that sends 1 MiB of the reply, then hangs.
   void start_stalled_read() {
-    auto options = ecx::testing::peer_options();
-    options.fault_stall_read_after_bytes = 1 << 20;
-    auto peer = PeerProcess::start(options);
+    auto peer =
+        PeerProcess::start(ecx::testing::peer_options(), {.stall_read_after_bytes = 1 << 20});
     ASSERT_TRUE(peer.ok()) << peer.status().to_string();
     peer_.emplace(std::move(*peer));
     auto cfg = local_config("consumer");

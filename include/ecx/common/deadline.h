@@ -9,6 +9,11 @@ namespace ecx {
 
 using Clock = std::chrono::steady_clock;
 
+// Milliseconds from `t` to now.
+inline double ms_since(Clock::time_point t) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
+}
+
 class Deadline {
  public:
   // A deadline `timeout` from now.

@@ -2,7 +2,8 @@
 // thread-safety attributes, so that a member declared ECX_GUARDED_BY(mu_) is only touched
 // with mu_ held, and a function declared ECX_REQUIRES(mu_) is only called with it held.
 // libstdc++'s std::mutex carries no such attributes; LevelDB's port::Mutex is the model.
-// scripts/test builds src/ with clang -Wthread-safety -Werror (docs/DEVELOPING.md).
+// scripts/test builds every library of src/ with clang -Wthread-safety -Werror (its clang
+// tree, scripts/build fuzz); CMakeLists.txt turns the warning on wherever clang compiles.
 #pragma once
 
 #include <chrono>

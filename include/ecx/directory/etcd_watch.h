@@ -4,19 +4,19 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <functional>
-#include <mutex>
 #include <string>
 #include <vector>
 
+#include "ecx/common/mutex.h"
 #include "ecx/common/status.h"
 #include "ecx/directory/etcd_client.h"
 
 namespace httplib {
 class Client;
-}
+struct Request;
+}  // namespace httplib
 
 namespace ecx::directory {
 
@@ -56,6 +56,13 @@ class EtcdWatch {
  private:
   // One line of the stream; false when the watch ends (why in `ended`).
   bool handle_line(const std::string& line, const OnEvents& events, Status* ended);
+  struct Stream;  // one run()'s stream
+  void configure(httplib::Client& cli) const;
+  httplib::Request watch_request(Stream& stream, const OnEvents& events);
+  // httplib's content receiver: false ends the stream.
+  bool receive(Stream& stream, const char* data, size_t n, const OnEvents& events);
+  // Why run() ends: `sent` is whether httplib's send returned a response, else `error`.
+  Status outcome(const Stream& stream, bool sent, const std::string& error) const;
 
   const EtcdEndpoint endpoint_;
   const std::string prefix_;
@@ -66,11 +73,11 @@ class EtcdWatch {
   const std::string ca_file_;
 
   std::atomic<bool> cancelled_{false};
-  std::mutex mu_;
-  std::condition_variable cv_;
-  httplib::Client* client_ = nullptr;  // while run() streams; guarded by mu_
-  bool running_ = false;               // guarded by mu_
-  bool created_ = false;               // etcd confirmed the watch (run()'s thread only)
+  Mutex mu_;
+  CondVar cv_;
+  httplib::Client* client_ ECX_GUARDED_BY(mu_) = nullptr;  // while run() streams
+  bool running_ ECX_GUARDED_BY(mu_) = false;
+  bool created_ = false;  // etcd confirmed the watch (run()'s thread only)
 };
 
 }  // namespace ecx::directory

@@ -10,23 +10,23 @@
 #pragma once
 
 #include <chrono>
-#include <condition_variable>
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "ecx/common/deadline.h"
+#include "ecx/common/mutex.h"
 #include "ecx/directory/etcd_client.h"
 #include "ecx/directory/instance.h"
 
 namespace ecx::directory {
 
 class EtcdWatch;
+struct WatchEvent;
 
 struct MembershipOptions {
   std::string root = "/ecx";  // the key layout's root
@@ -59,7 +59,15 @@ class MembershipWatcher {
   bool wait_synced(Deadline deadline);
 
  private:
+  struct Backoff {
+    std::chrono::milliseconds wait;
+    bool failing;  // etcd unreachable: logged once per outage
+  };
   void run();
+  bool stopping();
+  // Watches from `revision` + 1 until the watch ends: why it ended (Ok when stopping).
+  Status follow(int64_t revision, Backoff& backoff);
+  void apply(const std::vector<WatchEvent>& events);
   // Reads every key under the prefix; the revision to watch from. Hands over the set.
   Result<int64_t> read_all();
   // The instance at `kv`, or nullopt (logged once) when it is not usable.
@@ -76,12 +84,12 @@ class MembershipWatcher {
   std::vector<Instance> published_;          // what on_change_ saw last
   std::map<std::string, int64_t> rejected_;  // key -> mod_revision already logged
 
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool stop_ = false;                 // guarded by mu_
-  bool synced_ = false;               // guarded by mu_
-  std::shared_ptr<EtcdWatch> watch_;  // the watch streaming now; guarded by mu_
-  std::thread thread_;                // started last
+  Mutex mu_;
+  CondVar cv_;
+  bool stop_ ECX_GUARDED_BY(mu_) = false;
+  bool synced_ ECX_GUARDED_BY(mu_) = false;
+  std::shared_ptr<EtcdWatch> watch_ ECX_GUARDED_BY(mu_);  // the watch streaming now
+  std::thread thread_;                                    // started last
 };
 
 }  // namespace ecx::directory

@@ -8,14 +8,13 @@
 // also reads the key back: one deleted or overwritten by someone else is put back.
 #pragma once
 
-#include <condition_variable>
 #include <cstdint>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
 
 #include "ecx/common/deadline.h"
+#include "ecx/common/mutex.h"
 #include "ecx/directory/etcd_client.h"
 
 namespace ecx::directory {
@@ -66,12 +65,12 @@ class Registration {
   bool outage_ = false;          // etcd unreachable since the last logged failure
   std::chrono::milliseconds backoff_{100};
 
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool registered_ = false;  // the key is in etcd; guarded by mu_
-  bool stop_ = false;        // guarded by mu_
-  bool done_ = false;        // deregister() has run; guarded by mu_
-  std::thread thread_;       // started last
+  Mutex mu_;
+  CondVar cv_;
+  bool registered_ ECX_GUARDED_BY(mu_) = false;  // the key is in etcd
+  bool stop_ ECX_GUARDED_BY(mu_) = false;
+  bool done_ ECX_GUARDED_BY(mu_) = false;  // deregister() has run
+  std::thread thread_;                     // started last
 };
 
 }  // namespace ecx::directory

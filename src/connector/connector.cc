@@ -115,7 +115,11 @@ void Connector::stop() {
     }
   }
   done_cv_.notify_all();
+  // Then the parts, each before what it uses: the driver (its producer pool is registered
+  // with the agent), the consumer cache (likewise), the agent last.
   driver_.reset();
+  core_.consumer_cache_.reset();
+  core_.agent_.reset();
 }
 
 // ---------------- producer ----------------

@@ -78,7 +78,9 @@ class ConnectorCore {
   const ConnectorConfig config_;
   const ConnectorOptions options_;
   const ConnectorContext context_;
-  std::unique_ptr<transfer::Agent> agent_;                   // destroyed last
+  // Stopped by Connector::stop in a stated order (driver, cache, agent), not by their
+  // declaration order.
+  std::unique_ptr<transfer::Agent> agent_;
   std::unique_ptr<cache::EncoderCachePool> consumer_cache_;  // consumers only
   std::atomic<uint64_t> not_ready_retries_{0};
   mutable std::once_flag metadata_once_;

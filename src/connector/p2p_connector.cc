@@ -112,8 +112,8 @@ class P2pDriver final : public ConnectorDriver {
                                     bool force_lookup, Deadline deadline);
   void fetch_pull(const std::string& producer, std::vector<FetchSlot*>& group, Deadline deadline,
                   bool force_lookup);
-  void read_through_view(const std::string& producer, const std::vector<FetchSlot*>& moving,
-                         const std::vector<BlockLocation>& where);
+  void read_through_view(const std::string& producer, std::vector<FetchSlot*>& moving,
+                         std::vector<BlockLocation>& where);
   void read_batched(const std::string& producer, const std::vector<FetchSlot*>& moving,
                     const std::vector<BlockLocation>& where, Deadline deadline);
   void fetch_push(const std::string& producer, std::vector<FetchSlot*>& group, Deadline deadline);
@@ -487,14 +487,9 @@ void P2pDriver::fetch_pull(const std::string& producer, std::vector<FetchSlot*>&
     moving.push_back(slot);
     moving_where.push_back(loc);
   }
-  if (!moving.empty()) {
-    auto backend = agent()->peer_backend(producer);
-    if (backend.ok() && *backend == transfer::Backend::kShm) {
-      read_through_view(producer, moving, moving_where);
-    } else {
-      read_batched(producer, moving, moving_where, deadline);
-    }
-  }
+  // Zero-copy where the backend maps the producer's memory; a batched READ otherwise.
+  read_through_view(producer, moving, moving_where);
+  if (!moving.empty()) read_batched(producer, moving, moving_where, deadline);
   // A grant the producer no longer holds: its pin ended (released, expired), so the block
   // may be gone. That is the "evicted" NACK, not an error of ours.
   for (FetchSlot* slot : group) {
@@ -505,15 +500,23 @@ void P2pDriver::fetch_pull(const std::string& producer, std::vector<FetchSlot*>&
   }
 }
 
-// Same host: reads through the zero-copy view of the producer's arena (our pin keeps the
-// block in place), checksumming each chunk while it is in cache.
-void P2pDriver::read_through_view(const std::string& producer,
-                                  const std::vector<FetchSlot*>& moving,
-                                  const std::vector<BlockLocation>& where) {
+// Reads through a zero-copy view of the producer's arena where the backend has one (shm:
+// same host; our pin keeps the block in place), checksumming each chunk while it is in
+// cache. The blocks it could not view because the backend maps nothing (or not that
+// memory) stay in `moving` for a READ; the others leave it, done or failed.
+void P2pDriver::read_through_view(const std::string& producer, std::vector<FetchSlot*>& moving,
+                                  std::vector<BlockLocation>& where) {
+  std::vector<FetchSlot*> to_read;
+  std::vector<BlockLocation> to_read_where;
   for (size_t k = 0; k < moving.size(); ++k) {
     FetchSlot* slot = moving[k];
     const BlockLocation& loc = where[k];
     auto view = agent()->view(producer, loc.region, loc.offset, loc.length, loc.capability);
+    if (!view.ok() && view.status().code() == StatusCode::kFailedPrecondition) {
+      to_read.push_back(slot);
+      to_read_where.push_back(loc);
+      continue;
+    }
     if (!view.ok()) {
       slot->status = view.status();
       continue;
@@ -525,6 +528,8 @@ void P2pDriver::read_through_view(const std::string& producer,
         slot->item->mm_hash, slot->block.generation,
         {slot->item->mm_hash, slot->item->meta, loc.generation, describe(loc, producer)}, sum);
   }
+  moving.swap(to_read);
+  where.swap(to_read_where);
 }
 
 // One batched READ of every block.

@@ -330,11 +330,14 @@ HttpClient::HttpClient(Options options) : impl_(std::make_unique<Impl>(options))
   }
 }
 
-HttpClient::~HttpClient() {
+void HttpClient::stop() {
   impl_->work.reset();
   impl_->ioc.stop();
   for (auto& t : impl_->threads) t.join();
+  impl_->threads.clear();
 }
+
+HttpClient::~HttpClient() { stop(); }
 
 void HttpClient::send(const std::string& host, int port, ClientRequest request, Done done,
                       ClientStreaming streaming) {

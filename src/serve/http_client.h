@@ -88,6 +88,9 @@ class HttpClient {
 
   explicit HttpClient(Options options);
   // Stops the threads; calls still in flight end without their `done` being called.
+  // Idempotent. The destructor stops it too; an owner whose callbacks use its other
+  // members stops it first, explicitly.
+  void stop();
   ~HttpClient();
   HttpClient(const HttpClient&) = delete;
   HttpClient& operator=(const HttpClient&) = delete;

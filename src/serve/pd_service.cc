@@ -43,6 +43,11 @@ class PdService {
  public:
   // `config` must outlive the service.
   static Result<std::unique_ptr<PdService>> create(const PdServiceConfig& config);
+  // Stops in a stated order: the connector first (its loaders may still recompute an
+  // item, which reads the prepared images and runs the encoder), then the rest.
+  ~PdService() { connector_.reset(); }
+  PdService(const PdService&) = delete;
+  PdService& operator=(const PdService&) = delete;
 
   void handle_chat(const HttpRequest& req, HttpResponse& res);
   std::string render_metrics();
@@ -63,8 +68,8 @@ class PdService {
   ModelBundle model_;  // the encoder and the language model read its weights
   std::unique_ptr<engine::VisionEncoder> encoder_;
   std::unique_ptr<engine::LanguageModel> lm_;
-  PreparedImages prepared_images_;  // read by the connector's recompute: declared before it
-  std::unique_ptr<connector::EcConnector> connector_;
+  PreparedImages prepared_images_;                     // read by the connector's recompute
+  std::unique_ptr<connector::EcConnector> connector_;  // stopped first, by ~PdService
   Metrics metrics_;
 };
 

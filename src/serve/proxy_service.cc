@@ -122,6 +122,12 @@ class Proxy {
         releaser_(client_, kReleaseTimeout,
                   [this](int n) { metrics_.add(metric::kProxyParamsReleased, n); }) {}
 
+  // Stops in a stated order: the client's threads first (they run every callback of a
+  // request, which use the members below), then the members.
+  ~Proxy() { client_.stop(); }
+  Proxy(const Proxy&) = delete;
+  Proxy& operator=(const Proxy&) = delete;
+
   // The upstreams the prober watches: every PD, and the encoders when they are used.
   UpstreamList probed() const {
     auto members = upstreams_.snapshot();
@@ -185,8 +191,7 @@ class Proxy {
   UpstreamSet upstreams_;
   const bool use_encoders_;  // false with --connector local: the PDs encode
   Metrics metrics_;
-  // Declared after what its callbacks use, so its threads stop first.
-  HttpClient client_;
+  HttpClient client_;        // stopped first, by ~Proxy
   ParamsReleaser releaser_;  // sends through client_
 };
 

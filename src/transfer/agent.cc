@@ -284,7 +284,7 @@ Result<LocalRegion> AgentImpl::register_memory(void* data, uint64_t length, Memo
   entry->kind = kind;
   entry->access = access;
   for (auto& engine : engines_) ECX_RETURN_IF_ERROR(engine->register_region(*entry));
-  if (kind != MemoryKind::kHost && !entry->ucx) return needs_ucx();
+  if (kind != MemoryKind::kHost && !entry->backends.contains(Backend::kUcx)) return needs_ucx();
   return regions_.add(std::move(entry));
 }
 
@@ -294,8 +294,13 @@ AgentMetadata AgentImpl::metadata() const {
   m.protocol_version = kProtocolVersion;
   m.compat_hash = config_.compat_hash;
   m.host_id = host_id_;
-  m.shm_endpoint = server_ ? server_->shm_endpoint() : std::string();
-  m.tcp_endpoint = server_ ? server_->tcp_endpoint() : std::string();
+  // The server's listeners carry the control connections (and the shm and tcp data).
+  if (server_ && !server_->shm_endpoint().empty()) {
+    m.endpoints[Backend::kShm] = server_->shm_endpoint();
+  }
+  if (server_ && !server_->tcp_endpoint().empty()) {
+    m.endpoints[Backend::kTcp] = server_->tcp_endpoint();
+  }
   for (const auto& engine : engines_) engine->describe(m);
   m.regions = regions_.list();
   return m;
@@ -344,16 +349,14 @@ Result<std::shared_ptr<Peer>> AgentImpl::open_peer(const AgentMetadata& meta, Ba
 
 Result<UniqueFd> AgentImpl::dial_control(const AgentMetadata& meta, bool over_unix,
                                          Deadline deadline) {
-  if (over_unix) {
-    if (meta.shm_endpoint.empty()) {
-      return Unavailable("agent '" + meta.name + "' has no shm endpoint");
-    }
-    return connect_unix(meta.shm_endpoint, deadline);
+  const Backend listener = over_unix ? Backend::kShm : Backend::kTcp;
+  const std::string& endpoint = meta.endpoint(listener);
+  if (endpoint.empty()) {
+    return Unavailable("agent '" + meta.name + "' has no " + std::string(backend_name(listener)) +
+                       " endpoint");
   }
-  if (meta.tcp_endpoint.empty()) {
-    return Unavailable("agent '" + meta.name + "' has no tcp endpoint");
-  }
-  ECX_ASSIGN_OR_RETURN(HostPort address, parse_host_port(meta.tcp_endpoint));
+  if (over_unix) return connect_unix(endpoint, deadline);
+  ECX_ASSIGN_OR_RETURN(HostPort address, parse_host_port(endpoint));
   return connect_tcp(address, deadline);
 }
 

@@ -298,20 +298,21 @@ bool ControlChannel::is_reply(uint16_t type) {
 }
 
 Result<RegionGrant> ControlChannel::query_region(uint32_t region, const Capability& capability,
-                                                 Deadline deadline, bool want_ucx_key) {
+                                                 Deadline deadline,
+                                                 std::optional<Backend> backend_data) {
   std::string payload;
   if (!capability.empty()) {
     payload.assign(reinterpret_cast<const char*>(capability.bytes.data()), capability.bytes.size());
   }
   ECX_ASSIGN_OR_RETURN(
       Pending p, request(static_cast<uint16_t>(FrameType::kRegionQuery), region, payload, deadline,
-                         want_ucx_key ? kRegionQueryUcxKey : uint16_t{0}));
+                         backend_data ? region_query_flags(*backend_data) : uint16_t{0}));
   RegionGrant grant;
   grant.length = p.length;
   grant.remote_write = (p.flags & kRegionRemoteWrite) != 0;
   grant.remote_read = (p.flags & kRegionRemoteRead) != 0;
   grant.memfd = std::move(p.fd);
-  grant.ucx_key = std::move(p.payload);
+  grant.backend_data = std::move(p.payload);
   return grant;
 }
 

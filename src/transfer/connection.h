@@ -7,6 +7,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -57,8 +58,9 @@ struct RegionGrant {
   uint64_t length = 0;
   bool remote_write = false;
   bool remote_read = false;
-  UniqueFd memfd;       // set when the region was passed over a unix socket
-  std::string ucx_key;  // set when asked for (want_ucx_key) and the region has one
+  UniqueFd memfd;  // set when the region was passed over a unix socket
+  // Set when asked for (query_region's `backend_data`) and the region has some.
+  std::string backend_data;
 };
 
 class ControlChannel {
@@ -84,9 +86,11 @@ class ControlChannel {
   Result<std::string> call(const std::string& request, Deadline deadline) ECX_EXCLUDES(mu_);
   Status notify(const std::string& message) ECX_EXCLUDES(mu_, send_mu_);
   // Asks for a region's length and access (and, over unix, its memfd; or with
-  // `want_ucx_key`, its ucx key), presenting `capability` for regions that require a grant.
+  // `backend_data`, that backend's data of the region), presenting `capability` for regions
+  // that require a grant.
   Result<RegionGrant> query_region(uint32_t region, const Capability& capability, Deadline deadline,
-                                   bool want_ucx_key = false) ECX_EXCLUDES(mu_);
+                                   std::optional<Backend> backend_data = std::nullopt)
+      ECX_EXCLUDES(mu_);
   // Shuts the socket down; pending requests fail with kUnavailable.
   void close();
 

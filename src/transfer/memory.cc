@@ -54,14 +54,18 @@ Status check_memory_kind(const void* data, uint64_t length, MemoryKind kind) {
 }
 
 RegionEntry::~RegionEntry() {
-  ucx.reset();  // unregistered before the memory goes
+  backends.clear();  // unregistered before the memory goes
   if (owns_mapping && data != nullptr && length > 0) ::munmap(data, length);
 }
 
 RegionInfo RegionEntry::info() const {
   RegionInfo info{id, length, kind, access.remote_write, memfd.valid()};
-  // A region behind grants hands its key out only for a capability (REGION_QUERY).
-  if (!access.require_grant) info.ucx_key = ucx_key;
+  // A region behind grants hands its data out only for a capability (REGION_QUERY).
+  if (!access.require_grant) {
+    for (const auto& [backend, r] : backends) {
+      if (!r.data.empty()) info.backend_data.emplace(backend, r.data);
+    }
+  }
   return info;
 }
 

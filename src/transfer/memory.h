@@ -25,10 +25,14 @@ struct RegionEntry {
   RegionAccess access;
   UniqueFd memfd;             // valid for arenas from allocate()
   bool owns_mapping = false;  // munmap on destruction
-  // The ucx backend's registration of this memory (released before the memory is), and
-  // its key for peers: hex of the address and the packed remote key.
-  std::shared_ptr<void> ucx;
-  std::string ucx_key;
+  // What each backend that registered this memory keeps of it (BackendEngine::
+  // register_region): its registration, released before the memory is, and the opaque
+  // data a peer needs to reach the region over it (RegionInfo::backend_data).
+  struct BackendRegistration {
+    std::shared_ptr<void> handle;
+    std::string data;
+  };
+  std::map<Backend, BackendRegistration> backends;
 
   RegionEntry() = default;
   RegionEntry(const RegionEntry&) = delete;

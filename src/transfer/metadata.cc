@@ -19,14 +19,59 @@ constexpr size_t kMaxNameLength = 256;
 constexpr size_t kMaxRegions = 65536;
 constexpr uint64_t kMaxRegionLength = uint64_t{1} << 48;
 
-// A UCX worker address or packed memory key, in hex (UCX's are a few hundred bytes).
-constexpr size_t kMaxUcxKeyChars = 16384;
+// A backend's endpoint or region data (a UCX worker address or packed memory key in hex
+// is a few hundred bytes).
+constexpr size_t kMaxBackendDataChars = 16384;
+// The backends whose endpoints and region data metadata carries; others are ignored.
+constexpr Backend kDataBackends[] = {Backend::kShm, Backend::kTcp, Backend::kUcx};
 constexpr size_t kMaxSessionChars = 64;
 
 using nlohmann::json;
 
 Status check_hex(const std::string& text, const char* what) {
   return hex_decode(text, what).status();
+}
+
+// A backend's string, checked at the boundary before anything uses it: printable ASCII
+// within the backend's bounds (an shm endpoint must fit an abstract socket address), and
+// for ucx whole bytes of lower-case hex. What it means stays that backend's business.
+Status check_backend_string(Backend backend, const std::string& text, const std::string& what) {
+  if (backend == Backend::kUcx) return check_hex(text, what.c_str());
+  const size_t max = backend == Backend::kShm ? 107 : kMaxNameLength;
+  if (text.size() > max) {
+    return InvalidArgument(what + " is longer than " + std::to_string(max) + " bytes");
+  }
+  for (unsigned char c : text) {
+    if (c < 0x20 || c > 0x7e) return InvalidArgument(what + " holds a non-printable byte");
+  }
+  return Status::Ok();
+}
+
+// {"shm": "...", "ucx": "..."}: the per-backend strings of `r`'s `key`, empty ones left out.
+Result<std::map<Backend, std::string>> parse_per_backend(const JsonReader& r, const char* key,
+                                                         Presence presence) {
+  std::map<Backend, std::string> out;
+  ECX_ASSIGN_OR_RETURN(JsonReader child, r.child(key, presence));  // {} when absent
+  for (Backend b : kDataBackends) {
+    const std::string name(backend_name(b));
+    ECX_ASSIGN_OR_RETURN(std::string value,
+                         child.string(name, Presence::kOptional, kMaxBackendDataChars));
+    ECX_RETURN_IF_ERROR(check_backend_string(b, value, child.where() + "." + name));
+    if (!value.empty()) out.emplace(b, std::move(value));
+  }
+  return out;
+}
+
+json per_backend_json(const std::map<Backend, std::string>& values) {
+  json j = json::object();
+  for (const auto& [b, value] : values) j[std::string(backend_name(b))] = value;
+  return j;
+}
+
+const std::string& value_for(const std::map<Backend, std::string>& values, Backend b) {
+  static const std::string kNone;
+  auto it = values.find(b);
+  return it == values.end() ? kNone : it->second;
 }
 
 constexpr EnumName<MemoryKind> kMemoryKinds[] = {{MemoryKind::kHost, "host"},
@@ -50,12 +95,20 @@ Result<RegionInfo> parse_region(const JsonReader& r) {
   ECX_ASSIGN_OR_RETURN(info.kind, parse_kind(kind));
   ECX_ASSIGN_OR_RETURN(info.remote_write, r.boolean("remote_write"));
   ECX_ASSIGN_OR_RETURN(info.shareable, r.boolean("shareable"));
-  ECX_ASSIGN_OR_RETURN(info.ucx_key, r.string("ucx_key", Presence::kOptional, kMaxUcxKeyChars));
-  ECX_RETURN_IF_ERROR(check_hex(info.ucx_key, "agent metadata region ucx_key"));
+  ECX_ASSIGN_OR_RETURN(info.backend_data,
+                       parse_per_backend(r, "backend_data", Presence::kOptional));
   return info;
 }
 
 }  // namespace
+
+const std::string& RegionInfo::data_for(Backend backend) const {
+  return value_for(backend_data, backend);
+}
+
+const std::string& AgentMetadata::endpoint(Backend backend) const {
+  return value_for(endpoints, backend);
+}
 
 std::string AgentMetadata::to_json() const {
   json regions_json = json::array();
@@ -65,13 +118,14 @@ std::string AgentMetadata::to_json() const {
                             {"kind", std::string(memory_kind_name(r.kind))},
                             {"remote_write", r.remote_write},
                             {"shareable", r.shareable}});
-    if (!r.ucx_key.empty()) regions_json.back()["ucx_key"] = r.ucx_key;
+    if (!r.backend_data.empty())
+      regions_json.back()["backend_data"] = per_backend_json(r.backend_data);
   }
   json j = {{"name", name},
             {"protocol_version", protocol_version},
             {"compat_hash", compat_hash},
             {"host_id", host_id},
-            {"endpoints", {{"shm", shm_endpoint}, {"tcp", tcp_endpoint}, {"ucx", ucx_address}}},
+            {"endpoints", per_backend_json(endpoints)},
             {"regions", regions_json}};
   if (!session.empty()) j["session"] = session;
   return j.dump();
@@ -92,13 +146,7 @@ Result<AgentMetadata> AgentMetadata::parse(std::string_view text) {
   m.protocol_version = static_cast<uint32_t>(version);
   ECX_ASSIGN_OR_RETURN(m.compat_hash, r.string("compat_hash", Presence::kRequired, kMaxNameLength));
   ECX_ASSIGN_OR_RETURN(m.host_id, r.string("host_id", Presence::kOptional, kMaxNameLength));
-  ECX_ASSIGN_OR_RETURN(JsonReader endpoints, r.child("endpoints", Presence::kRequired));
-  ECX_ASSIGN_OR_RETURN(m.shm_endpoint, endpoints.string("shm", Presence::kOptional, 107));
-  ECX_ASSIGN_OR_RETURN(m.tcp_endpoint,
-                       endpoints.string("tcp", Presence::kOptional, kMaxNameLength));
-  ECX_ASSIGN_OR_RETURN(m.ucx_address,
-                       endpoints.string("ucx", Presence::kOptional, kMaxUcxKeyChars));
-  ECX_RETURN_IF_ERROR(check_hex(m.ucx_address, "agent metadata: endpoints.ucx"));
+  ECX_ASSIGN_OR_RETURN(m.endpoints, parse_per_backend(r, "endpoints", Presence::kRequired));
   ECX_ASSIGN_OR_RETURN(m.session, r.string("session", Presence::kOptional, kMaxSessionChars));
   ECX_RETURN_IF_ERROR(check_hex(m.session, "agent metadata: session"));
   ECX_ASSIGN_OR_RETURN(const json* regions, r.array("regions", Presence::kRequired, kMaxRegions));

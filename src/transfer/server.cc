@@ -359,16 +359,19 @@ bool Server::serve_region_query(const Connection& connection, const std::string&
   reply.length = region->length;
   if (region->access.remote_write) reply.flags |= kRegionRemoteWrite;
   if (region->access.remote_read) reply.flags |= kRegionRemoteRead;
-  const bool wants_ucx_key = (h.flags & kRegionQueryUcxKey) != 0;
-  if (connection.unix_socket && region->memfd.valid() && !wants_ucx_key) {
+  const bool wants_data = (h.flags & kRegionQueryBackendData) != 0;
+  if (connection.unix_socket && region->memfd.valid() && !wants_data) {
     reply.flags |= kRegionHasFd;
     reply.magic = kFrameMagic;
     return send_with_fd(fd, &reply, sizeof(reply), region->memfd.get()).ok();
   }
-  // The ucx backend's key (empty when the region is not registered with UCX).
-  return send_frame(fd, reply, wants_ucx_key ? region->ucx_key : std::string(),
-                    Deadline::after_ms(kReplyTimeoutMs))
-      .ok();
+  // The backend's data of the region (empty when that backend did not register it).
+  std::string data;
+  if (wants_data) {
+    auto it = region->backends.find(static_cast<Backend>(h.flags >> 8));
+    if (it != region->backends.end()) data = it->second.data;
+  }
+  return send_frame(fd, reply, data, Deadline::after_ms(kReplyTimeoutMs)).ok();
 }
 
 bool Server::serve_call(int fd, const Caller& caller, const FrameHeader& h,

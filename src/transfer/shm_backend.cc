@@ -116,11 +116,11 @@ class ShmEngine final : public BackendEngine {
   explicit ShmEngine(const AgentConfig& config) : config_(config) {}
   Backend kind() const override { return Backend::kShm; }
   bool reaches(const AgentMetadata& peer, bool same_host) const override {
-    return same_host && !peer.shm_endpoint.empty();
+    return same_host && !peer.endpoint(Backend::kShm).empty();
   }
   bool control_over_unix(const AgentMetadata&, bool) const override { return true; }
   Result<std::shared_ptr<DataPath>> open(PeerLink link, Deadline) override {
-    std::string endpoint = link.peer.shm_endpoint;
+    std::string endpoint = link.peer.endpoint(Backend::kShm);
     auto writes = std::make_shared<TcpDataPool>(
         config_, link.self, link.peer, [endpoint](Deadline d) { return connect_unix(endpoint, d); },
         "unix @" + endpoint, 1);

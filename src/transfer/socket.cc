@@ -143,6 +143,11 @@ Result<UniqueFd> connect_tcp(const HostPort& address, Deadline deadline) {
 }
 
 Result<UniqueFd> connect_unix(const std::string& name, Deadline deadline) {
+  // A peer's name longer than an abstract address holds would be cut to another name.
+  if (name.empty() || name.size() > sizeof(sockaddr_un::sun_path) - 1) {
+    return InvalidArgument("unix socket name of " + std::to_string(name.size()) + " bytes (1 to " +
+                           std::to_string(sizeof(sockaddr_un::sun_path) - 1) + ")");
+  }
   UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
   if (!fd.valid()) return ErrnoError("socket(AF_UNIX)", errno);
   socklen_t len = 0;

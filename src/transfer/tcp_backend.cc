@@ -234,7 +234,7 @@ class TcpEngine final : public BackendEngine {
   explicit TcpEngine(const AgentConfig& config) : config_(config) {}
   Backend kind() const override { return Backend::kTcp; }
   bool reaches(const AgentMetadata& peer, bool) const override {
-    return !peer.tcp_endpoint.empty();
+    return !peer.endpoint(Backend::kTcp).empty();
   }
   bool control_over_unix(const AgentMetadata&, bool) const override { return false; }
   Result<std::shared_ptr<DataPath>> open(PeerLink link, Deadline) override;
@@ -245,7 +245,7 @@ class TcpEngine final : public BackendEngine {
 
 // A pool of tcp data streams that carries both directions.
 Result<std::shared_ptr<DataPath>> TcpEngine::open(PeerLink link, Deadline) {
-  ECX_ASSIGN_OR_RETURN(HostPort address, parse_host_port(link.peer.tcp_endpoint));
+  ECX_ASSIGN_OR_RETURN(HostPort address, parse_host_port(link.peer.endpoint(Backend::kTcp)));
   int buffer = config_.tcp_socket_buffer;
   auto dial = [address, buffer](Deadline d) -> Result<UniqueFd> {
     ECX_ASSIGN_OR_RETURN(UniqueFd fd, connect_tcp(address, d));

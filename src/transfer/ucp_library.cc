@@ -33,10 +33,30 @@ std::string dl_error() {
   return e != nullptr ? e : "unknown dlerror";
 }
 
-std::string describe(const std::string& library, const std::string& venv_dir) {
-  std::string text = library.empty() ? "system" : library;
-  if (library == "wheel" && !venv_dir.empty()) text += " (venv " + venv_dir + ")";
-  return text;
+// AgentConfig::ucx.library, parsed once: Debian's libucp, the libucx wheel's, or a file.
+struct LibraryChoice {
+  enum Kind { kSystem, kWheel, kPath } kind = kSystem;
+  std::string path;  // kPath
+
+  static Result<LibraryChoice> parse(const std::string& library) {
+    if (library.empty() || library == "system") return LibraryChoice{kSystem, {}};
+    if (library == "wheel") return LibraryChoice{kWheel, {}};
+    if (library.front() == '/') return LibraryChoice{kPath, library};
+    return InvalidArgument("UCX library '" + library +
+                           "' is neither \"system\", \"wheel\" nor an absolute path");
+  }
+};
+
+std::string describe(const LibraryChoice& choice, const std::string& venv_dir) {
+  switch (choice.kind) {
+    case LibraryChoice::kSystem:
+      return "system";
+    case LibraryChoice::kWheel:
+      return venv_dir.empty() ? "wheel" : "wheel (venv " + venv_dir + ")";
+    case LibraryChoice::kPath:
+      return choice.path;
+  }
+  return "system";
 }
 
 // The libucx wheel's lib directory under `root`, which is a site-packages or a venv.
@@ -237,24 +257,29 @@ Result<std::unique_ptr<UcpApi>> load(const std::string& file, const std::string&
   return api;
 }
 
-// The file to dlopen for `library`: a path, or the soname for the system's.
-Result<std::string> library_file(const std::string& library, const std::string& venv_dir) {
-  if (library.empty() || library == "system") return std::string(kSoname);
-  if (library == "wheel") return find_wheel(venv_dir);
-  if (library.front() == '/') return library;
-  return InvalidArgument("UCX library '" + library +
-                         "' is neither \"system\", \"wheel\" nor an absolute path");
+// The file to dlopen for `choice`: a path, or the soname for the system's.
+Result<std::string> library_file(const LibraryChoice& choice, const std::string& venv_dir) {
+  switch (choice.kind) {
+    case LibraryChoice::kSystem:
+      return std::string(kSoname);
+    case LibraryChoice::kWheel:
+      return find_wheel(venv_dir);
+    case LibraryChoice::kPath:
+      return choice.path;
+  }
+  return std::string(kSoname);
 }
 
 }  // namespace
 
 Result<const UcpApi*> load_ucp(const std::string& library, const std::string& venv_dir) {
+  ECX_ASSIGN_OR_RETURN(LibraryChoice choice, LibraryChoice::parse(library));
   MutexLock lock(&g_mutex);
-  std::string request = describe(library, venv_dir);
+  std::string request = describe(choice, venv_dir);
   if (g_loaded != nullptr) {
     if (g_loaded->request == request) return g_loaded->api.get();
     // Another spelling of the same file ("wheel" and its absolute path) is no conflict.
-    Result<std::string> file = library_file(library, venv_dir);
+    Result<std::string> file = library_file(choice, venv_dir);
     std::error_code ec;
     if (file.ok() && file->front() == '/' && fs::canonical(*file, ec) == g_loaded->api->path) {
       return g_loaded->api.get();
@@ -264,7 +289,7 @@ Result<const UcpApi*> load_ucp(const std::string& library, const std::string& ve
                       g_loaded->api->path + ", version " + g_loaded->api->version +
                       ") is already loaded in this process");
   }
-  ECX_ASSIGN_OR_RETURN(std::string file, library_file(library, venv_dir));
+  ECX_ASSIGN_OR_RETURN(std::string file, library_file(choice, venv_dir));
   ECX_ASSIGN_OR_RETURN(std::unique_ptr<UcpApi> api, load(file, request));
   g_loaded = new Loaded{request, std::move(api)};
   return g_loaded->api.get();

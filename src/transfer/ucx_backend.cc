@@ -295,18 +295,32 @@ struct UcxRegistration {
   }
 };
 
+// AgentConfig::ucx.error_mode, parsed once.
+enum class UcxErrorMode { kAuto, kPeer, kNone };
+
+Result<UcxErrorMode> parse_error_mode(const std::string& mode) {
+  if (mode == "auto") return UcxErrorMode::kAuto;
+  if (mode == "peer") return UcxErrorMode::kPeer;
+  if (mode == "none") return UcxErrorMode::kNone;
+  return InvalidArgument("ucx error_mode '" + mode + "' (expected auto, peer or none)");
+}
+
 class UcxEngine final : public BackendEngine {
  public:
-  UcxEngine(const AgentConfig& config, std::shared_ptr<UcxWorker> worker)
-      : config_(config), worker_(std::move(worker)) {}
+  UcxEngine(const AgentConfig& config, UcxErrorMode mode, std::shared_ptr<UcxWorker> worker)
+      : config_(config), mode_(mode), worker_(std::move(worker)) {}
 
   Backend kind() const override { return Backend::kUcx; }
-  bool reaches(const AgentMetadata& peer, bool) const override { return !peer.ucx_address.empty(); }
+  bool reaches(const AgentMetadata& peer, bool) const override {
+    return !peer.endpoint(Backend::kUcx).empty();
+  }
   bool control_over_unix(const AgentMetadata& peer, bool same_host) const override {
-    return same_host && !peer.shm_endpoint.empty();
+    return same_host && !peer.endpoint(Backend::kShm).empty();
   }
   Result<std::shared_ptr<DataPath>> open(PeerLink link, Deadline deadline) override;
-  void describe(AgentMetadata& self) const override { self.ucx_address = worker_->address_hex(); }
+  void describe(AgentMetadata& self) const override {
+    self.endpoints[Backend::kUcx] = worker_->address_hex();
+  }
   Status register_region(RegionEntry& region) override;
   void stop() override { worker_->stop_progress(); }
 
@@ -314,13 +328,13 @@ class UcxEngine final : public BackendEngine {
   Result<ucp_err_handling_mode_t> error_mode(bool same_host) const;
 
   const AgentConfig& config_;
+  const UcxErrorMode mode_;
   const std::shared_ptr<UcxWorker> worker_;
 };
 
 Result<ucp_err_handling_mode_t> UcxEngine::error_mode(bool same_host) const {
-  const std::string& mode = config_.ucx.error_mode;  // checked by make_ucx_engine
-  if (mode == "peer") return UCP_ERR_HANDLING_MODE_PEER;
-  if (mode == "none") return UCP_ERR_HANDLING_MODE_NONE;
+  if (mode_ == UcxErrorMode::kPeer) return UCP_ERR_HANDLING_MODE_PEER;
+  if (mode_ == UcxErrorMode::kNone) return UCP_ERR_HANDLING_MODE_NONE;
   // Shared-memory transports have no peer-failure handling: the control connection
   // watches the peer instead.
   if (ucx_auto_mode_is_none(config_.ucx.tls, same_host)) return UCP_ERR_HANDLING_MODE_NONE;
@@ -330,7 +344,7 @@ Result<ucp_err_handling_mode_t> UcxEngine::error_mode(bool same_host) const {
 Result<std::shared_ptr<DataPath>> UcxEngine::open(PeerLink link, Deadline) {
   ECX_ASSIGN_OR_RETURN(
       std::string address,
-      hex_decode(link.peer.ucx_address, "agent " + link.peer.name + "'s ucx address"));
+      hex_decode(link.peer.endpoint(Backend::kUcx), "agent " + link.peer.name + "'s ucx address"));
   if (address.empty()) return Unavailable("agent '" + link.peer.name + "' has no ucx endpoint");
   ECX_ASSIGN_OR_RETURN(ucp_err_handling_mode_t mode, error_mode(link.same_host));
   auto path = std::make_shared<UcxDataPath>(worker_, std::move(link), std::move(address), mode);
@@ -366,9 +380,9 @@ Status UcxEngine::register_region(RegionEntry& region) {
   s = api.rkey_pack(worker_->context(), registration->memh, &packed, &packed_size);
   if (s != UCS_OK) return ucx_status(api, s, "pack a UCX remote key");
   uint64_t address = reinterpret_cast<uintptr_t>(region.data);
-  region.ucx_key = hex_encode(&address, sizeof(address)) + hex_encode(packed, packed_size);
+  std::string key = hex_encode(&address, sizeof(address)) + hex_encode(packed, packed_size);
   api.rkey_buffer_release(packed);
-  region.ucx = std::move(registration);
+  region.backends[Backend::kUcx] = {std::move(registration), std::move(key)};
   return Status::Ok();
 }
 
@@ -376,12 +390,10 @@ Status UcxEngine::register_region(RegionEntry& region) {
 
 Result<std::unique_ptr<BackendEngine>> make_ucx_engine(const AgentConfig& config) {
   const UcxConfig& ucx = config.ucx;
-  if (ucx.error_mode != "auto" && ucx.error_mode != "peer" && ucx.error_mode != "none") {
-    return InvalidArgument("ucx error_mode '" + ucx.error_mode + "' (expected auto, peer or none)");
-  }
+  ECX_ASSIGN_OR_RETURN(UcxErrorMode mode, parse_error_mode(ucx.error_mode));
   // Without peer error handling UCX cannot purge a request that waits on a network peer,
   // so a stalled peer could not be cancelled: `none` is for shared memory only.
-  if (ucx.error_mode == "none" && !ucx.tls.empty() && !ucx_tls_is_shared_memory(ucx.tls)) {
+  if (mode == UcxErrorMode::kNone && !ucx.tls.empty() && !ucx_tls_is_shared_memory(ucx.tls)) {
     return InvalidArgument(
         "ucx error_mode 'none' needs shared-memory transports (posix, cma, "
         "...), not UCX_TLS '" +
@@ -393,7 +405,8 @@ Result<std::unique_ptr<BackendEngine>> make_ucx_engine(const AgentConfig& config
   (*worker)->start_progress();
   spdlog::debug("agent {}: ucx backend on {} (UCX {}), tls '{}'", config.name, api->path,
                 api->version, config.ucx.tls);
-  return std::unique_ptr<BackendEngine>(std::make_unique<UcxEngine>(config, std::move(*worker)));
+  return std::unique_ptr<BackendEngine>(
+      std::make_unique<UcxEngine>(config, mode, std::move(*worker)));
 }
 
 }  // namespace ecx::transfer

@@ -6,7 +6,7 @@
 // that sleeps on the worker's event fd (ucp_worker_arm) and never spins. Every region
 // the agent registers is ucp_mem_map'ed; its key (address + packed rkey, hex) goes in
 // the agent metadata, or, for regions behind grants, to a peer that presents a
-// capability (REGION_QUERY with kRegionQueryUcxKey).
+// capability (REGION_QUERY for the ucx backend's data).
 //
 // Per peer: one endpoint to the peer's worker address. Error handling: UCX's `peer`
 // mode where the transports have it (tcp, RDMA); `none` on shared memory, where the

@@ -130,8 +130,9 @@ UcxDataPath::UcxDataPath(std::shared_ptr<UcxWorker> worker, PeerLink link, std::
       mode_(mode) {
   // Keys of regions any peer may reach come with the metadata: no round trip for them.
   for (const auto& region : link.peer.regions) {
-    if (region.ucx_key.empty()) continue;
-    auto key = parse_ucx_key(region.ucx_key, region.length, region.remote_write);
+    const std::string& data = region.data_for(Backend::kUcx);
+    if (data.empty()) continue;
+    auto key = parse_ucx_key(data, region.length, region.remote_write);
     if (key.ok()) keys_[region.id] = std::make_shared<const UcxRemoteKey>(std::move(*key));
   }
 }
@@ -318,15 +319,15 @@ Result<std::shared_ptr<const UcxRemoteKey>> UcxDataPath::key_for(const TransferD
     auto it = keys_.find(d.remote_region);
     if (it != keys_.end()) return it->second;
   }
-  ECX_ASSIGN_OR_RETURN(RegionGrant grant,
-                       control_->query_region(d.remote_region, d.capability, deadline, true));
-  if (grant.ucx_key.empty()) {
+  ECX_ASSIGN_OR_RETURN(RegionGrant grant, control_->query_region(d.remote_region, d.capability,
+                                                                 deadline, Backend::kUcx));
+  if (grant.backend_data.empty()) {
     return Status(StatusCode::kFailedPrecondition, "region " + std::to_string(d.remote_region) +
                                                        " of agent " + peer_ +
                                                        " is not registered with ucx");
   }
   ECX_ASSIGN_OR_RETURN(UcxRemoteKey key,
-                       parse_ucx_key(grant.ucx_key, grant.length, grant.remote_write));
+                       parse_ucx_key(grant.backend_data, grant.length, grant.remote_write));
   auto shared = std::make_shared<const UcxRemoteKey>(std::move(key));
   MutexLock lock(&mu_);
   return keys_.emplace(d.remote_region, std::move(shared)).first->second;

@@ -21,7 +21,8 @@ struct UcxRemoteKey {
   bool writable = false;
   std::string packed;
 };
-// Parses a key as RegionEntry::ucx_key spells it (hex of address | packed rkey).
+// Parses a region's ucx data as UcxEngine::register_region spells it (hex of address |
+// packed rkey).
 Result<UcxRemoteKey> parse_ucx_key(std::string_view hex, uint64_t length, bool writable);
 
 class UcxDataPath final : public DataPath, public std::enable_shared_from_this<UcxDataPath> {

@@ -17,6 +17,7 @@
 
 #include "ecx/common/deadline.h"
 #include "ecx/common/status.h"
+#include "ecx/transfer/types.h"
 #include "transfer/socket.h"
 
 namespace ecx::transfer {
@@ -46,9 +47,13 @@ enum class FrameType : uint16_t {
   kChallenge = 13,
 };
 
-// Flag on REGION_QUERY: answer with the region's ucx key (payload), not its memfd.
-constexpr uint16_t kRegionQueryUcxKey = 1;
-// Upper bound on a REGION_INFO payload (a ucx key in hex).
+// Flags on REGION_QUERY: answer with one backend's data of the region (payload), not its
+// memfd; the backend's number (Backend) is in the upper byte.
+constexpr uint16_t kRegionQueryBackendData = 1;
+constexpr uint16_t region_query_flags(Backend backend) {
+  return static_cast<uint16_t>(kRegionQueryBackendData | (static_cast<uint16_t>(backend) << 8));
+}
+// Upper bound on a REGION_INFO payload (a backend's data of a region: a ucx key in hex).
 constexpr uint32_t kMaxRegionInfoPayload = 16384;
 
 // Flags on REGION_INFO.

@@ -110,6 +110,16 @@ TEST_P(ReleaseTest, ADiscardedRequestGivesBackItsPins) {
   EXPECT_EQ(producer_pins_settled(), 0u);
 }
 
+// The stop order: a consumer destroyed with a request still open (loaded, never
+// finished) gives its pins back before its agent stops, so the producer holds none.
+TEST_P(ReleaseTest, AConsumerDestroyedWithARequestOpenGivesBackItsPinsBeforeItsAgentStops) {
+  auto out = consumer_->load({.request_id = "open", .items = {{hash_of("a"), kItem, save("a")}}},
+                             Deadline::after_ms(30000));
+  ASSERT_TRUE(out.status.ok()) << out.status.to_string();
+  consumer_.reset();  // no request_finished: the connector's stop must settle it
+  EXPECT_EQ(producer_pins_settled(), 0u);
+}
+
 TEST_P(ReleaseTest, ForgedParamsReleaseNothing) {
   EcTransferParams p = save("a");
   EcTransferParams forged = p;

@@ -12,7 +12,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   auto parsed = AgentMetadata::parse(text);
   if (!parsed.ok()) return 0;
   ECX_FUZZ_CHECK(!parsed->name.empty() && parsed->name.size() <= 256, "name outside 1..256");
-  ECX_FUZZ_CHECK(parsed->shm_endpoint.size() <= 107, "shm endpoint longer than sun_path");
+  ECX_FUZZ_CHECK(parsed->endpoint(ecx::transfer::Backend::kShm).size() <= 107,
+                 "shm endpoint longer than sun_path");
   ECX_FUZZ_CHECK(parsed->regions.size() <= 65536, "more regions than the limit");
   auto again = AgentMetadata::parse(parsed->to_json());
   ECX_FUZZ_CHECK(again.ok(), "to_json of accepted metadata does not parse");

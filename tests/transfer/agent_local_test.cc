@@ -289,7 +289,7 @@ TEST(AgentConnect, UnreachablePeerFailsWithinTheDeadline) {
   ghost.name = "ghost";
   ghost.protocol_version = kProtocolVersion;
   ghost.compat_hash = "ecx";
-  ghost.tcp_endpoint = "127.0.0.1:1";  // nothing listens on port 1
+  ghost.endpoints[Backend::kTcp] = "127.0.0.1:1";  // nothing listens on port 1
   auto r = consumer->connect(ghost, {.deadline = Deadline::after_ms(5000)});
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), StatusCode::kUnavailable) << r.status().to_string();

@@ -16,11 +16,11 @@ AgentMetadata sample() {
   m.protocol_version = 1;
   m.compat_hash = "qwen2.5-vl-3b/bf16";
   m.host_id = "boot/host";
-  m.shm_endpoint = "ecx-e-0-1-0";
-  m.tcp_endpoint = "127.0.0.1:5000";
-  m.ucx_address = "0a0b0c";
-  m.regions = {{1, 1 << 20, MemoryKind::kHost, false, true},
-               {2, 4096, MemoryKind::kHost, true, false, "00112233445566778899"}};
+  m.endpoints = {
+      {Backend::kShm, "ecx-e-0-1-0"}, {Backend::kTcp, "127.0.0.1:5000"}, {Backend::kUcx, "0a0b0c"}};
+  m.regions = {
+      {1, 1 << 20, MemoryKind::kHost, false, true},
+      {2, 4096, MemoryKind::kHost, true, false, {{Backend::kUcx, "00112233445566778899"}}}};
   return m;
 }
 
@@ -32,7 +32,7 @@ TEST(AgentMetadata, JsonRoundTrip) {
 }
 
 TEST(AgentMetadata, RejectsMalformedInputWithoutThrowing) {
-  const char* bad[] = {
+  const std::string bad[] = {
       "",
       "not json",
       "[]",
@@ -49,9 +49,12 @@ TEST(AgentMetadata, RejectsMalformedInputWithoutThrowing) {
       // ucx worker addresses and keys are whole bytes of lower-case hex.
       R"({"name":"a","protocol_version":1,"compat_hash":"x","endpoints":{"ucx":"zz"},"regions":[]})",
       R"({"name":"a","protocol_version":1,"compat_hash":"x","endpoints":{"ucx":"abc"},"regions":[]})",
-      R"({"name":"a","protocol_version":1,"compat_hash":"x","endpoints":{},"regions":[{"id":1,"length":1,"kind":"host","remote_write":false,"shareable":false,"ucx_key":"0G"}]})",
+      R"({"name":"a","protocol_version":1,"compat_hash":"x","endpoints":{},"regions":[{"id":1,"length":1,"kind":"host","remote_write":false,"shareable":false,"backend_data":{"ucx":"0G"}}]})",
+      // an shm endpoint longer than an abstract socket address holds
+      R"({"name":"a","protocol_version":1,"compat_hash":"x","endpoints":{"shm":")" +
+          std::string(200, 'e') + R"("},"regions":[]})",
   };
-  for (const char* text : bad) {
+  for (const std::string& text : bad) {
     auto r = AgentMetadata::parse(text);
     EXPECT_FALSE(r.ok()) << text;
   }

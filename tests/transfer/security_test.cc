@@ -59,7 +59,7 @@ bool mapped(const std::string& name_part) {
 // Shakes hands over a raw tcp socket as `name` (with a fresh session), as a peer's
 // agent would, and returns the connection for the test to speak frames on.
 UniqueFd raw_peer(const Agent& server, const std::string& name) {
-  auto address = parse_host_port(server.metadata().tcp_endpoint).value();
+  auto address = parse_host_port(server.metadata().endpoint(Backend::kTcp)).value();
   auto fd = connect_tcp(address, Deadline::after_ms(5000));
   EXPECT_TRUE(fd.ok()) << fd.status().to_string();
   if (!fd.ok()) return UniqueFd();
@@ -130,14 +130,14 @@ TEST(Authentication, AgentWithoutASecretListensOnLoopbackOnly) {
   AgentConfig c = local_config("open");
   c.tcp_host = "0.0.0.0";
   auto agent = std::move(Agent::create(c).value());
-  EXPECT_EQ(agent->metadata().tcp_endpoint.rfind("127.0.0.1:", 0), 0u)
-      << agent->metadata().tcp_endpoint;
+  EXPECT_EQ(agent->metadata().endpoint(Backend::kTcp).rfind("127.0.0.1:", 0), 0u)
+      << agent->metadata().endpoint(Backend::kTcp);
 }
 
 TEST(Authentication, AnotherUserCannotReachTheUnixSocket) {
   if (::geteuid() != 0) GTEST_SKIP() << "needs root to run a child as another uid";
   auto server = std::move(Agent::create(local_config("server")).value());
-  std::string endpoint = server->metadata().shm_endpoint;
+  std::string endpoint = server->metadata().endpoint(Backend::kShm);
   pid_t child = ::fork();
   ASSERT_GE(child, 0);
   if (child == 0) {
@@ -167,7 +167,7 @@ TEST(SealedMemory, APeerCannotMapTheArenaWritableNorResizeIt) {
   // memfd to.
   auto peer = PeerProcess::start();
   ASSERT_TRUE(peer.ok()) << peer.status().to_string();
-  auto fd = connect_unix(peer->metadata().shm_endpoint, Deadline::after_ms(5000));
+  auto fd = connect_unix(peer->metadata().endpoint(Backend::kShm), Deadline::after_ms(5000));
   ASSERT_TRUE(fd.ok()) << fd.status().to_string();
   AgentMetadata me;
   me.name = "hostile";
@@ -216,7 +216,7 @@ class LyingMemfdServer {
   AgentMetadata metadata() const {
     AgentMetadata m = self();
     m.host_id = local_host_id();
-    m.shm_endpoint = name_;
+    m.endpoints[Backend::kShm] = name_;
     m.regions.push_back({1, kLength, MemoryKind::kHost, false, true});
     return m;
   }
@@ -285,7 +285,7 @@ TEST(Grants, ARegionThatRequiresGrantsIsReadOnlyThroughTheRightCapability) {
   // capability gets it); an open region announces it.
   auto open = server->allocate(4096).value();
   for (const auto& r : server->metadata().regions) {
-    EXPECT_EQ(r.ucx_key.empty(), r.id == region.id) << "region " << r.id;
+    EXPECT_EQ(r.data_for(Backend::kUcx).empty(), r.id == region.id) << "region " << r.id;
   }
   ASSERT_TRUE(server->deregister(open.id).ok());
   auto mine = server->grant(region.id, 4096, 8192, false, "client").value();
@@ -341,7 +341,7 @@ TEST(Bounds, ConnectionsOverTheCapAreRefusedWithAClearError) {
   AgentConfig c = local_config("server");
   c.max_connections = 2;
   auto server = std::move(Agent::create(c).value());
-  auto address = parse_host_port(server->metadata().tcp_endpoint).value();
+  auto address = parse_host_port(server->metadata().endpoint(Backend::kTcp)).value();
   std::vector<UniqueFd> held;
   for (int i = 0; i < 2; ++i) held.push_back(raw_peer(*server, "holder-" + std::to_string(i)));
   auto third = connect_tcp(address, Deadline::after_ms(5000));
@@ -360,7 +360,7 @@ TEST(Bounds, AnIdleConnectionIsClosedAfterTheHandshake) {
   AgentConfig c = local_config("server");
   c.idle_timeout_ms = 200;
   auto server = std::move(Agent::create(c).value());
-  auto address = parse_host_port(server->metadata().tcp_endpoint).value();
+  auto address = parse_host_port(server->metadata().endpoint(Backend::kTcp)).value();
   auto fd = connect_tcp(address, Deadline::after_ms(5000));
   ASSERT_TRUE(fd.ok());
   AgentMetadata me;
@@ -401,7 +401,7 @@ TEST(Bounds, ADeadPeersThreadsFdsAndMappingsAreReclaimed) {
 
 TEST(Bounds, AHeaderCannotMakeTheServerAllocateWhatItAnnounces) {
   auto server = std::move(Agent::create(local_config("server")).value());
-  auto address = parse_host_port(server->metadata().tcp_endpoint).value();
+  auto address = parse_host_port(server->metadata().endpoint(Backend::kTcp)).value();
   auto fd = connect_tcp(address, Deadline::after_ms(5000));
   ASSERT_TRUE(fd.ok());
   // Before the handshake only HELLO is accepted, and at most 1 MiB of it.
@@ -423,7 +423,7 @@ TEST(Bounds, StalledHandshakesDoNotKeepTheDeploymentsAgentsOut) {
   AgentConfig c = local_config("server");
   c.max_handshakes = 4;
   auto server = std::move(Agent::create(c).value());
-  auto address = parse_host_port(server->metadata().tcp_endpoint).value();
+  auto address = parse_host_port(server->metadata().endpoint(Backend::kTcp)).value();
   // 3 times the handshake slots in connections that take the challenge and never answer
   // (each would hold its slot for the 10 s hello timeout).
   std::vector<UniqueFd> stalled;
@@ -551,7 +551,8 @@ TEST(Identity, APeerThatDeclaresAnotherAgentsNameCannotEndWhatThatAgentHolds) {
 TEST(Identity, UnixSocketNamesCannotBeGuessed) {
   auto a = std::move(Agent::create(local_config("guess")).value());
   auto b = std::move(Agent::create(local_config("guess")).value());
-  std::string ea = a->metadata().shm_endpoint, eb = b->metadata().shm_endpoint;
+  std::string ea = a->metadata().endpoint(Backend::kShm),
+              eb = b->metadata().endpoint(Backend::kShm);
   ASSERT_FALSE(ea.empty());
   // No pid and no counter: 32 random hex digits after the name.
   EXPECT_EQ(ea.find(std::to_string(::getpid())), std::string::npos) << ea;

@@ -23,7 +23,7 @@ class WireRobustnessTest : public ::testing::Test {
   void SetUp() override {
     server_ = std::move(Agent::create(local_config("server")).value());
     region_ = server_->allocate(1 << 20, {.remote_read = true, .remote_write = true}).value();
-    address_ = parse_host_port(server_->metadata().tcp_endpoint).value();
+    address_ = parse_host_port(server_->metadata().endpoint(Backend::kTcp)).value();
   }
 
   UniqueFd raw_connect() {

@@ -18,18 +18,19 @@
 // answered an error, a bad image among its others) gives its params back to their
 // encoders (encoder_client.h).
 //
-// Threads: none per request. A request is parsed on a thread of the proxy's HTTP client
-// (not the server's I/O threads, which keep answering /health) until it has sent its
-// images to their encoders; every call upstream (encode, forward to a PD, release) goes through
-// one asynchronous HTTP client with a pool of keep-alive connections per upstream
-// (serve/http_client.h), and each answer continues the request on a client thread. A
-// streamed answer is relayed piece by piece; while the client's buffer is full, the PD's
-// connection is not read.
+// Threads: none per request. A request is one C++20 coroutine (Proxy::chat) on the
+// threads of the proxy's HTTP client, not the server's I/O threads (which keep answering
+// /health): it reads in order, parse -> encode_all -> forward_to_pd -> relay, and each
+// co_await gives its thread back until an answer comes. Every call upstream (encode,
+// forward to a PD, release) goes through one asynchronous HTTP client with a pool of
+// keep-alive connections per upstream (serve/http_client.h). A streamed answer is relayed
+// piece by piece; while the client's buffer is full, the PD's connection is not read.
 //
 // --upstream-api vllm: each image goes to its encoder as the chat completion vLLM's EPD
 // proxy sends, keyed by a uuid the PD's copy of the image carries too; the entries of the
 // answer's ec_transfer_params travel to the PD unchanged. Everything else is the same.
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <iostream>
 #include <memory>
@@ -45,6 +46,7 @@
 #include "ecx/directory/membership.h"
 #include "ecx/engine/image.h"
 #include "ecx/engine/model.h"
+#include "serve/coroutine.h"
 #include "serve/encoder_client.h"
 #include "serve/http_client.h"
 #include "serve/http_server.h"
@@ -81,8 +83,8 @@ struct ImageJob {
   EncodeCall call;
 };
 
-// One chat completion on its way through the proxy. Shared by the callbacks that carry
-// it on; the phases run one after another (encodes, then the PDs in turn).
+// One chat completion on its way through the proxy: what its coroutine (Proxy::chat)
+// keeps from step to step.
 struct ChatCall {
   ChatCall(std::shared_ptr<AsyncReply> r, std::shared_ptr<HttpRequest> q)
       : reply(std::move(r)), req(std::move(q)) {}
@@ -94,22 +96,39 @@ struct ChatCall {
   ChatRequest chat;
   std::shared_ptr<const UpstreamMembers> members;  // one view of the members throughout
   json forward;                                    // the request as the PD gets it
+};
 
-  // Encoding: the answers, in the order the images were sent.
-  Mutex mu;
-  std::vector<ImageEncode> encodes ECX_GUARDED_BY(mu);
-  size_t encodes_left ECX_GUARDED_BY(mu) = 0;
-  EncodedImages encoded;
-
-  // Forwarding: the PDs to try, in order, and what failed so far.
-  std::string body;
-  UpstreamList pds;
-  size_t next_pd = 0;
-  std::string pd_errors;
-
-  // A streamed answer, once the PD answered 200 (on the PD connection's strand).
+// What a PD made of a forwarded request. `writer` is set once the PD answered 200 to a
+// streamed request (the client has its stream); both are written by the relay's callbacks
+// on the PD connection's strand, before the call ends and the coroutine reads them.
+struct PdAnswer {
+  ClientResult result;
   AsyncStreamWriter* writer = nullptr;
   bool client_gone = false;
+};
+
+// The params a request got from its encoders go back to them when the request ends,
+// unless a PD took it (dismiss()): one guard, on every path out of Proxy::chat.
+class IssuedGuard {
+ public:
+  IssuedGuard(ParamsReleaser& releaser, std::weak_ptr<void> proxy_alive)
+      : releaser_(releaser), alive_(std::move(proxy_alive)) {}
+  ~IssuedGuard() {
+    // A coroutine destroyed while the proxy itself goes (its client stopped) releases
+    // nothing: the releaser goes with the proxy.
+    if (!dismissed_ && !issued_.empty() && !alive_.expired()) releaser_.release(issued_);
+  }
+  IssuedGuard(const IssuedGuard&) = delete;
+  IssuedGuard& operator=(const IssuedGuard&) = delete;
+
+  void hold(IssuedParams issued) { issued_ = std::move(issued); }
+  void dismiss() { dismissed_ = true; }
+
+ private:
+  ParamsReleaser& releaser_;
+  const std::weak_ptr<void> alive_;
+  IssuedParams issued_;
+  bool dismissed_ = false;
 };
 
 class Proxy {
@@ -124,7 +143,10 @@ class Proxy {
 
   // Stops in a stated order: the client's threads first (they run every callback of a
   // request, which use the members below), then the members.
-  ~Proxy() { client_.stop(); }
+  ~Proxy() {
+    alive_.reset();  // a request's coroutine destroyed from here on releases nothing
+    client_.stop();
+  }
   Proxy(const Proxy&) = delete;
   Proxy& operator=(const Proxy&) = delete;
 
@@ -149,8 +171,12 @@ class Proxy {
  private:
   using Call = std::shared_ptr<ChatCall>;
 
-  // Parses the request and sends its images to their encoders (on a client thread).
-  void start_chat(const Call& call);
+  // One chat completion, start to end, on the client's threads: parse, encode_all,
+  // forward_to_pd (the next PD while one cannot be connected to), relay the answer. Every
+  // path answers the client once; IssuedGuard gives back params no PD took.
+  Detached chat(Call call);
+  // Parses the body into call.chat (the body is let go); a 400 for what is wrong.
+  std::optional<RequestError> parse(ChatCall& call);
 
   // Rewrites the image URLs of `call.forward` as data URLs and lists the distinct images
   // to send to the encoders (each once per request). The parts' image bytes are let go:
@@ -163,26 +189,35 @@ class Proxy {
   // The image part's URL in the forwarded request, made {"url": data URL} (a file's
   // bytes become one) without copying it; the EncodeCall views it.
   static const std::string& data_url_of(json& forward_part, const ContentPart& part);
-  // Every image has an outcome: merges the params into the request (an image no encoder
-  // could encode gets none: the PD encodes it), then forwards it.
-  void encodes_done(const Call& call);
+  // Every image on its encoders at once (each with failover); their outcomes, in order.
+  Await<std::vector<ImageEncode>> encode_all(std::vector<ImageJob> jobs);
+  // The params per image (an image no encoder could encode gets none: the PD encodes
+  // it), the params per encoder that issued them, and a client error if an image was bad.
+  EncodedImages merge(const std::vector<ImageEncode>& encodes);
+  // Counts failed attempts and fallbacks (the PD encodes those images), logging each.
+  void count_encodes(const std::vector<ImageEncode>& encodes);
   // PDs to try, in order: the reachable ones by fewest requests in flight, then the
   // others (their flag may be stale; a refused connect costs little).
   static UpstreamList pd_order(const UpstreamList& pds);
-  // Sends the request to the next PD of call.pds; one that cannot be connected to is
-  // skipped for the next. Every path answers the client once.
-  void forward(const Call& call);
-  void on_pd_answer(const Call& call, const std::shared_ptr<Upstream>& pd, ClientResult result);
-  ClientStreaming relay_stream(const Call& call);
-  void finish_stream(const Call& call, const Upstream& pd, const ClientResult& result);
-  // The PD did not take the request: gives the params back, counts and sends `res`.
-  void answer_not_taken(const Call& call, HttpResponse res);
+  // Sends the request to `pd`; a streamed answer is relayed to the client as it comes.
+  Await<PdAnswer> forward_to_pd(const Call& call, std::shared_ptr<Upstream> pd,
+                                const std::string& body);
+  // Answers the client from what the PD said; true when the PD took the request (its
+  // params are the PD's to release).
+  bool answer_from_pd(ChatCall& call, const Upstream& pd, PdAnswer& answer, double encode_ms);
+  bool answer_stream_end(ChatCall& call, const Upstream& pd, PdAnswer& answer);
+
+  void respond(ChatCall& call, HttpResponse res) {
+    count_answer(res.status);
+    call.reply->respond(std::move(res));
+  }
+  void answer_error(ChatCall& call, const RequestError& error, const char* reason);
   // The client hung up: its calls to E and PD were ended (closing their connections,
-  // so they stop too), and its params are given back.
-  void answer_abandoned(const Call& call);
-  // No PD of call.pds took the request: 502 naming what was tried.
-  void answer_no_pd(const Call& call);
-  void answer_pd_failure(const Call& call, const Upstream& pd, const ClientResult& result);
+  // so they stop too).
+  void answer_abandoned(ChatCall& call);
+  // No PD took the request: 502 naming what was tried.
+  void answer_no_pd(ChatCall& call, const std::string& pd_errors);
+  void answer_pd_failure(ChatCall& call, const Upstream& pd, const ClientResult& result);
   void count_answer(int http_status) {
     metrics_.add(metric::kProxyRequests, 1, {{"status", std::to_string(http_status)}});
   }
@@ -191,8 +226,9 @@ class Proxy {
   UpstreamSet upstreams_;
   const bool use_encoders_;  // false with --connector local: the PDs encode
   Metrics metrics_;
-  HttpClient client_;        // stopped first, by ~Proxy
-  ParamsReleaser releaser_;  // sends through client_
+  std::shared_ptr<void> alive_ = std::make_shared<int>(0);  // reset first, by ~Proxy
+  HttpClient client_;                                       // stopped next, by ~Proxy
+  ParamsReleaser releaser_;                                 // sends through client_
 };
 
 std::vector<ImageJob> Proxy::image_jobs(ChatCall& call) const {
@@ -244,57 +280,6 @@ EncodeCall Proxy::encode_call(const ChatRequest& chat, const ContentPart& part,
   return call;
 }
 
-void Proxy::encodes_done(const Call& call) {
-  // Every encode has answered (or there was none): nothing writes them any more.
-  std::vector<ImageEncode> encodes;
-  {
-    MutexLock lock(&call->mu);
-    encodes.swap(call->encodes);
-  }
-  EncodedImages& out = call->encoded;
-  for (ImageEncode& r : encodes) {
-    out.ms = std::max(out.ms, r.ms);
-    if (r.outcome == ImageEncode::kEncoded && !r.result.mm_hash.empty()) {
-      out.issued[r.encoder][r.result.mm_hash] = r.result.params;
-    }
-  }
-  if (call->req->abandoned()) return answer_abandoned(call);
-  for (ImageEncode& r : encodes) {
-    if (r.failed_attempts > 0) metrics_.add(metric::kProxyEncoderErrors, r.failed_attempts);
-    switch (r.outcome) {
-      case ImageEncode::kEncoded:
-        if (r.result.mm_hash.empty()) break;  // the encoder handed nothing over
-        out.params[r.result.mm_hash] = r.result.params;
-        break;
-      case ImageEncode::kClientError:
-        // The client's fault (bad image) keeps its 4xx.
-        if (!out.error)
-          out.error = RequestError{r.result.http_status, "invalid_image", r.result.error};
-        break;
-      case ImageEncode::kFallback:
-        metrics_.add(metric::kProxyEncoderFallbacks, 1, {{"reason", r.reason_label}});
-        spdlog::warn("event=encoder_fallback reason={} detail=\"{}\": the PD encodes the image",
-                     r.reason_label, r.why);
-        break;
-    }
-  }
-  if (out.error) {
-    releaser_.release(out.issued);  // the images that did encode
-    metrics_.add(metric::kProxyFailures, 1, {{"reason", "invalid_image"}});
-    HttpResponse res;
-    send_error(res, *out.error);
-    return call->reply->respond(std::move(res));
-  }
-  metrics_.observe(metric::kProxyEncodeSeconds, out.ms / 1000);
-  // Only params from our encoders travel on: a client must not choose what PD reads.
-  call->forward["ec_transfer_params"] = out.params;
-  // About the request as it came (its images as they were), and the params added.
-  call->body = safe_dump(call->forward, call->body_bytes + (64 << 10));
-  call->forward = json();  // no longer needed: the body holds it
-  call->pds = pd_order(call->members->pds);
-  forward(call);
-}
-
 UpstreamList Proxy::pd_order(const UpstreamList& pds) {
   UpstreamList order;
   for (const auto& pd : pds) {
@@ -308,173 +293,233 @@ UpstreamList Proxy::pd_order(const UpstreamList& pds) {
 }
 
 void Proxy::handle_chat(std::shared_ptr<HttpRequest> req, std::shared_ptr<AsyncReply> reply) {
-  // Parsing and re-encoding the request (images included) runs on a client thread: the
-  // server's I/O threads stay free for reading, writing and /health.
-  client_.post([this, call = std::make_shared<ChatCall>(std::move(reply), std::move(req))] {
-    start_chat(call);
-  });
+  // The request runs on the client's threads: the server's I/O threads stay free for
+  // reading, writing and /health.
+  client_.post(
+      [this, call = std::make_shared<ChatCall>(std::move(reply), std::move(req))] { chat(call); });
 }
 
-void Proxy::start_chat(const Call& call) {
-  if (call->req->abandoned()) return answer_abandoned(call);  // its client left while it waited
+Detached Proxy::chat(Call call) {
+  IssuedGuard issued(releaser_, alive_);
+  if (call->req->abandoned()) co_return answer_abandoned(*call);  // left while it waited
+  if (auto error = parse(*call)) co_return answer_error(*call, *error, "bad_request");
+  std::vector<ImageEncode> encodes = co_await encode_all(image_jobs(*call));
+  EncodedImages encoded = merge(encodes);
+  issued.hold(std::move(encoded.issued));
+  if (call->req->abandoned()) co_return answer_abandoned(*call);
+  count_encodes(encodes);
+  if (encoded.error) co_return answer_error(*call, *encoded.error, "invalid_image");
+  metrics_.observe(metric::kProxyEncodeSeconds, encoded.ms / 1000);
+  // Only params from our encoders travel on: a client must not choose what PD reads.
+  call->forward["ec_transfer_params"] = std::move(encoded.params);
+  // About the request as it came (its images as they were), and the params added.
+  const std::string body = safe_dump(call->forward, call->body_bytes + (64 << 10));
+  call->forward = json();  // no longer needed: the body holds it
+  std::string pd_errors;
+  for (const auto& pd : pd_order(call->members->pds)) {
+    if (call->req->abandoned()) co_return answer_abandoned(*call);
+    PdAnswer answer = co_await forward_to_pd(call, pd, body);
+    if (answer.result.error == ClientError::kConnect) {  // nothing was sent: try the next
+      pd->mark_down(answer.result.message);
+      pd_errors += (pd_errors.empty() ? "" : "; ") + pd->url + ": " + answer.result.message;
+      continue;
+    }
+    if (answer_from_pd(*call, *pd, answer, encoded.ms)) issued.dismiss();
+    co_return;
+  }
+  answer_no_pd(*call, pd_errors);
+}
+
+std::optional<RequestError> Proxy::parse(ChatCall& call) {
   // The body is let go once parsed (its parsed form holds the request from here on).
-  std::optional<RequestError> err;
-  {
-    const std::string body = std::move(call->req->body);
-    call->body_bytes = body.size();
-    err = parse_chat_request(body, config_.common, &call->chat);
+  const std::string body = std::move(call.req->body);
+  call.body_bytes = body.size();
+  if (auto err = parse_chat_request(body, config_.common, &call.chat)) return err;
+  call.members = upstreams_.snapshot();
+  call.forward = std::move(call.chat.raw);
+  return std::nullopt;
+}
+
+Await<std::vector<ImageEncode>> Proxy::encode_all(std::vector<ImageJob> jobs) {
+  return Await<std::vector<ImageEncode>>(
+      [this, jobs = std::move(jobs)](std::function<void(std::vector<ImageEncode>)> done) mutable {
+        if (jobs.empty()) return done({});
+        // Each outcome in its slot; the last to arrive (on any client thread) hands over all.
+        struct Gather {
+          std::vector<ImageEncode> outcomes;
+          std::atomic<size_t> left;
+          std::function<void(std::vector<ImageEncode>)> done;
+        };
+        auto gather = std::make_shared<Gather>();
+        gather->outcomes.resize(jobs.size());
+        gather->left = jobs.size();
+        gather->done = std::move(done);
+        for (size_t i = 0; i < jobs.size(); ++i) {
+          encode_with_failover(client_, std::move(jobs[i].order), std::move(jobs[i].call),
+                               config_.encode_timeout_ms, [gather, i](ImageEncode r) {
+                                 gather->outcomes[i] = std::move(r);
+                                 if (gather->left.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+                                   gather->done(std::move(gather->outcomes));
+                                 }
+                               });
+        }
+      });
+}
+
+EncodedImages Proxy::merge(const std::vector<ImageEncode>& encodes) {
+  EncodedImages out;
+  for (const ImageEncode& r : encodes) {
+    out.ms = std::max(out.ms, r.ms);
+    if (r.outcome == ImageEncode::kEncoded && !r.result.mm_hash.empty()) {
+      out.issued[r.encoder][r.result.mm_hash] = r.result.params;
+      out.params[r.result.mm_hash] = r.result.params;
+    } else if (r.outcome == ImageEncode::kClientError && !out.error) {
+      // The client's fault (bad image) keeps its 4xx.
+      out.error = RequestError{r.result.http_status, "invalid_image", r.result.error};
+    }
   }
-  if (err) {
-    metrics_.add(metric::kProxyFailures, 1, {{"reason", "bad_request"}});
-    HttpResponse res;
-    send_error(res, *err);
-    return call->reply->respond(std::move(res));
-  }
-  call->members = upstreams_.snapshot();
-  call->forward = std::move(call->chat.raw);
-  std::vector<ImageJob> jobs = image_jobs(*call);
-  if (jobs.empty()) return encodes_done(call);
-  {
-    MutexLock lock(&call->mu);
-    call->encodes.resize(jobs.size());
-    call->encodes_left = jobs.size();
-  }
-  for (size_t i = 0; i < jobs.size(); ++i) {
-    encode_with_failover(client_, std::move(jobs[i].order), std::move(jobs[i].call),
-                         config_.encode_timeout_ms, [this, call, i](ImageEncode r) {
-                           bool last;
-                           {
-                             MutexLock lock(&call->mu);
-                             call->encodes[i] = std::move(r);
-                             last = --call->encodes_left == 0;
-                           }
-                           if (last) encodes_done(call);
-                         });
+  return out;
+}
+
+void Proxy::count_encodes(const std::vector<ImageEncode>& encodes) {
+  for (const ImageEncode& r : encodes) {
+    if (r.failed_attempts > 0) metrics_.add(metric::kProxyEncoderErrors, r.failed_attempts);
+    if (r.outcome != ImageEncode::kFallback) continue;
+    metrics_.add(metric::kProxyEncoderFallbacks, 1, {{"reason", r.reason_label}});
+    spdlog::warn("event=encoder_fallback reason={} detail=\"{}\": the PD encodes the image",
+                 r.reason_label, r.why);
   }
 }
 
-void Proxy::forward(const Call& call) {
-  if (call->req->abandoned()) return answer_abandoned(call);
-  if (call->next_pd >= call->pds.size()) return answer_no_pd(call);
-  std::shared_ptr<Upstream> pd = call->pds[call->next_pd++];
+Await<PdAnswer> Proxy::forward_to_pd(const Call& call, std::shared_ptr<Upstream> pd,
+                                     const std::string& body) {
   ClientRequest request;
   request.target = "/v1/chat/completions";
-  request.body = call->body;
+  request.body = body;
   request.connect_timeout = kPdConnectTimeout;
   request.timeout = std::chrono::milliseconds(config_.request_timeout_ms);
   request.cancel = call->req->client_gone;
-  pd->in_flight++;
-  client_.send(
-      pd->host, pd->port, std::move(request),
-      [this, call, pd](ClientResult result) {
-        pd->in_flight--;
-        on_pd_answer(call, pd, std::move(result));
-      },
-      call->chat.stream ? relay_stream(call) : ClientStreaming{});
+  auto answer = std::make_shared<PdAnswer>();
+  ClientStreaming relay;
+  if (call->chat.stream) {
+    relay.on_headers = [call, answer](int status) {
+      if (status != 200) return false;  // an error answer: collected, answered as it is
+      HttpResponse head;
+      answer->writer = &call->reply->start_stream(head, "text/event-stream");
+      return true;
+    };
+    relay.on_body = [answer](std::string_view piece, std::function<void()> resume) {
+      // A client gone: stop reading, which closes the PD's connection and so stops it too.
+      if (!answer->writer->push(piece)) {
+        answer->client_gone = true;
+        return BodyFlow::kStop;
+      }
+      if (answer->writer->has_room()) return BodyFlow::kContinue;
+      answer->writer->when_room(std::move(resume));
+      return BodyFlow::kPause;
+    };
+  }
+  return Await<PdAnswer>([this, pd, answer, request = std::move(request),
+                          relay = std::move(relay)](std::function<void(PdAnswer)> done) mutable {
+    pd->in_flight++;
+    client_.send(
+        pd->host, pd->port, std::move(request),
+        [pd, answer, done = std::move(done)](ClientResult result) {
+          pd->in_flight--;
+          answer->result = std::move(result);
+          done(std::move(*answer));
+        },
+        std::move(relay));
+  });
 }
 
-void Proxy::on_pd_answer(const Call& call, const std::shared_ptr<Upstream>& pd,
-                         ClientResult result) {
+bool Proxy::answer_from_pd(ChatCall& call, const Upstream& pd, PdAnswer& answer, double encode_ms) {
+  ClientResult& result = answer.result;
   if (result.error == ClientError::kCancelled) {
-    if (call->writer == nullptr) return answer_abandoned(call);
-    call->client_gone = true;  // a streamed answer: ends as one whose client left
+    if (answer.writer == nullptr) {
+      answer_abandoned(call);
+      return false;
+    }
+    answer.client_gone = true;  // a streamed answer: ends as one whose client left
   }
-  if (result.error == ClientError::kConnect) {
-    pd->mark_down(result.message);
-    call->pd_errors += (call->pd_errors.empty() ? "" : "; ") + pd->url + ": " + result.message;
-    return forward(call);  // nothing was sent: the next PD may take it
+  if (call.chat.stream) return answer_stream_end(call, pd, answer);
+  if (!result.ok()) {
+    answer_pd_failure(call, pd, result);
+    return false;
   }
-  if (call->chat.stream) return finish_stream(call, *pd, result);
-  if (!result.ok()) return answer_pd_failure(call, *pd, result);
   HttpResponse res;
   auto out = parse_json_object(result.body, "pd answer");
   if (result.status == 200 && out.ok()) {
-    (*out)["ecx_timings"]["proxy_encode_ms"] = call->encoded.ms;
-    (*out)["ecx_timings"]["proxy_total_ms"] = ms_since(call->t0);
+    (*out)["ecx_timings"]["proxy_encode_ms"] = encode_ms;
+    (*out)["ecx_timings"]["proxy_total_ms"] = ms_since(call.t0);
     res.set_content(safe_dump(*out), "application/json");
   } else {
     res.status = result.status;
     res.set_content(std::move(result.body), "application/json");
   }
-  if (res.status < 200 || res.status >= 300) return answer_not_taken(call, std::move(res));
-  count_answer(res.status);
-  call->reply->respond(std::move(res));
+  const bool taken = res.status >= 200 && res.status < 300;
+  respond(call, std::move(res));
+  return taken;
 }
 
-// The PD's stream, relayed piece by piece as it comes; the PD's error answer (not 200)
-// is collected and answered as it is.
-ClientStreaming Proxy::relay_stream(const Call& call) {
-  ClientStreaming relay;
-  relay.on_headers = [call](int status) {
-    if (status != 200) return false;
-    HttpResponse head;
-    call->writer = &call->reply->start_stream(head, "text/event-stream");
-    return true;
-  };
-  relay.on_body = [call](std::string_view piece, std::function<void()> resume) {
-    // A client gone: stop reading, which closes the PD's connection and so stops it too.
-    if (!call->writer->push(piece)) {
-      call->client_gone = true;
-      return BodyFlow::kStop;
-    }
-    if (call->writer->has_room()) return BodyFlow::kContinue;
-    call->writer->when_room(std::move(resume));
-    return BodyFlow::kPause;
-  };
-  return relay;
-}
-
-void Proxy::finish_stream(const Call& call, const Upstream& pd, const ClientResult& result) {
-  if (call->writer != nullptr) {  // the client has its stream
+bool Proxy::answer_stream_end(ChatCall& call, const Upstream& pd, PdAnswer& answer) {
+  const ClientResult& result = answer.result;
+  if (answer.writer != nullptr) {  // the client has its stream: the PD took the request
     count_answer(200);
-    if (call->client_gone) {
+    if (answer.client_gone) {
       metrics_.add(metric::kProxyClientDisconnects, 1);
     } else if (!result.ok()) {
       // PD failed mid-stream: say so instead of ending as if complete.
       std::string message = "pd " + pd.url + ": " + result.message;
-      call->writer->push(
+      answer.writer->push(
           "data: " + safe_dump(json{{"error", {{"message", message}, {"type", "pd_failed"}}}}) +
           "\n\n");
     }
-    return call->reply->end_stream();
+    call.reply->end_stream();
+    return true;
   }
-  if (!result.ok()) return answer_pd_failure(call, pd, result);
+  if (!result.ok()) {
+    answer_pd_failure(call, pd, result);
+    return false;
+  }
   HttpResponse res;  // the PD's own error answer
   res.status = result.status;
   res.set_content(result.body, "application/json");
-  answer_not_taken(call, std::move(res));
+  respond(call, std::move(res));
+  return false;
 }
 
-void Proxy::answer_not_taken(const Call& call, HttpResponse res) {
-  // Abandoned between E and PD: no PD will read these params.
-  releaser_.release(call->encoded.issued);
-  count_answer(res.status);
-  call->reply->respond(std::move(res));
+void Proxy::answer_error(ChatCall& call, const RequestError& error, const char* reason) {
+  metrics_.add(metric::kProxyFailures, 1, {{"reason", reason}});
+  HttpResponse res;
+  send_error(res, error);
+  respond(call, std::move(res));
 }
 
-void Proxy::answer_abandoned(const Call& call) {
+void Proxy::answer_abandoned(ChatCall& call) {
   metrics_.add(metric::kProxyClientDisconnects, 1);
   HttpResponse res;
   send_error(res, 499, "client_closed_request", "the client closed its connection");
-  answer_not_taken(call, std::move(res));
+  respond(call, std::move(res));
 }
 
-void Proxy::answer_no_pd(const Call& call) {
+void Proxy::answer_no_pd(ChatCall& call, const std::string& pd_errors) {
   metrics_.add(metric::kProxyFailures, 1, {{"reason", "no_pd"}});
   HttpResponse res;
   send_error(res, 502, "pd_failed",
-             call->pds.empty() ? std::string("no PD is known (none given, none registered in etcd)")
-                               : "no PD could be reached (" + call->pd_errors + ")");
-  answer_not_taken(call, std::move(res));
+             call.members->pds.empty()
+                 ? std::string("no PD is known (none given, none registered in etcd)")
+                 : "no PD could be reached (" + pd_errors + ")");
+  respond(call, std::move(res));
 }
 
-void Proxy::answer_pd_failure(const Call& call, const Upstream& pd, const ClientResult& result) {
+void Proxy::answer_pd_failure(ChatCall& call, const Upstream& pd, const ClientResult& result) {
   bool timeout = result.error == ClientError::kTimeout;
   metrics_.add(metric::kProxyFailures, 1, {{"reason", "pd"}});
   HttpResponse res;
   send_error(res, timeout ? 504 : 502, timeout ? "pd_timeout" : "pd_failed",
              "pd " + pd.url + ": " + result.message);
-  answer_not_taken(call, std::move(res));
+  respond(call, std::move(res));
 }
 
 HealthReport Proxy::health() const {

@@ -72,7 +72,10 @@ Status start_stack(const std::string& connector, const std::string& pool_bytes,
                    const StackLayout& layout) {
   const std::string exe = current_executable();
   bool local = connector == "local";
-  serve::use_new_stack_secret();  // each stack's E and PD share a secret of their own
+  // Each stack's services share a secret of their own, in a file they are given.
+  ECX_ASSIGN_OR_RETURN(serve::StackSecret secret, serve::StackSecret::create());
+  s.secret.emplace(std::move(secret));
+  const std::vector<std::string> secret_flags = s.secret->flags();
   json ec = {{"connector", connector.substr(0, connector.find(':'))},
              {"extra", {{"pool_bytes", pool_bytes}}}};
   if (!layout.extra_json.empty()) {
@@ -88,8 +91,11 @@ Status start_stack(const std::string& connector, const std::string& pool_bytes,
   auto service = [&](const std::string& role, const Placement::Where& where) {
     json config = ec;
     config["extra"]["tcp_host"] = where.address;
-    return in_netns(where.netns, {exe, "serve", role, "--host", where.address, "--port", "0",
-                                  "--ec-config", config.dump(), "--log-level", "error"});
+    std::vector<std::string> argv = {exe,           "serve",       role,   "--host",
+                                     where.address, "--port",      "0",    "--ec-config",
+                                     config.dump(), "--log-level", "error"};
+    argv.insert(argv.end(), secret_flags.begin(), secret_flags.end());
+    return in_netns(where.netns, argv);
   };
   for (int i = 0; !local && i < layout.encoders; ++i) {
     ECX_ASSIGN_OR_RETURN(auto where, place.next());
@@ -109,6 +115,7 @@ Status start_stack(const std::string& connector, const std::string& pool_bytes,
                {exe, "serve", "proxy", "--host", where.address, "--port", "0", "--pd",
                 join_urls(s.pds), "--connector", local ? "local" : "p2p", "--log-level", "error"});
   if (!local) proxy_argv.insert(proxy_argv.end(), {"--encoders", join_urls(s.encoders)});
+  proxy_argv.insert(proxy_argv.end(), secret_flags.begin(), secret_flags.end());
   return launch(s.proxy, proxy_argv).with_context(connector + " proxy");
 }
 

@@ -12,6 +12,7 @@
 
 #include "ecx/common/status.h"
 #include "ecx/common/subprocess.h"
+#include "ecx/serve/services.h"
 
 namespace ecx::bench {
 
@@ -23,6 +24,8 @@ struct Proc {
 };
 
 struct StackProcs {
+  // Declared first, so it outlives the services it was given to.
+  std::optional<serve::StackSecret> secret;
   std::vector<std::unique_ptr<Proc>> encoders, pds;
   Proc proxy;
   const Proc& e() const { return *encoders.at(0); }

@@ -1,11 +1,13 @@
 // `ecx demo`: proxy + 1 E + 1 PD on loopback, a few multimodal requests, their answers
 // and per-stage timings, then a short load run. Everything stops on exit or Ctrl-C.
+#include <fcntl.h>
 #include <httplib.h>
 #include <signal.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <iostream>
 #include <numeric>
 
@@ -14,6 +16,7 @@
 #include "ecx/common/subprocess.h"
 #include "ecx/engine/image.h"
 #include "serve/http_server.h"
+#include "transfer/socket.h"
 
 namespace ecx::serve {
 namespace {
@@ -57,14 +60,41 @@ Result<RunningService> spawn_service(const std::vector<std::string>& argv, Deadl
   return Internal((argv.size() > 2 ? argv[2] : argv[0]) + " did not start: " + seen);
 }
 
-void use_new_stack_secret() {
-  std::string secret;
+Result<StackSecret> StackSecret::create() {
+  std::string templ = (std::filesystem::temp_directory_path() / "ecx-secret.XXXXXX").string();
+  if (::mkdtemp(templ.data()) == nullptr) return ErrnoError("mkdtemp for a stack secret", errno);
+  StackSecret secret(templ, templ + "/token");
+  std::string hex;
   for (unsigned char c : random_bytes(32)) {
     static const char* kDigits = "0123456789abcdef";
-    secret.push_back(kDigits[c >> 4]);
-    secret.push_back(kDigits[c & 15]);
+    hex.push_back(kDigits[c >> 4]);
+    hex.push_back(kDigits[c & 15]);
   }
-  ::setenv("ECX_AUTH_TOKEN", secret.c_str(), /*overwrite=*/1);
+  transfer::UniqueFd file(
+      ::open(secret.path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
+  if (!file.valid()) return ErrnoError("create " + secret.path_, errno);
+  if (::write(file.get(), hex.data(), hex.size()) != static_cast<ssize_t>(hex.size())) {
+    return ErrnoError("write " + secret.path_, errno);
+  }
+  return secret;
+}
+
+StackSecret::StackSecret(StackSecret&& other) noexcept
+    : dir_(std::exchange(other.dir_, {})), path_(std::exchange(other.path_, {})) {}
+
+StackSecret& StackSecret::operator=(StackSecret&& other) noexcept {
+  if (this != &other) {
+    std::error_code ec;
+    if (!dir_.empty()) std::filesystem::remove_all(dir_, ec);
+    dir_ = std::exchange(other.dir_, {});
+    path_ = std::exchange(other.path_, {});
+  }
+  return *this;
+}
+
+StackSecret::~StackSecret() {
+  std::error_code ec;
+  if (!dir_.empty()) std::filesystem::remove_all(dir_, ec);
 }
 
 void stop_service(Subprocess& process, Deadline deadline) {
@@ -96,13 +126,20 @@ namespace {
 struct DemoStack {
   Service encoder{"encoder"}, pd{"pd"}, proxy{"proxy"};
 
-  Status start(const std::string& exe, const std::string& connector) {
-    ECX_RETURN_IF_ERROR(launch(encoder, {exe, "serve", "encoder", "--port", "0", "--connector",
-                                         connector, "--log-level", "warn"}));
-    ECX_RETURN_IF_ERROR(launch(
-        pd, {exe, "serve", "pd", "--port", "0", "--connector", connector, "--log-level", "warn"}));
-    return launch(proxy, {exe, "serve", "proxy", "--port", "0", "--connector", connector,
-                          "--encoders", encoder.url, "--pd", pd.url, "--log-level", "warn"});
+  // Every service gets the stack's secret (`secret.flags()`).
+  Status start(const std::string& exe, const std::string& connector, const StackSecret& secret) {
+    auto with_secret = [&secret](std::vector<std::string> argv) {
+      for (const std::string& flag : secret.flags()) argv.push_back(flag);
+      return argv;
+    };
+    ECX_RETURN_IF_ERROR(
+        launch(encoder, with_secret({exe, "serve", "encoder", "--port", "0", "--connector",
+                                     connector, "--log-level", "warn"})));
+    ECX_RETURN_IF_ERROR(launch(pd, with_secret({exe, "serve", "pd", "--port", "0", "--connector",
+                                                connector, "--log-level", "warn"})));
+    return launch(proxy,
+                  with_secret({exe, "serve", "proxy", "--port", "0", "--connector", connector,
+                               "--encoders", encoder.url, "--pd", pd.url, "--log-level", "warn"}));
   }
   void stop() {
     for (auto* s : {&proxy, &pd, &encoder}) shut_down(*s);
@@ -192,8 +229,9 @@ int run_demo(const DemoOptions& o, const std::string& exe) {
       "model: ecx-tiny-vl, a small reference vision-language model (ViT-style encoder, decoder "
       "LM) with seeded weights: its text is deterministic noise; what matters is that every "
       "connector gives the same text (ecx eval)\n");
-  use_new_stack_secret();  // E and PD authenticate each other with a secret of this run
-  Status s = stack.start(exe, o.connector);
+  // E and PD authenticate each other with a secret of this run.
+  Result<StackSecret> secret = StackSecret::create();
+  Status s = secret.ok() ? stack.start(exe, o.connector, *secret) : secret.status();
   if (s.ok()) {
     std::printf("  encoder %s\n  pd      %s\n  proxy   %s\n\n", stack.encoder.url.c_str(),
                 stack.pd.url.c_str(), stack.proxy.url.c_str());

@@ -21,6 +21,7 @@
 #include "support/etcd_events.h"
 #include "support/poll.h"
 #include "support/service_process.h"
+#include "support/stack_secret.h"
 
 namespace ecx::serve {
 namespace {
@@ -284,7 +285,7 @@ std::vector<std::string> secure_flags(const std::string& connector, const std::s
 // real PD's key deleted and overwritten. Only the deployment's instances get traffic,
 // and the real PD puts its key back.
 TEST(MembershipThroughSecureEtcd, OnlyInstancesThatProveTheSecretGetTrafficAndKeysComeBack) {
-  use_new_stack_secret();  // E, PD and the proxy share it; nobody else knows it
+  ecx::testing::use_new_stack_secret();  // E, PD and the proxy share it; nobody else knows it
   const std::string secret = std::getenv("ECX_AUTH_TOKEN");
   const std::string prefix = ecx::testing::unique_prefix("secure-serve");
   const std::string instances = directory::instances_prefix(prefix, "ecx-tiny-vl");

@@ -16,6 +16,7 @@
 #include "ecx/serve/services.h"
 #include "serve/http_server.h"
 #include "support/service_metrics.h"
+#include "support/stack_secret.h"
 
 namespace ecx::serve {
 namespace {
@@ -54,7 +55,7 @@ using ecx::testing::metric_reaches;
 
 class PinsTest : public ::testing::Test {
  protected:
-  void SetUp() override { use_new_stack_secret(); }
+  void SetUp() override { ecx::testing::use_new_stack_secret(); }
   void TearDown() override {
     for (auto* s : {&proxy_, &pd_, &e_}) {
       if (*s) stop_service((*s)->process, Deadline::after_ms(10000));

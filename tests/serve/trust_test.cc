@@ -11,6 +11,7 @@
 #include "ecx/common/subprocess.h"
 #include "ecx/engine/image.h"
 #include "ecx/serve/services.h"
+#include "support/stack_secret.h"
 
 namespace ecx::serve {
 namespace {
@@ -45,7 +46,7 @@ httplib::Result post(const std::string& url, const std::string& path, const json
 class TrustStack : public ::testing::Test {
  protected:
   void SetUp() override {
-    use_new_stack_secret();  // E and PD share it; this test process is the client
+    ecx::testing::use_new_stack_secret();  // E and PD share it; this test process is the client
     std::string ec = R"({"connector":"p2p","extra":{"pool_bytes":"64MiB"}})";
     for (auto [svc, role] : {std::pair{&e_, "encoder"}, std::pair{&pd_, "pd"}}) {
       auto r = spawn_service({ECX_BINARY, "serve", role, "--port", "0", "--ec-config", ec},
@@ -131,7 +132,7 @@ TEST(SecureByDefault, AServiceWithoutASecretSaysSoInItsFirstLogLineHealthAndMetr
   std::string saved = std::getenv("ECX_AUTH_TOKEN") ? std::getenv("ECX_AUTH_TOKEN") : "";
   for (bool with_secret : {false, true}) {
     if (with_secret) {
-      use_new_stack_secret();
+      ecx::testing::use_new_stack_secret();
     } else {
       ::unsetenv("ECX_AUTH_TOKEN");
     }

@@ -18,6 +18,7 @@
 #include "ecx/engine/image.h"
 #include "ecx/serve/services.h"
 #include "support/service_metrics.h"
+#include "support/stack_secret.h"
 
 namespace ecx::serve {
 namespace {
@@ -115,7 +116,7 @@ class Services {
 
 class VllmWireTest : public ::testing::Test {
  protected:
-  void SetUp() override { use_new_stack_secret(); }
+  void SetUp() override { ecx::testing::use_new_stack_secret(); }
 };
 
 TEST(VllmKeys, ExtraKeysInParamsParseAndTheSignatureStillCoversEcxsOwnFields) {

@@ -124,10 +124,28 @@ struct RunningService {
 // Starts `argv` (an `ecx serve ...` command line) and waits, until `deadline`, for its
 // "listening on http://HOST:PORT" line.
 Result<RunningService> spawn_service(const std::vector<std::string>& argv, Deadline deadline);
-// Generates a fresh deployment secret and puts it in this process's environment
-// (ECX_AUTH_TOKEN), so the services it starts from now on share it and nobody else
-// knows it. What `ecx demo`, `ecx bench epd` and the test stacks do per stack.
-void use_new_stack_secret();
+// A fresh deployment secret for the stack a process starts (`ecx demo`, `ecx bench epd`):
+// random, in a file of its own (mode 600, in a directory only its owner can enter,
+// both removed with this object). The services get it as `--auth-token-file` (flags()):
+// no environment variable hands it to every child the process starts.
+class StackSecret {
+ public:
+  static Result<StackSecret> create();
+  StackSecret(StackSecret&& other) noexcept;
+  StackSecret& operator=(StackSecret&& other) noexcept;
+  StackSecret(const StackSecret&) = delete;
+  StackSecret& operator=(const StackSecret&) = delete;
+  ~StackSecret();
+
+  const std::string& path() const { return path_; }
+  // {"--auth-token-file", path()}: what gives a service the secret.
+  std::vector<std::string> flags() const { return {"--auth-token-file", path_}; }
+
+ private:
+  StackSecret(std::string dir, std::string path) : dir_(std::move(dir)), path_(std::move(path)) {}
+  std::string dir_;
+  std::string path_;
+};
 // SIGTERM (drain), then SIGKILL if it has not exited by `deadline`.
 void stop_service(Subprocess& process, Deadline deadline);
 

@@ -21,6 +21,7 @@
 #include "serve/http_client.h"
 #include "serve/http_server.h"
 #include "support/gate.h"
+#include "support/poll.h"
 #include "support/service_metrics.h"
 
 namespace ecx::serve {
@@ -164,9 +165,7 @@ TEST(HttpClientTest, AConnectionTheUpstreamClosedWhileIdleIsNotUsed) {
   ASSERT_TRUE(call(client, up.port, post("/echo")).ok());
   ASSERT_EQ(client.counts().idle, 1u);
   // The upstream closes it after its idle timeout (1 s); waited for by its own count.
-  for (int i = 0; i < 600 && up.open_connections() != 0; ++i) {
-    std::this_thread::sleep_for(milliseconds(50));
-  }
+  ecx::testing::poll_until(Deadline::after_ms(30000), [&] { return up.open_connections() == 0; });
   ASSERT_EQ(up.open_connections(), 0);
   ClientResult r = call(client, up.port, post("/echo", "again"));
   ASSERT_TRUE(r.ok()) << r.message;
@@ -325,8 +324,8 @@ TEST(HttpClientTest, AReceiverThatStopsEndsTheCallAndTheUpstreamSeesItGo) {
   EXPECT_EQ(pieces, 3);
   EXPECT_EQ(client.counts().idle, 0u);
   // The upstream's writer learns the client has gone (bounded wait).
-  for (int i = 0; i < 1200 && !client_left; ++i) std::this_thread::sleep_for(milliseconds(50));
-  EXPECT_TRUE(client_left);
+  EXPECT_TRUE(
+      ecx::testing::poll_until(Deadline::after_ms(60000), [&] { return client_left.load(); }));
 }
 
 // The proxy's own client hung up: its call ends at once, and the upstream (an ecx
@@ -362,8 +361,8 @@ TEST(HttpClientTest, ACancelledCallEndsAtOnceAndTheUpstreamSeesItsClientGo) {
   EXPECT_EQ(r.error, ClientError::kCancelled) << r.message;
   EXPECT_EQ(r.status, 0);
   EXPECT_EQ(client.counts().idle, 0u);
-  for (int i = 0; i < 600 && !saw_abandoned; ++i) std::this_thread::sleep_for(milliseconds(50));
-  EXPECT_TRUE(saw_abandoned);
+  EXPECT_TRUE(
+      ecx::testing::poll_until(Deadline::after_ms(30000), [&] { return saw_abandoned.load(); }));
   // A call whose caller is already gone ends without being sent.
   ClientRequest late = post("/long");
   late.cancel = cancel;
@@ -437,11 +436,9 @@ TEST(AsyncRouteTest, SlotsRunInArrivalOrderPastThemA503AndHealthAnswers) {
     clients.emplace_back(
         [&, i, body] { statuses[i] = client().Post("/work", body, "text/plain")->status; });
     // Arrived (and queued) before the next one is sent.
-    bool queued = false;
-    for (int k = 0; k < 1200 && !queued; ++k) {
-      queued = metric_in(up.server->render_metrics(), "ecx_http_queue_depth") == i;
-      if (!queued) std::this_thread::sleep_for(milliseconds(50));
-    }
+    bool queued = ecx::testing::poll_until(Deadline::after_ms(60000), [&] {
+      return metric_in(up.server->render_metrics(), "ecx_http_queue_depth") == i;
+    });
     ASSERT_TRUE(queued) << "request " << i << " was not queued";
   }
   auto refused = client().Post("/work", "over", "text/plain");

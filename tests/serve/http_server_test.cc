@@ -22,6 +22,7 @@
 
 #include "serve/http_server.h"
 #include "support/gate.h"
+#include "support/poll.h"
 #include "support/service_metrics.h"
 
 namespace ecx::serve {
@@ -75,11 +76,9 @@ struct TestServer {
   // Waits until the server's metric `name` satisfies `wanted` (the server has no event
   // for it), at most a minute.
   bool wait_metric(const std::string& name, const std::function<bool(double)>& wanted) {
-    for (int i = 0; i < 1200; ++i) {
-      if (wanted(metric_in(server->render_metrics(), name))) return true;
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    }
-    return false;
+    return ecx::testing::poll_until(Deadline::after_ms(60000), [&] {
+      return wanted(metric_in(server->render_metrics(), name));
+    });
   }
   bool metric_reads(const std::string& name, double n) {
     return wait_metric(name, [n](double v) { return v == n; });
@@ -259,12 +258,8 @@ TEST(HttpServerTest, StopStillAnswersARequestItsWorkerIsServing) {
   ASSERT_TRUE(started.wait_for(1));
   auto stopped = std::async(std::launch::async, [&] { t.server->stop(); });
   // Stopping has begun once the listener refuses new connections.
-  bool refused = false;
-  for (int i = 0; i < 1200 && !refused; ++i) {
-    refused = !t.client().Get("/health");
-    if (!refused) std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  EXPECT_TRUE(refused);
+  EXPECT_TRUE(ecx::testing::poll_until(Deadline::after_ms(60000),
+                                       [&] { return !t.client().Get("/health"); }));
   gate.open();
   ASSERT_EQ(answer.wait_for(std::chrono::seconds(60)), std::future_status::ready);
   EXPECT_EQ(answer.get(), 200);

@@ -5,6 +5,8 @@
 #include <sstream>
 #include <thread>
 
+#include "support/poll.h"
+
 namespace ecx::testing {
 
 double metric_in(const std::string& text, const std::string& name) {
@@ -24,13 +26,11 @@ double metric(const std::string& url, const std::string& name) {
 
 bool metric_reaches(const std::string& url, const std::string& name, double want, Deadline deadline,
                     double* last) {
-  while (true) {
+  return poll_until(deadline, [&] {
     double value = metric(url, name);
     if (last != nullptr) *last = value;
-    if (value == want) return true;
-    if (deadline.expired()) return false;
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
+    return value == want;
+  });
 }
 
 }  // namespace ecx::testing

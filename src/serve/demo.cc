@@ -12,6 +12,7 @@
 #include <numeric>
 
 #include "ecx/common/auth.h"
+#include "ecx/common/bytes.h"
 #include "ecx/common/json_reader.h"
 #include "ecx/common/subprocess.h"
 #include "ecx/engine/image.h"
@@ -64,12 +65,8 @@ Result<StackSecret> StackSecret::create() {
   std::string templ = (std::filesystem::temp_directory_path() / "ecx-secret.XXXXXX").string();
   if (::mkdtemp(templ.data()) == nullptr) return ErrnoError("mkdtemp for a stack secret", errno);
   StackSecret secret(templ, templ + "/token");
-  std::string hex;
-  for (unsigned char c : random_bytes(32)) {
-    static const char* kDigits = "0123456789abcdef";
-    hex.push_back(kDigits[c >> 4]);
-    hex.push_back(kDigits[c & 15]);
-  }
+  const std::string bytes = random_bytes(32);
+  const std::string hex = hex_encode(bytes.data(), bytes.size());
   transfer::UniqueFd file(
       ::open(secret.path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
   if (!file.valid()) return ErrnoError("create " + secret.path_, errno);

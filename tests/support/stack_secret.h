@@ -8,17 +8,13 @@
 #include <string>
 
 #include "ecx/common/auth.h"
+#include "ecx/common/bytes.h"
 
 namespace ecx::testing {
 
 inline void use_new_stack_secret() {
-  std::string secret;
-  for (unsigned char c : random_bytes(32)) {
-    static const char* kDigits = "0123456789abcdef";
-    secret.push_back(kDigits[c >> 4]);
-    secret.push_back(kDigits[c & 15]);
-  }
-  ::setenv("ECX_AUTH_TOKEN", secret.c_str(), /*overwrite=*/1);
+  const std::string bytes = random_bytes(32);
+  ::setenv("ECX_AUTH_TOKEN", hex_encode(bytes.data(), bytes.size()).c_str(), /*overwrite=*/1);
 }
 
 }  // namespace ecx::testing

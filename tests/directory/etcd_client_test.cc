@@ -14,6 +14,7 @@
 #include "ecx/directory/etcd_watch.h"
 #include "ecx/directory/registration.h"
 #include "support/etcd_events.h"
+#include "support/poll.h"
 
 namespace ecx::directory {
 namespace {
@@ -255,10 +256,8 @@ TEST(EtcdWatchInput, FieldsOfTheWrongTypeEndTheWatchWithAStatusNotACrash) {
   int port = fake.bind_to_any_port("127.0.0.1");
   ASSERT_GT(port, 0);
   std::thread server([&] { fake.listen_after_bind(); });
-  for (int i = 0; i < 500 && !fake.is_running(); ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  ASSERT_TRUE(fake.is_running());
+  ASSERT_TRUE(ecx::testing::poll_until(
+      Deadline::after_ms(5000), [&] { return fake.is_running(); }, std::chrono::milliseconds(10)));
   std::vector<WatchEvent> seen;
   Status ended;
   {
@@ -300,15 +299,13 @@ TEST(EtcdSecure, OverTlsWithAUserWhoseTokenExpiresEveryCallStillWorks) {
   EtcdWatch watch(client->endpoint(), key, read->revision + 1, std::chrono::seconds(2),
                   std::chrono::seconds(10), *token, ecx::testing::secure_etcd_access().ca_file);
   std::vector<WatchEvent> seen;
-  std::thread writer([&] {
-    std::this_thread::sleep_for(std::chrono::milliseconds(300));
-    EXPECT_TRUE(client->put(key, "two").ok());
-  });
+  // Written before the watch starts: a watch from read->revision + 1 replays it, so no
+  // wait is needed for the watch to be in place first.
+  ASSERT_TRUE(client->put(key, "two").ok());
   Status ended = watch.run([&](const std::vector<WatchEvent>& batch, int64_t) {
     seen.insert(seen.end(), batch.begin(), batch.end());
     watch.cancel(std::chrono::milliseconds(0));
   });
-  writer.join();
   ASSERT_FALSE(seen.empty()) << ended.to_string();
   EXPECT_EQ(seen[0].kv.value, "two");
   EXPECT_TRUE(client->delete_key(key).ok());

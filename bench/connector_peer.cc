@@ -1,6 +1,7 @@
 #include "connector_peer.h"
 #include "ecx/common/json_reader.h"
 
+#include <cstdio>
 #include <iostream>
 #include <map>
 #include <sstream>
@@ -28,12 +29,20 @@ Result<TensorMeta> parse_meta(const std::string& dtype, const std::string& dims)
   return meta;
 }
 
+// One write, newline included: a log line of the connector (stdout, other threads)
+// cannot cut an answer the driving process parses.
+void write_line(const std::string& text) {
+  const std::string line = text + "\n";
+  std::fwrite(line.data(), 1, line.size(), stdout);
+  std::fflush(stdout);
+}
+
 void reply(const Status& s) {
-  std::cout << "error " << status_code_name(s.code()) << " " << s.message() << std::endl;
+  write_line("error " + std::string(status_code_name(s.code())) + " " + s.message());
 }
 
 void reply_ok(const std::string& payload = "") {
-  std::cout << "ok" << (payload.empty() ? "" : " " + payload) << std::endl;
+  write_line("ok" + (payload.empty() ? std::string() : " " + payload));
 }
 
 // The peer's state across commands; each command answers one line.

@@ -248,7 +248,10 @@ int run_transfer_peer(const TransferPeerOptions& options,
   json ready = {{"metadata", agent->metadata().to_json()}, {"host", host},
                 {"baseline_port", baseline->second},       {"seed", options.seed},
                 {"source_region", producer.source.id},     {"sink_region", producer.sink.id}};
-  std::cout << ready.dump() << std::endl;
+  // One write, newline included: an agent's log line (stdout, other threads) cannot cut it.
+  const std::string line = ready.dump() + "\n";
+  std::fwrite(line.data(), 1, line.size(), stdout);
+  std::fflush(stdout);
 
   // Serve until the parent closes our stdin (or dies).
   char buf[256];

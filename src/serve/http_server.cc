@@ -430,8 +430,12 @@ int HttpServer::serve_until_signal(const ServeHooks& hooks) {
   }
   // Before the listening line: who reads it may count on what the hook did.
   if (hooks.on_listening) hooks.on_listening(*port);
-  std::cout << "ecx serve " << role << " listening on http://" << host_ << ":" << *port
-            << std::endl;
+  // One write, newline included: the request log (spdlog, other threads) shares stdout,
+  // and a line cut by one of its lines would give who reads it a wrong URL.
+  const std::string line =
+      "ecx serve " + role + " listening on http://" + host_ + ":" + std::to_string(*port) + "\n";
+  std::fwrite(line.data(), 1, line.size(), stdout);
+  std::fflush(stdout);
   spdlog::info("{} listening on {}:{}", role, host_, *port);
   int sig = wait_for_signal();
   spdlog::info("{}: signal {}, draining in-flight requests", role, sig);

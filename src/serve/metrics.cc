@@ -65,9 +65,9 @@ void sample(std::string& out, std::string_view name, std::string_view suffix,
 
 }  // namespace
 
-Metrics::Series& Metrics::series_locked(const MetricFamily& family, const Labels& labels) {
+Metrics::Series& Metrics::series_locked(const MetricFamily& family, std::string labels) {
   auto [it, added] = families_.try_emplace(family.name, Family{&family, {}});
-  Series& s = it->second.series[label_text(labels)];
+  Series& s = it->second.series[std::move(labels)];
   if (family.type == MetricType::kHistogram && s.buckets.empty()) {
     s.buckets.assign(family.buckets.size(), 0);
   }
@@ -76,20 +76,23 @@ Metrics::Series& Metrics::series_locked(const MetricFamily& family, const Labels
 
 void Metrics::add(const MetricFamily& family, double value, const Labels& labels) {
   assert(family.type != MetricType::kHistogram);
+  std::string key = label_text(labels);
   MutexLock lock(&mu_);
-  series_locked(family, labels).value += value;
+  series_locked(family, std::move(key)).value += value;
 }
 
 void Metrics::set(const MetricFamily& family, double value, const Labels& labels) {
   assert(family.type != MetricType::kHistogram);
+  std::string key = label_text(labels);
   MutexLock lock(&mu_);
-  series_locked(family, labels).value = value;
+  series_locked(family, std::move(key)).value = value;
 }
 
 void Metrics::observe(const MetricFamily& family, double value, const Labels& labels) {
   assert(family.type == MetricType::kHistogram);
+  std::string key = label_text(labels);
   MutexLock lock(&mu_);
-  Series& s = series_locked(family, labels);
+  Series& s = series_locked(family, std::move(key));
   // Cumulative buckets: the observation counts in every bucket whose bound it is under.
   auto first = std::lower_bound(family.buckets.begin(), family.buckets.end(), value);
   for (auto i = static_cast<size_t>(first - family.buckets.begin()); i < s.buckets.size(); ++i) {

@@ -53,7 +53,8 @@ class Metrics {
     const MetricFamily* family;
     std::map<std::string, Series> series;  // by rendered labels
   };
-  Series& series_locked(const MetricFamily& family, const Labels& labels) ECX_REQUIRES(mu_);
+  // `labels`: as label_text rendered them, outside the lock.
+  Series& series_locked(const MetricFamily& family, std::string labels) ECX_REQUIRES(mu_);
 
   mutable Mutex mu_;
   std::map<std::string_view, Family> families_ ECX_GUARDED_BY(mu_);

@@ -11,8 +11,6 @@
 #include <optional>
 #include <sstream>
 
-#include <httplib.h>
-
 #include "charts.h"
 #include "ecx/common/subprocess.h"
 #include "ecx/engine/image.h"

@@ -9,10 +9,9 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
-#include <httplib.h>
-
 #include "ecx/common/json_reader.h"
 #include "ecx/engine/image.h"
+#include "http/http_client.h"
 #include "epd_bench.h"
 #include "stack.h"
 
@@ -111,17 +110,20 @@ Result<std::vector<Answer>> answers(const EvalOptions& o, const std::vector<Eval
   StackProcs stack;
   ECX_RETURN_IF_ERROR(start_stack(connector, "512MiB", redis, dir, stack));
   auto url = stack.proxy.url.substr(7);
-  httplib::Client cli(url.substr(0, url.rfind(':')),
-                      std::atoi(url.substr(url.rfind(':') + 1).c_str()));
-  cli.set_read_timeout(std::chrono::seconds(300));
+  const std::string host = url.substr(0, url.rfind(':'));
+  const int port = std::atoi(url.substr(url.rfind(':') + 1).c_str());
+  http::HttpClient client(http::HttpClient::Options{.threads = 1});
   std::vector<Answer> out;
   for (const auto& request : requests) {
-    auto res =
-        cli.Post("/v1/chat/completions", request_body(request, o.max_tokens), "application/json");
-    if (!res) return Unavailable(connector + ": " + httplib::to_string(res.error()));
-    if (res->status != 200)
-      return Internal(connector + ": HTTP " + std::to_string(res->status) + " " + res->body);
-    ECX_ASSIGN_OR_RETURN(Answer a, parse_answer(res->body));
+    http::ClientRequest call;
+    call.target = "/v1/chat/completions";
+    call.body = request_body(request, o.max_tokens);
+    call.timeout = std::chrono::seconds(300);
+    http::ClientResult res = client.call(host, port, std::move(call));
+    if (!res.ok()) return Unavailable(connector + ": " + res.message);
+    if (res.status != 200)
+      return Internal(connector + ": HTTP " + std::to_string(res.status) + " " + res.body);
+    ECX_ASSIGN_OR_RETURN(Answer a, parse_answer(res.body));
     out.push_back(std::move(a));
   }
   return out;

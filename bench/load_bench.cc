@@ -7,7 +7,6 @@
 // The clients are Boost.Beast on one Asio thread: no thread per connection here either.
 #include "load_bench.h"
 
-#include <httplib.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -27,6 +26,7 @@
 
 #include "ecx/engine/image.h"
 #include "ecx/serve/services.h"
+#include "http/http_client.h"
 #include "serve/http_server.h"
 #include "stack.h"
 
@@ -180,21 +180,27 @@ void watch_health(const std::string& proxy,
                   const std::vector<std::pair<std::string, std::string>>& services,
                   std::atomic<bool>& stop, Clock::time_point sample_at, LevelResult& r) {
   auto hp = serve::parse_url(proxy).value();
-  httplib::Client cli(hp.first, hp.second);
-  cli.set_read_timeout(std::chrono::seconds(10));
+  ecx::http::HttpClient client(ecx::http::HttpClient::Options{.threads = 1});
+  auto get = [&client](const std::pair<std::string, int>& at, const std::string& target) {
+    ecx::http::ClientRequest request;
+    request.method = "GET";
+    request.target = target;
+    request.timeout = std::chrono::seconds(10);
+    return client.call(at.first, at.second, std::move(request));
+  };
   bool sampled = false;
   while (!stop) {
     auto t0 = Clock::now();
-    auto res = cli.Get("/health");
+    auto res = get(hp, "/health");
     r.health_ms.push_back(ms_between(t0, Clock::now()));
-    if (!res || res->status != 200) r.health_failures++;
+    if (!res.ok() || res.status != 200) r.health_failures++;
     if (!sampled && Clock::now() >= sample_at) {
       sampled = true;
       for (const auto& [name, url] : services) {
         auto shp = serve::parse_url(url).value();
-        auto m = httplib::Client(shp.first, shp.second).Get("/metrics");
-        if (!m) continue;
-        std::istringstream lines(m->body);
+        auto m = get(shp, "/metrics");
+        if (!m.ok()) continue;
+        std::istringstream lines(m.body);
         std::string line;
         while (std::getline(lines, line)) {
           if (line.rfind("ecx_process_threads ", 0) == 0)

@@ -1,8 +1,6 @@
 #include "serve_bench.h"
 #include "ecx/common/json_reader.h"
 
-#include <httplib.h>
-
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -17,6 +15,7 @@
 
 #include "ecx/common/mutex.h"
 #include "ecx/engine/image.h"
+#include "http/http_client.h"
 #include "progress.h"
 
 namespace ecx::bench {
@@ -90,22 +89,26 @@ Result<StreamEvent> parse_event(std::string_view payload) {
   return e;
 }
 
-Sample run_one(const std::string& host, int port, const std::string& body, Clock::time_point t0) {
+Sample run_one(http::HttpClient& client, const std::string& host, int port, const std::string& body,
+               Clock::time_point t0) {
   Sample s;
   auto start = Clock::now();
   s.start_s = std::chrono::duration<double>(start - t0).count();
-  httplib::Client cli(host, port);
-  cli.set_read_timeout(std::chrono::seconds(600));
-  httplib::Request req;
-  req.method = "POST";
-  req.path = "/v1/chat/completions";
-  req.body = body;
-  req.set_header("Content-Type", "application/json");
+  http::ClientRequest request;
+  request.target = "/v1/chat/completions";
+  request.body = body;
+  request.timeout = std::chrono::seconds(600);
   std::string buffer;
   bool done = false;
   Clock::time_point last;
-  req.content_receiver = [&](const char* data, size_t n, uint64_t, uint64_t) {
-    buffer.append(data, n);
+  int status = 0;
+  http::ClientStreaming streaming;
+  streaming.on_headers = [&status](int code) {
+    status = code;
+    return true;
+  };
+  streaming.on_body = [&](std::string_view piece, const std::function<void()>&) {
+    buffer.append(piece);
     size_t end;
     while ((end = buffer.find("\n\n")) != std::string::npos) {
       std::string event = buffer.substr(0, end);
@@ -132,16 +135,14 @@ Sample run_one(const std::string& host, int port, const std::string& body, Clock
       last = now;
       s.output_tokens++;
     }
-    return true;
+    return http::BodyFlow::kContinue;
   };
-  httplib::Response res;
-  httplib::Error err = httplib::Error::Success;
-  bool sent = cli.send(req, res, err);
+  http::ClientResult res = client.call(host, port, std::move(request), std::move(streaming));
   s.latency_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
-  if (!sent) {
-    s.error = httplib::to_string(err);
-  } else if (res.status != 200) {
-    s.error = "HTTP " + std::to_string(res.status) + ": " + buffer.substr(0, 300);
+  if (!res.ok()) {
+    s.error = res.message;
+  } else if (status != 200) {
+    s.error = "HTTP " + std::to_string(status) + ": " + buffer.substr(0, 300);
   } else if (!done && s.error.empty()) {
     s.error = "stream ended without [DONE]";
   }
@@ -219,6 +220,8 @@ Run send_requests(const Target& target, const std::vector<std::string>& bodies,
   // A bar on a terminal, "progress: ..." lines otherwise (bench epd reads them).
   Mutex progress_mu;
   bench::Progress progress("bench serve", static_cast<int>(bodies.size()));
+  // Keep-alive connections, as an OpenAI client's session keeps them.
+  http::HttpClient client(http::HttpClient::Options{.threads = 2});
   auto t0 = Clock::now();
   std::vector<std::thread> threads;
   for (int t = 0; t < workers; ++t) {
@@ -233,7 +236,7 @@ Run send_requests(const Target& target, const std::vector<std::string>& bodies,
         int seen = peak.load();
         while (now > seen && !peak.compare_exchange_weak(seen, now)) {
         }
-        samples[i] = run_one(target.host, target.port, bodies[i], t0);
+        samples[i] = run_one(client, target.host, target.port, bodies[i], t0);
         --in_flight;
         MutexLock lock(&progress_mu);
         progress.advance();

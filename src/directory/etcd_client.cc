@@ -1,6 +1,5 @@
 #include "ecx/directory/etcd_client.h"
 
-#include <httplib.h>
 #include <openssl/evp.h>
 
 #include <charconv>
@@ -8,6 +7,7 @@
 #include "directory/etcd_json.h"
 #include "ecx/common/json_reader.h"
 #include "ecx/common/mutex.h"
+#include "http/http_client.h"
 
 namespace ecx::directory {
 
@@ -133,7 +133,10 @@ EtcdClient::EtcdClient(std::vector<EtcdEndpoint> endpoints, std::chrono::millise
       timeout_(timeout),
       access_(std::move(access)),
       token_(std::make_shared<TokenState>()),
-      preferred_(std::make_shared<std::atomic<size_t>>(0)) {}
+      preferred_(std::make_shared<std::atomic<size_t>>(0)),
+      http_(std::make_shared<http::HttpClient>(
+          http::HttpClient::Options{.threads = 1, .max_idle_per_upstream = 4,
+                                    .max_body_bytes = kAnswerLimits.max_bytes})) {}
 
 Result<EtcdClient> EtcdClient::create(const std::string& endpoints,
                                       std::chrono::milliseconds timeout, EtcdAccess access) {
@@ -142,19 +145,6 @@ Result<EtcdClient> EtcdClient::create(const std::string& endpoints,
     return InvalidArgument("etcd user '" + access.user + "' has no password");
   }
   return EtcdClient(std::move(parsed), timeout, std::move(access));
-}
-
-std::unique_ptr<httplib::Client> EtcdClient::http_client(
-    const EtcdEndpoint& at, std::chrono::milliseconds read_timeout) const {
-  auto cli = std::make_unique<httplib::Client>(at.url());
-  if (at.tls) {
-    if (!access_.ca_file.empty()) cli->set_ca_cert_path(access_.ca_file.c_str());
-    cli->enable_server_certificate_verification(true);
-  }
-  cli->set_connection_timeout(timeout_);
-  cli->set_read_timeout(read_timeout);
-  cli->set_write_timeout(timeout_);
-  return cli;
 }
 
 EtcdEndpoint EtcdClient::endpoint() const {
@@ -226,6 +216,19 @@ Result<std::string> EtcdClient::post(const std::string& path, const std::string&
   return post_once(path, body, token);
 }
 
+http::ClientRequest EtcdClient::request(const EtcdEndpoint& at, const std::string& path,
+                                        const std::string& body, const std::string& token) const {
+  http::ClientRequest request;
+  request.target = path;
+  request.body = body;
+  request.connect_timeout = timeout_;
+  request.timeout = 2 * timeout_;  // connect, then the answer
+  if (!token.empty()) request.headers.emplace_back("Authorization", token);
+  request.tls = at.tls;
+  request.ca_file = access_.ca_file;
+  return request;
+}
+
 Result<std::string> EtcdClient::post_once(const std::string& path, const std::string& body,
                                           const std::string& token) {
   std::string errors;
@@ -233,38 +236,15 @@ Result<std::string> EtcdClient::post_once(const std::string& path, const std::st
   for (size_t i = 0; i < endpoints_.size(); ++i) {
     size_t index = (first + i) % endpoints_.size();
     const EtcdEndpoint& at = endpoints_[index];
-    auto client = http_client(at, timeout_);
-    httplib::Client& cli = *client;
-    // The status and body as they arrive: the gateway ends its error answers with a
-    // chunked trailer (Grpc-Trailer-Content-Type) that cpp-httplib 0.11 reports as a Read
-    // error after the whole body has come.
-    int status = 0;
-    std::string answer;
-    httplib::Request req;
-    req.method = "POST";
-    req.path = path;
-    req.body = body;
-    req.set_header("Content-Type", "application/json");
-    if (!token.empty()) req.set_header("Authorization", token);
-    req.response_handler = [&](const httplib::Response& r) {
-      status = r.status;
-      return true;
-    };
-    req.content_receiver = [&](const char* data, size_t n, uint64_t, uint64_t) {
-      answer.append(data, n);
-      return answer.size() <= kAnswerLimits.max_bytes;
-    };
-    auto res = cli.send(req);
-    bool answered = res || (status != 0 && res.error() == httplib::Error::Read &&
-                            parse_json_object(answer, "etcd answer", kAnswerLimits).ok());
-    if (!answered) {
-      errors += (errors.empty() ? "" : "; ") + at.url() + ": " + httplib::to_string(res.error());
-      if (status != 0) break;  // it answered, badly: the next endpoint would not do better
-      continue;                // the next endpoint, if any
+    auto answer = http_->call(at.host, at.port, request(at, path, body, token));
+    if (!answer.ok()) {
+      errors += (errors.empty() ? "" : "; ") + at.url() + ": " + answer.message;
+      if (answer.status != 0) break;  // it answered, badly: the next endpoint would not do better
+      continue;                       // the next endpoint, if any
     }
     preferred_->store(index);
-    if (status != 200) return gateway_error(at, path, status, answer);
-    return answer;
+    if (answer.status != 200) return gateway_error(at, path, answer.status, answer.body);
+    return std::move(answer.body);
   }
   return Unavailable("etcd " + path + ": no endpoint answered (" + errors + ")");
 }

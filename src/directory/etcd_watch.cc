@@ -1,10 +1,9 @@
 #include "ecx/directory/etcd_watch.h"
 
-#include <httplib.h>
-
 #include "directory/etcd_json.h"
 #include "ecx/common/deadline.h"
 #include "ecx/common/json_reader.h"
+#include "http/http_client.h"
 
 namespace ecx::directory {
 
@@ -22,21 +21,21 @@ EtcdWatch::EtcdWatch(EtcdEndpoint endpoint, std::string prefix, int64_t start_re
       connect_timeout_(connect_timeout),
       idle_timeout_(idle_timeout),
       token_(std::move(token)),
-      ca_file_(std::move(ca_file)) {}
+      ca_file_(std::move(ca_file)),
+      client_(std::make_unique<http::HttpClient>(http::HttpClient::Options{.threads = 1})) {}
 
 EtcdWatch::~EtcdWatch() { cancel(); }
 
 void EtcdWatch::cancel(std::chrono::milliseconds wait) {
-  MutexLock lock(&mu_);
-  cancelled_ = true;
-  Deadline deadline = Deadline::after(wait);
-  // httplib's stop() shuts the socket of a request in flight; called again until run()
-  // has returned, since a request still connecting has no socket to shut yet.
-  while (running_ && !deadline.expired()) {
-    if (client_ != nullptr) client_->stop();
-    cv_.wait_for(&mu_, std::chrono::milliseconds(20),
-                 [this]() ECX_REQUIRES(mu_) { return !running_; });
+  std::shared_ptr<http::Cancellation> in_flight;
+  {
+    MutexLock lock(&mu_);
+    cancelled_ = true;
+    in_flight = in_flight_;
   }
+  if (in_flight) in_flight->cancel();  // the call ends at once, its connection closed
+  MutexLock lock(&mu_);
+  cv_.wait_for(&mu_, wait, [this]() ECX_REQUIRES(mu_) { return !running_; });
 }
 
 bool EtcdWatch::handle_line(const std::string& line, const OnEvents& events, Status* ended) {
@@ -99,48 +98,31 @@ struct EtcdWatch::Stream {
   std::string buffer;  // bytes of the line not yet complete
   Status ended;        // set by a message that ends the watch
   bool stopped_by_message = false;
-  Clock::time_point last_data = Clock::now();
 };
 
-void EtcdWatch::configure(httplib::Client& cli) const {
-  if (endpoint_.tls) {
-    if (!ca_file_.empty()) cli.set_ca_cert_path(ca_file_.c_str());
-    cli.enable_server_certificate_verification(true);
-  }
-  cli.set_connection_timeout(connect_timeout_);
-  cli.set_read_timeout(idle_timeout_);
-  cli.set_write_timeout(connect_timeout_);
-}
-
-httplib::Request EtcdWatch::watch_request(Stream& stream, const OnEvents& events) {
+http::ClientRequest EtcdWatch::watch_request() const {
   json create = {{"key", base64_encode(prefix_)},
                  {"range_end", base64_encode(prefix_range_end(prefix_))},
                  {"start_revision", std::to_string(start_revision_)}};
-  httplib::Request req;
-  req.method = "POST";
-  req.path = "/v3/watch";
-  req.body = json{{"create_request", create}}.dump();
-  req.set_header("Content-Type", "application/json");
-  if (!token_.empty()) req.set_header("Authorization", token_);
-  req.response_handler = [&stream](const httplib::Response& r) {
-    stream.http_status = r.status;
-    return true;
-  };
-  req.content_receiver = [this, &stream, &events](const char* data, size_t n, uint64_t, uint64_t) {
-    return receive(stream, data, n, events);
-  };
-  return req;
+  http::ClientRequest request;
+  request.target = "/v3/watch";
+  request.body = json{{"create_request", create}}.dump();
+  request.connect_timeout = connect_timeout_;
+  request.timeout = idle_timeout_;  // streamed: until the headers, then between two pieces
+  if (!token_.empty()) request.headers.emplace_back("Authorization", token_);
+  request.tls = endpoint_.tls;
+  request.ca_file = ca_file_;
+  return request;
 }
 
 bool EtcdWatch::receive(Stream& stream, const char* data, size_t n, const OnEvents& events) {
   if (cancelled_) return false;
-  stream.last_data = Clock::now();
   stream.buffer.append(data, n);
   if (stream.http_status != 200) return stream.buffer.size() < 4096;  // the error, kept short
   size_t start = 0;
   for (size_t end; (end = stream.buffer.find('\n', start)) != std::string::npos; start = end + 1) {
     bool go_on = false;
-    try {  // nothing a peer sends may escape httplib's receiver as an exception
+    try {  // nothing a peer sends may escape the client's receiver as an exception
       go_on = handle_line(stream.buffer.substr(start, end - start), events, &stream.ended);
     } catch (const std::exception& e) {
       stream.ended = Unavailable(stream.what + ": a message ecx cannot read: " + e.what());
@@ -160,44 +142,51 @@ bool EtcdWatch::receive(Stream& stream, const char* data, size_t n, const OnEven
   return true;
 }
 
-Status EtcdWatch::outcome(const Stream& stream, bool sent, const std::string& error) const {
+Status EtcdWatch::outcome(const Stream& stream, const http::ClientResult& result) const {
   if (cancelled_) return Status::Ok();
   if (stream.stopped_by_message) return stream.ended;
   if (stream.http_status != 0 && stream.http_status != 200) {
     return Unavailable(stream.what + " answered " + std::to_string(stream.http_status) + ": " +
                        stream.buffer.substr(0, 300));
   }
-  if (!sent) {
-    auto silent = Clock::now() - stream.last_data;
-    if (created_ && silent >= idle_timeout_ * 95 / 100) {
-      return DeadlineExceeded(stream.what + ": no message for " +
-                              std::to_string(idle_timeout_.count()) + " ms");
-    }
-    return Unavailable(stream.what + ": " + error);
+  if (result.ok()) return Unavailable(stream.what + ": the stream ended");
+  if (result.error == http::ClientError::kTimeout && created_) {
+    return DeadlineExceeded(stream.what + ": no message for " +
+                            std::to_string(idle_timeout_.count()) + " ms");
   }
-  return Unavailable(stream.what + ": the stream ended");
+  return Unavailable(stream.what + ": " + result.message);
 }
 
 Status EtcdWatch::run(const OnEvents& events) {
-  httplib::Client cli(endpoint_.url());
-  configure(cli);
+  auto cancel = std::make_shared<http::Cancellation>();
   {
     MutexLock lock(&mu_);
     if (cancelled_) return Status::Ok();
-    client_ = &cli;
+    in_flight_ = cancel;
     running_ = true;
   }
   Stream stream;
   stream.what = "etcd watch on " + endpoint_.url();
-  httplib::Result result = cli.send(watch_request(stream, events));
+  http::ClientRequest request = watch_request();
+  request.cancel = cancel;
+  http::ClientStreaming streaming;
+  streaming.on_headers = [&stream](int status) {
+    stream.http_status = status;
+    return true;  // an error's body comes to receive() too, kept short there
+  };
+  streaming.on_body = [&](std::string_view piece, const std::function<void()>&) {
+    return receive(stream, piece.data(), piece.size(), events) ? http::BodyFlow::kContinue
+                                                               : http::BodyFlow::kStop;
+  };
+  http::ClientResult result =
+      client_->call(endpoint_.host, endpoint_.port, std::move(request), std::move(streaming));
   {
     MutexLock lock(&mu_);
-    client_ = nullptr;
+    in_flight_.reset();
     running_ = false;
   }
   cv_.notify_all();
-  return outcome(stream, static_cast<bool>(result),
-                 result ? std::string() : httplib::to_string(result.error()));
+  return outcome(stream, result);
 }
 
 }  // namespace ecx::directory

@@ -1,7 +1,6 @@
 // `ecx demo`: proxy + 1 E + 1 PD on loopback, a few multimodal requests, their answers
 // and per-stage timings, then a short load run. Everything stops on exit or Ctrl-C.
 #include <fcntl.h>
-#include <httplib.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -16,6 +15,7 @@
 #include "ecx/common/json_reader.h"
 #include "ecx/common/subprocess.h"
 #include "ecx/engine/image.h"
+#include "http/http_client.h"
 #include "serve/http_server.h"
 #include "transfer/socket.h"
 
@@ -171,8 +171,7 @@ Status print_answer(int index, const DemoOptions& o, const std::string& body, do
 // The sample requests, one after the other (images repeat every other request).
 Status send_sample_requests(const DemoOptions& o, const std::string& proxy_url) {
   auto hp = parse_url(proxy_url).value();
-  httplib::Client cli(hp.first, hp.second);
-  cli.set_read_timeout(std::chrono::seconds(120));
+  http::HttpClient client(http::HttpClient::Options{.threads = 1});
   double total_ms = 0;
   for (int r = 0; r < o.requests; ++r) {
     std::vector<uint64_t> seeds;
@@ -180,14 +179,17 @@ Status send_sample_requests(const DemoOptions& o, const std::string& proxy_url) 
       seeds.push_back(static_cast<uint64_t>(r % 2 * 10 + i));
     std::string body = sample_chat_request("What is in these pictures?", seeds, o.max_tokens);
     auto t0 = std::chrono::steady_clock::now();
-    auto res = cli.Post("/v1/chat/completions", body, "application/json");
+    http::ClientRequest request;
+    request.target = "/v1/chat/completions";
+    request.body = std::move(body);
+    request.timeout = std::chrono::seconds(120);
+    http::ClientResult res = client.call(hp.first, hp.second, std::move(request));
     double ms =
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-    if (!res) return Unavailable("proxy: " + httplib::to_string(res.error()));
-    if (res->status != 200)
-      return Internal("HTTP " + std::to_string(res->status) + ": " + res->body);
-    if (Status s = print_answer(r, o, res->body, ms); !s.ok()) {
-      return Internal("HTTP " + std::to_string(res->status) + ": " + s.message());
+    if (!res.ok()) return Unavailable("proxy: " + res.message);
+    if (res.status != 200) return Internal("HTTP " + std::to_string(res.status) + ": " + res.body);
+    if (Status s = print_answer(r, o, res.body, ms); !s.ok()) {
+      return Internal("HTTP " + std::to_string(res.status) + ": " + s.message());
     }
     total_ms += ms;
   }
@@ -241,9 +243,13 @@ int run_demo(const DemoOptions& o, const std::string& exe) {
     return 1;
   }
   auto hp = parse_url(stack.proxy.url).value();
-  auto metrics = httplib::Client(hp.first, hp.second).Get("/metrics");
-  if (metrics && metrics->status == 200)
-    std::printf("proxy /metrics: %zu bytes of Prometheus text\n", metrics->body.size());
+  http::HttpClient client(http::HttpClient::Options{.threads = 1});
+  http::ClientRequest get_metrics;
+  get_metrics.method = "GET";
+  get_metrics.target = "/metrics";
+  auto metrics = client.call(hp.first, hp.second, std::move(get_metrics));
+  if (metrics.ok() && metrics.status == 200)
+    std::printf("proxy /metrics: %zu bytes of Prometheus text\n", metrics.body.size());
   stack.stop();
   std::printf("ecx demo: stopped all services cleanly\n");
   return 0;

@@ -120,10 +120,10 @@ std::string error_message(const std::string& body) {
 
 }  // namespace
 
-void call_encoder(HttpClient& client, std::shared_ptr<Upstream> e, const EncodeCall& call,
+void call_encoder(http::HttpClient& client, std::shared_ptr<Upstream> e, const EncodeCall& call,
                   int64_t timeout_ms, std::function<void(EncodeResult)> done) {
   bool vllm = call.api == UpstreamApi::kVllm;
-  ClientRequest request;
+  http::ClientRequest request;
   request.target = vllm ? "/v1/chat/completions" : "/v1/encode";
   request.body = vllm ? chat_body(call) : encode_body(call.data_url);
   request.connect_timeout = std::chrono::milliseconds(std::min<int64_t>(timeout_ms, 5000));
@@ -131,14 +131,14 @@ void call_encoder(HttpClient& client, std::shared_ptr<Upstream> e, const EncodeC
   request.cancel = call.cancel;
   e->in_flight++;
   client.send(
-      e->host, e->port, std::move(request), [e, vllm, done = std::move(done)](ClientResult res) {
+      e->host, e->port, std::move(request), [e, vllm, done = std::move(done)](http::ClientResult res) {
         e->in_flight--;
         EncodeResult r;
         if (!res.ok()) {
           r.transport = res.error;
-          r.timed_out = res.error == ClientError::kTimeout;
+          r.timed_out = res.error == http::ClientError::kTimeout;
           r.error = "encoder " + e->url + ": " + res.message;
-          if (res.error == ClientError::kConnect) e->mark_down(res.message);
+          if (res.error == http::ClientError::kConnect) e->mark_down(res.message);
           return done(std::move(r));
         }
         r.http_status = res.status;
@@ -170,7 +170,7 @@ namespace {
 
 // One image's way through its encoders, one call at a time.
 struct Failover : std::enable_shared_from_this<Failover> {
-  Failover(HttpClient& c, UpstreamList o, EncodeCall ca, int64_t timeout_ms,
+  Failover(http::HttpClient& c, UpstreamList o, EncodeCall ca, int64_t timeout_ms,
            std::function<void(ImageEncode)> d)
       : client(c),
         order(std::move(o)),
@@ -207,7 +207,7 @@ struct Failover : std::enable_shared_from_this<Failover> {
       out.result = std::move(r);
       return end();
     }
-    if (r.transport == ClientError::kCancelled) {
+    if (r.transport == http::ClientError::kCancelled) {
       out.why = r.error;
       out.reason_label = "cancelled";
       return end();
@@ -223,7 +223,7 @@ struct Failover : std::enable_shared_from_this<Failover> {
     done(std::move(out));
   }
 
-  HttpClient& client;
+  http::HttpClient& client;
   const UpstreamList order;
   const EncodeCall call;
   const Deadline deadline;
@@ -235,13 +235,13 @@ struct Failover : std::enable_shared_from_this<Failover> {
 
 }  // namespace
 
-void encode_with_failover(HttpClient& client, UpstreamList order, EncodeCall call,
+void encode_with_failover(http::HttpClient& client, UpstreamList order, EncodeCall call,
                           int64_t timeout_ms, std::function<void(ImageEncode)> done) {
   std::make_shared<Failover>(client, std::move(order), std::move(call), timeout_ms, std::move(done))
       ->next();
 }
 
-ParamsReleaser::ParamsReleaser(HttpClient& client, std::chrono::milliseconds timeout,
+ParamsReleaser::ParamsReleaser(http::HttpClient& client, std::chrono::milliseconds timeout,
                                std::function<void(int)> on_released)
     : client_(client), timeout_(timeout), on_released_(std::move(on_released)) {}
 
@@ -249,14 +249,14 @@ void ParamsReleaser::release(const IssuedParams& issued) {
   for (const auto& entry : issued) {
     const auto& encoder = entry.first;  // not a structured binding: clang 14 cannot capture one
     const auto& params = entry.second;
-    ClientRequest request;
+    http::ClientRequest request;
     request.target = "/v1/ec/release";
     request.body = safe_dump(json{{"ec_transfer_params", params}});
     request.connect_timeout = timeout_;
     request.timeout = timeout_;
     client_.send(
         encoder->host, encoder->port, std::move(request),
-        [encoder, on_released = on_released_](ClientResult res) {
+        [encoder, on_released = on_released_](http::ClientResult res) {
           if (res.ok() && res.status == 404) {
             spdlog::debug(
                 "event=release_skipped encoder={}: no release endpoint (a vLLM "

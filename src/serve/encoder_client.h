@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "ecx/serve/services.h"
-#include "serve/http_client.h"
+#include "http/http_client.h"
 #include "serve/upstream.h"
 
 namespace ecx::serve {
@@ -30,15 +30,15 @@ struct EncodeCall {
   // derived from its bytes), which the PD's copy of the image carries too.
   std::string model;
   std::string uuid;
-  // The request's client hung up: the call ends (ClientRequest::cancel), and no other
+  // The request's client hung up: the call ends (http::ClientRequest::cancel), and no other
   // encoder is tried.
-  std::shared_ptr<Cancellation> cancel;
+  std::shared_ptr<http::Cancellation> cancel;
 };
 
 // One encode call: POST /v1/encode (ecx) or POST /v1/chat/completions (vllm).
 struct EncodeResult {
   int http_status = 0;  // 200 on success; 0 = no HTTP answer (see transport)
-  ClientError transport = ClientError::kNone;
+  http::ClientError transport = http::ClientError::kNone;
   bool timed_out = false;
   // A 200 with a well-formed answer: the image's mm_hash and E's ec_transfer_params for
   // it. A vLLM encoder whose connector hands nothing over (shared storage) answers no
@@ -49,7 +49,7 @@ struct EncodeResult {
   std::string error;  // why not encoded
 };
 // Calls `done` once, on a client thread.
-void call_encoder(HttpClient& client, std::shared_ptr<Upstream> encoder, const EncodeCall& call,
+void call_encoder(http::HttpClient& client, std::shared_ptr<Upstream> encoder, const EncodeCall& call,
                   int64_t timeout_ms, std::function<void(EncodeResult)> done);
 
 // What encoding one image came to.
@@ -70,7 +70,7 @@ UpstreamList encoder_order(const UpstreamList& encoders, uint64_t key);
 // Tries the encoders of `order` until one encodes the image, all within one encode
 // deadline, and calls `done` once with the outcome. A client error (bad image) ends the
 // search: another encoder would say the same.
-void encode_with_failover(HttpClient& client, UpstreamList order, EncodeCall call,
+void encode_with_failover(http::HttpClient& client, UpstreamList order, EncodeCall call,
                           int64_t timeout_ms, std::function<void(ImageEncode)> done);
 
 // The ec_transfer_params a request got from its encoders, per encoder: {mm_hash: params}.
@@ -84,13 +84,13 @@ using IssuedParams = std::map<std::shared_ptr<Upstream>, nlohmann::json>;
 class ParamsReleaser {
  public:
   // `on_released(n)`: an encoder confirmed n released params (on a client thread).
-  ParamsReleaser(HttpClient& client, std::chrono::milliseconds timeout,
+  ParamsReleaser(http::HttpClient& client, std::chrono::milliseconds timeout,
                  std::function<void(int)> on_released);
 
   void release(const IssuedParams& issued);
 
  private:
-  HttpClient& client_;
+  http::HttpClient& client_;
   const std::chrono::milliseconds timeout_;
   const std::function<void(int)> on_released_;
 };

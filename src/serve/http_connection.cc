@@ -189,7 +189,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void queue_work(const HttpHandler& handler, HttpRequest req);
   // Cancels `gone` when the client closes its connection while its request waits or
   // runs (until the next request is read).
-  void watch_for_hang_up(const std::shared_ptr<Cancellation>& gone);
+  void watch_for_hang_up(const std::shared_ptr<ecx::http::Cancellation>& gone);
   void queue_async(const AsyncHandler& handler, HttpRequest req);
   // 503: the service's FIFO is full, or (over_share) this waiting request's place was
   // taken by another client's (its own client had more than its share waiting).
@@ -428,7 +428,7 @@ void Connection::queue_work(const HttpHandler& handler, HttpRequest req) {
                 req.path, req.body.size(), false);
   }
   state_.begin_request();
-  auto gone = std::make_shared<Cancellation>();
+  auto gone = std::make_shared<ecx::http::Cancellation>();
   req.client_gone = gone;
   auto shared = std::make_shared<HttpRequest>(std::move(req));
   const size_t max_queued = state_.queue->max_queued();
@@ -439,7 +439,7 @@ void Connection::queue_work(const HttpHandler& handler, HttpRequest req) {
   watch_for_hang_up(gone);
 }
 
-void Connection::watch_for_hang_up(const std::shared_ptr<Cancellation>& gone) {
+void Connection::watch_for_hang_up(const std::shared_ptr<ecx::http::Cancellation>& gone) {
   stream_.socket().async_wait(
       tcp::socket::wait_read,
       [self = shared_from_this(), gone, request = requests_read_](beast::error_code ec) {
@@ -555,7 +555,7 @@ void Connection::queue_async(const AsyncHandler& handler, HttpRequest req) {
                 req.path, req.body.size(), false);
   }
   state_.begin_request();
-  auto gone = std::make_shared<Cancellation>();
+  auto gone = std::make_shared<ecx::http::Cancellation>();
   req.client_gone = gone;
   auto shared = std::make_shared<HttpRequest>(std::move(req));
   const size_t max_queued = state_.slots->max_queued();

@@ -10,7 +10,7 @@
 #include <utility>
 #include <vector>
 
-#include "serve/cancellation.h"
+#include "http/cancellation.h"
 
 namespace ecx::serve {
 
@@ -22,8 +22,8 @@ struct HttpRequest {
   std::string body;
   // Set by the server when the client has gone (closed its connection) while its
   // request waited or ran: work for it may stop at its next step (abandoned()), and calls
-  // made for it may be told (Cancellation::on_cancel).
-  std::shared_ptr<Cancellation> client_gone;
+  // made for it may be told (http::Cancellation::on_cancel).
+  std::shared_ptr<http::Cancellation> client_gone;
 
   // The first header called `name` (case-insensitive), or "" when there is none.
   std::string header(std::string_view name) const;

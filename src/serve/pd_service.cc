@@ -34,7 +34,7 @@ struct Job {
   Prompt prompt;
   json timings = json::object();  // ecx_timings
   RequestHold hold;               // gives back what the request holds, on every path
-  std::shared_ptr<const Cancellation> client_gone;  // HttpRequest::client_gone
+  std::shared_ptr<const http::Cancellation> client_gone;  // HttpRequest::client_gone
 
   bool abandoned() const { return client_gone && client_gone->cancelled(); }
 };

@@ -48,7 +48,7 @@
 #include "ecx/engine/model.h"
 #include "serve/coroutine.h"
 #include "serve/encoder_client.h"
-#include "serve/http_client.h"
+#include "http/http_client.h"
 #include "serve/http_server.h"
 #include "serve/instance_registration.h"
 #include "serve/metric_families.h"
@@ -102,7 +102,7 @@ struct ChatCall {
 // streamed request (the client has its stream); both are written by the relay's callbacks
 // on the PD connection's strand, before the call ends and the coroutine reads them.
 struct PdAnswer {
-  ClientResult result;
+  http::ClientResult result;
   AsyncStreamWriter* writer = nullptr;
   bool client_gone = false;
 };
@@ -137,7 +137,7 @@ class Proxy {
       : config_(config),
         upstreams_(std::move(encoders), std::move(pds)),
         use_encoders_(config.connector != "local"),
-        client_(HttpClient::Options{}),
+        client_(http::HttpClient::Options{}),
         releaser_(client_, kReleaseTimeout,
                   [this](int n) { metrics_.add(metric::kProxyParamsReleased, n); }) {}
 
@@ -217,7 +217,7 @@ class Proxy {
   void answer_abandoned(ChatCall& call);
   // No PD took the request: 502 naming what was tried.
   void answer_no_pd(ChatCall& call, const std::string& pd_errors);
-  void answer_pd_failure(ChatCall& call, const Upstream& pd, const ClientResult& result);
+  void answer_pd_failure(ChatCall& call, const Upstream& pd, const http::ClientResult& result);
   void count_answer(int http_status) {
     metrics_.add(metric::kProxyRequests, 1, {{"status", std::to_string(http_status)}});
   }
@@ -227,7 +227,7 @@ class Proxy {
   const bool use_encoders_;  // false with --connector local: the PDs encode
   Metrics metrics_;
   std::shared_ptr<void> alive_ = std::make_shared<int>(0);  // reset first, by ~Proxy
-  HttpClient client_;                                       // stopped next, by ~Proxy
+  http::HttpClient client_;                                       // stopped next, by ~Proxy
   ParamsReleaser releaser_;                                 // sends through client_
 };
 
@@ -319,7 +319,7 @@ Detached Proxy::chat(Call call) {
   for (const auto& pd : pd_order(call->members->pds)) {
     if (call->req->abandoned()) co_return answer_abandoned(*call);
     PdAnswer answer = co_await forward_to_pd(call, pd, body);
-    if (answer.result.error == ClientError::kConnect) {  // nothing was sent: try the next
+    if (answer.result.error == http::ClientError::kConnect) {  // nothing was sent: try the next
       pd->mark_down(answer.result.message);
       pd_errors += (pd_errors.empty() ? "" : "; ") + pd->url + ": " + answer.result.message;
       continue;
@@ -393,14 +393,14 @@ void Proxy::count_encodes(const std::vector<ImageEncode>& encodes) {
 
 Await<PdAnswer> Proxy::forward_to_pd(const Call& call, std::shared_ptr<Upstream> pd,
                                      const std::string& body) {
-  ClientRequest request;
+  http::ClientRequest request;
   request.target = "/v1/chat/completions";
   request.body = body;
   request.connect_timeout = kPdConnectTimeout;
   request.timeout = std::chrono::milliseconds(config_.request_timeout_ms);
   request.cancel = call->req->client_gone;
   auto answer = std::make_shared<PdAnswer>();
-  ClientStreaming relay;
+  http::ClientStreaming relay;
   if (call->chat.stream) {
     relay.on_headers = [call, answer](int status) {
       if (status != 200) return false;  // an error answer: collected, answered as it is
@@ -412,11 +412,11 @@ Await<PdAnswer> Proxy::forward_to_pd(const Call& call, std::shared_ptr<Upstream>
       // A client gone: stop reading, which closes the PD's connection and so stops it too.
       if (!answer->writer->push(piece)) {
         answer->client_gone = true;
-        return BodyFlow::kStop;
+        return http::BodyFlow::kStop;
       }
-      if (answer->writer->has_room()) return BodyFlow::kContinue;
+      if (answer->writer->has_room()) return http::BodyFlow::kContinue;
       answer->writer->when_room(std::move(resume));
-      return BodyFlow::kPause;
+      return http::BodyFlow::kPause;
     };
   }
   return Await<PdAnswer>([this, pd, answer, request = std::move(request),
@@ -424,7 +424,7 @@ Await<PdAnswer> Proxy::forward_to_pd(const Call& call, std::shared_ptr<Upstream>
     pd->in_flight++;
     client_.send(
         pd->host, pd->port, std::move(request),
-        [pd, answer, done = std::move(done)](ClientResult result) {
+        [pd, answer, done = std::move(done)](http::ClientResult result) {
           pd->in_flight--;
           answer->result = std::move(result);
           done(std::move(*answer));
@@ -434,8 +434,8 @@ Await<PdAnswer> Proxy::forward_to_pd(const Call& call, std::shared_ptr<Upstream>
 }
 
 bool Proxy::answer_from_pd(ChatCall& call, const Upstream& pd, PdAnswer& answer, double encode_ms) {
-  ClientResult& result = answer.result;
-  if (result.error == ClientError::kCancelled) {
+  http::ClientResult& result = answer.result;
+  if (result.error == http::ClientError::kCancelled) {
     if (answer.writer == nullptr) {
       answer_abandoned(call);
       return false;
@@ -463,7 +463,7 @@ bool Proxy::answer_from_pd(ChatCall& call, const Upstream& pd, PdAnswer& answer,
 }
 
 bool Proxy::answer_stream_end(ChatCall& call, const Upstream& pd, PdAnswer& answer) {
-  const ClientResult& result = answer.result;
+  const http::ClientResult& result = answer.result;
   if (answer.writer != nullptr) {  // the client has its stream: the PD took the request
     count_answer(200);
     if (answer.client_gone) {
@@ -513,8 +513,8 @@ void Proxy::answer_no_pd(ChatCall& call, const std::string& pd_errors) {
   respond(call, std::move(res));
 }
 
-void Proxy::answer_pd_failure(ChatCall& call, const Upstream& pd, const ClientResult& result) {
-  bool timeout = result.error == ClientError::kTimeout;
+void Proxy::answer_pd_failure(ChatCall& call, const Upstream& pd, const http::ClientResult& result) {
+  bool timeout = result.error == http::ClientError::kTimeout;
   metrics_.add(metric::kProxyFailures, 1, {{"reason", "pd"}});
   HttpResponse res;
   send_error(res, timeout ? 504 : 502, timeout ? "pd_timeout" : "pd_failed",

@@ -1,7 +1,5 @@
 #include "serve/upstream.h"
 
-#include <httplib.h>
-
 #include <algorithm>
 #include <nlohmann/json.hpp>
 
@@ -35,18 +33,30 @@ void Upstream::mark_up(const std::string& note) {
 
 namespace {
 
+// GET `target` of `upstream`, bounded by the probe's timeouts.
+http::ClientResult probe_get(http::HttpClient& client, const Upstream& upstream,
+                             const std::string& target, const UpstreamProber::Options& options) {
+  http::ClientRequest request;
+  request.method = "GET";
+  request.target = target;
+  request.connect_timeout = options.connect_timeout;
+  request.timeout = options.connect_timeout + options.read_timeout;
+  return client.call(upstream.host, upstream.port, std::move(request));
+}
+
 // Asks an upstream found in etcd to prove it holds the deployment secret: a fresh
 // challenge, answered for the id and url it registered. Ok when the proof holds.
-Status challenge(Upstream& upstream, httplib::Client& cli, const std::string& secret) {
+Status challenge(http::HttpClient& client, Upstream& upstream,
+                 const UpstreamProber::Options& options) {
   std::string bytes = random_bytes(32);
   const std::string nonce = hex_encode(bytes.data(), bytes.size());
-  auto res = cli.Get("/v1/ecx/prove?nonce=" + nonce);
-  if (!res) return Unavailable("/v1/ecx/prove: " + httplib::to_string(res.error()));
-  if (res->status != 200) {
-    return PermissionDenied("/v1/ecx/prove answered " + std::to_string(res->status) +
+  auto res = probe_get(client, upstream, "/v1/ecx/prove?nonce=" + nonce, options);
+  if (!res.ok()) return Unavailable("/v1/ecx/prove: " + res.message);
+  if (res.status != 200) {
+    return PermissionDenied("/v1/ecx/prove answered " + std::to_string(res.status) +
                             " (not an ecx instance of this deployment)");
   }
-  auto doc = nlohmann::json::parse(res->body, nullptr, false);
+  auto doc = nlohmann::json::parse(res.body, nullptr, false);
   if (!doc.is_object() || !doc["proof"].is_string()) {
     return PermissionDenied("/v1/ecx/prove: no proof in the answer");
   }
@@ -54,7 +64,7 @@ Status challenge(Upstream& upstream, httplib::Client& cli, const std::string& se
   claimed.id = upstream.instance_id;
   claimed.url = upstream.url;
   auto proof = parse_mac_hex(doc["proof"].get<std::string>());
-  auto expected = parse_mac_hex(directory::prove_instance(claimed, nonce, secret));
+  auto expected = parse_mac_hex(directory::prove_instance(claimed, nonce, options.secret));
   if (!proof.ok() || !macs_equal(*proof, *expected)) {
     return PermissionDenied("/v1/ecx/prove: the proof of the deployment secret for " +
                             upstream.instance_id + " does not hold");
@@ -64,13 +74,10 @@ Status challenge(Upstream& upstream, httplib::Client& cli, const std::string& se
 
 }  // namespace
 
-void probe_upstream(Upstream& upstream, const UpstreamProber::Options& options) {
-  httplib::Client cli(upstream.host, upstream.port);
-  cli.set_connection_timeout(options.connect_timeout);
-  cli.set_read_timeout(options.read_timeout);
-  cli.set_write_timeout(options.read_timeout);
+void probe_upstream(http::HttpClient& client, Upstream& upstream,
+                    const UpstreamProber::Options& options) {
   if (upstream.must_prove() && !upstream.proven()) {
-    Status proven = challenge(upstream, cli, options.secret);
+    Status proven = challenge(client, upstream, options);
     if (!proven.ok()) {
       if (proven.code() == StatusCode::kPermissionDenied) {
         spdlog::warn("event=member_refused role={} id={} url={} reason=\"{}\"", upstream.role,
@@ -83,29 +90,27 @@ void probe_upstream(Upstream& upstream, const UpstreamProber::Options& options) 
     spdlog::info("event=member_proven role={} id={} url={}", upstream.role, upstream.instance_id,
                  upstream.url);
   }
-  auto res = cli.Get("/health");
-  if (res) {
-    if (res->status == 200) {
+  auto res = probe_get(client, upstream, "/health", options);
+  if (res.ok()) {
+    if (res.status == 200) {
       upstream.mark_up();
     } else {
-      upstream.mark_down("/health answered " + std::to_string(res->status) + ": " +
-                         res->body.substr(0, 200));
+      upstream.mark_down("/health answered " + std::to_string(res.status) + ": " +
+                         res.body.substr(0, 200));
     }
-    return;
-  }
-  httplib::Error error = res.error();
-  if (error == httplib::Error::Connection || error == httplib::Error::ConnectionTimeout) {
-    upstream.mark_down(httplib::to_string(error));
+  } else if (res.error == http::ClientError::kConnect) {
+    upstream.mark_down(res.message);
   } else {
     // It accepted the connection: alive, but too busy to answer within read_timeout
     // (its worker threads all serve requests), or it is going down, which the next
     // probe's connect will tell.
-    upstream.mark_up("/health: " + httplib::to_string(error) + " after connecting (busy?)");
+    upstream.mark_up("/health: " + res.message + " after connecting (busy?)");
   }
 }
 
 UpstreamProber::UpstreamProber(std::vector<std::shared_ptr<Upstream>> upstreams, Options options)
-    : options_(std::move(options)) {
+    : options_(std::move(options)),
+      client_(http::HttpClient::Options{.threads = 1, .keep_idle = std::chrono::seconds(5)}) {
   {
     MutexLock lock(&mu_);
     for (auto& u : upstreams) add_locked(u);
@@ -121,7 +126,8 @@ UpstreamProber::~UpstreamProber() {
     stop_ = true;
   }
   cv_.notify_all();
-  for (auto& t : threads_) t.join();
+  for (auto& t : threads_) t.join();  // each within its probe's bound
+  client_.stop();
 }
 
 void UpstreamProber::add_locked(const std::shared_ptr<Upstream>& upstream) {
@@ -176,7 +182,7 @@ void UpstreamProber::run() {
     }
     next->busy = true;
     lock.unlock();
-    probe_upstream(*next->upstream, options_);
+    probe_upstream(client_, *next->upstream, options_);
     lock.lock();
     next->busy = false;
     next->probed = true;

@@ -12,6 +12,7 @@
 
 #include "ecx/common/deadline.h"
 #include "ecx/common/mutex.h"
+#include "http/http_client.h"
 
 namespace ecx::serve {
 
@@ -112,10 +113,12 @@ class UpstreamProber {
   CondVar cv_;
   bool stop_ ECX_GUARDED_BY(mu_) = false;
   std::map<const Upstream*, std::shared_ptr<Probe>> probes_ ECX_GUARDED_BY(mu_);
+  http::HttpClient client_;  // the probes' (keep-alive) connections; stopped after threads_
   std::vector<std::thread> threads_;  // started last
 };
 
 // One probe of `upstream` as described above; updates its flags.
-void probe_upstream(Upstream& upstream, const UpstreamProber::Options& options);
+void probe_upstream(http::HttpClient& client, Upstream& upstream,
+                    const UpstreamProber::Options& options);
 
 }  // namespace ecx::serve

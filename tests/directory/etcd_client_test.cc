@@ -287,7 +287,8 @@ TEST(EtcdSecure, OverTlsWithAUserWhoseTokenExpiresEveryCallStillWorks) {
   const std::string key = unique_prefix("secure") + "/k";
   ASSERT_TRUE(client->put(key, "one").ok());
   // Past the token's life: the next call is refused for its token, authenticates again
-  // and is retried.
+  // and is retried. A wait on time itself: etcd's simple tokens live 2 s past their last
+  // use, so asking etcd whether it has expired would keep it alive.
   std::this_thread::sleep_for(std::chrono::milliseconds(2500));
   auto read = client->get(key);
   ASSERT_TRUE(read.ok()) << read.status().to_string();
@@ -335,6 +336,15 @@ TEST(EtcdSecure, NoUserAWrongPasswordOrAnUntrustedCertificateIsRefusedWithAClear
   ASSERT_TRUE(untrusting.ok());
   s = untrusting->put(key, "x");
   EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.to_string();
+
+  // A certificate for another name (the test CA's is for 127.0.0.1 alone): refused too.
+  auto other_name = EtcdClient::create("https://localhost:" + std::to_string(
+                                           parse_etcd_endpoints(url).value()[0].port),
+                                       std::chrono::seconds(2), access);
+  ASSERT_TRUE(other_name.ok());
+  s = other_name->put(key, "x");
+  EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.to_string();
+  EXPECT_NE(s.message().find("tls handshake"), std::string::npos) << s.to_string();
 
   // The user may not touch keys outside its prefix.
   auto user = EtcdClient::create(url, std::chrono::seconds(2), access);

@@ -1,4 +1,4 @@
-// The proxy's asynchronous HTTP client (serve/http_client.h) against real servers on
+// ecx's asynchronous HTTP client (http/http_client.h) against real servers on
 // loopback: answers and pooled connections, a connection the upstream closed while
 // idle, refused and silent upstreams, streamed bodies paused and resumed, bodies over
 // the limit, a receiver that stops, and peers that answer garbage or hang up. Also the
@@ -18,7 +18,7 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
-#include "serve/http_client.h"
+#include "http/http_client.h"
 #include "serve/http_server.h"
 #include "support/gate.h"
 #include "support/poll.h"
@@ -27,6 +27,13 @@
 namespace ecx::serve {
 namespace {
 
+using http::BodyFlow;
+using http::Cancellation;
+using http::ClientError;
+using http::ClientRequest;
+using http::ClientResult;
+using http::ClientStreaming;
+using http::HttpClient;
 using nlohmann::json;
 using std::chrono::milliseconds;
 using testing::Gate;
@@ -337,11 +344,10 @@ TEST(HttpClientTest, ACancelledCallEndsAtOnceAndTheUpstreamSeesItsClientGo) {
   Upstream up;
   up.server->work("POST", "/long", [&](const HttpRequest& req, HttpResponse& res) {
     calls++;
+    auto gone = std::make_shared<Gate>();  // told when the client goes, if ever
+    if (req.client_gone) req.client_gone->on_cancel([gone] { gone->open(); });
     running.open();
-    Deadline deadline = Deadline::after_ms(30000);
-    while (!req.abandoned() && !deadline.expired()) {
-      std::this_thread::sleep_for(milliseconds(10));
-    }
+    gone->wait(std::chrono::seconds(30));
     saw_abandoned = req.abandoned();
     res.set_content("{}", "application/json");
   });
@@ -396,6 +402,43 @@ TEST(HttpClientTest, ManyCallsAtOnceShareAFewConnections) {
   HttpClient::Counts counts = client.counts();
   EXPECT_LE(counts.connects, static_cast<uint64_t>(kAtOnce));
   EXPECT_EQ(counts.connects + counts.reuses, static_cast<uint64_t>(kRounds * kAtOnce));
+}
+
+// call(): the blocking form the health probes, etcd and the tools use.
+TEST(HttpClientTest, ABlockingCallCarriesItsHeadersAndEndsWhenItsClientStops) {
+  Gate gate;
+  Gate entered;
+  Upstream up;
+  up.server->work("POST", "/whoami", [](const HttpRequest& req, HttpResponse& res) {
+    std::string who = req.header("Authorization");
+    res.set_content(who.empty() ? "none" : who, "text/plain");
+  });
+  up.server->work("POST", "/never", [&](const HttpRequest&, HttpResponse& res) {
+    entered.open();
+    gate.wait();
+    res.set_content("{}", "application/json");
+  });
+  up.start();
+  HttpClient client(HttpClient::Options{});
+  ClientRequest whoami = post("/whoami");
+  whoami.headers.emplace_back("Authorization", "token-1");
+  ClientResult r = client.call("127.0.0.1", up.port, std::move(whoami));
+  ASSERT_TRUE(r.ok()) << r.message;
+  EXPECT_EQ(r.status, 200);
+  EXPECT_EQ(r.body, "token-1");
+
+  // A call in flight when its client stops ends (it would never be answered), and a
+  // call on a stopped client ends at once.
+  std::thread stopper([&] {
+    ASSERT_TRUE(entered.wait());
+    client.stop();
+  });
+  ClientResult stopped = client.call("127.0.0.1", up.port, post("/never"));
+  stopper.join();
+  gate.open();
+  EXPECT_EQ(stopped.error, ClientError::kCancelled) << stopped.message;
+  ClientResult after = client.call("127.0.0.1", up.port, post("/whoami"));
+  EXPECT_EQ(after.error, ClientError::kCancelled) << after.message;
 }
 
 // The server's async routes.

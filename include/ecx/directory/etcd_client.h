@@ -18,9 +18,10 @@
 
 #include "ecx/common/status.h"
 
-namespace httplib {
-class Client;
-}
+namespace ecx::http {
+class HttpClient;
+struct ClientRequest;
+}  // namespace ecx::http
 
 namespace ecx::directory {
 
@@ -94,9 +95,6 @@ class EtcdClient {
   std::chrono::milliseconds timeout() const { return timeout_; }
   const EtcdAccess& access() const { return access_; }
 
-  // An HTTP(S) client of `at` with this client's CA and timeouts (read: `read_timeout`).
-  std::unique_ptr<httplib::Client> http_client(const EtcdEndpoint& at,
-                                               std::chrono::milliseconds read_timeout) const;
   // The token etcd issued to our user (authenticating when there is none yet): what
   // requests carry in their Authorization header. Empty without a user. etcd's tokens
   // expire (300 s by default): a call refused for its token authenticates again and is
@@ -118,6 +116,9 @@ class EtcdClient {
   Result<std::string> post_once(const std::string& path, const std::string& body,
                                 const std::string& token);
   Result<std::string> authenticate();
+  // A POST of `body` to `path` at `at`, with this client's CA, timeouts and `token`.
+  http::ClientRequest request(const EtcdEndpoint& at, const std::string& path,
+                              const std::string& body, const std::string& token) const;
 
   std::vector<EtcdEndpoint> endpoints_;
   std::chrono::milliseconds timeout_;
@@ -125,6 +126,7 @@ class EtcdClient {
   std::shared_ptr<TokenState> token_;  // shared by copies of this client
   // The index of the endpoint to try first; shared by copies of this client.
   std::shared_ptr<std::atomic<size_t>> preferred_;
+  std::shared_ptr<http::HttpClient> http_;  // its connections, shared by copies
 };
 
 }  // namespace ecx::directory

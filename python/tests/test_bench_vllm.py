@@ -1,4 +1,4 @@
-"""`ecx bench vllm`'s pure-Python parts (python/ecx/bench_vllm*.py), without vLLM engines:
+"""`ecx bench vllm`'s pure-Python parts (bench/python/bench_vllm*.py), without vLLM engines:
 the EC load join, the timed connector subclass, the error a failed engine start reports,
 and the correctness scoring. (The engines themselves run in `ecx bench vllm --quick`.)"""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-ECX_DIR = Path(__file__).resolve().parents[1] / "ecx"
+ECX_DIR = Path(__file__).resolve().parents[2] / "bench" / "python"
 
 
 def _load(name: str):

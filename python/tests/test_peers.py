@@ -1,4 +1,4 @@
-"""python/ecx/peers.py: the NIXL and Mooncake rows of `ecx bench peers`.
+"""bench/python/peers.py: the NIXL and Mooncake rows of `ecx bench peers`.
 
 Whether the peers run here depends on the machine (their wheels, installed on demand by
 `peers.py install`); what never depends on it is the contract: every case gives its rows,
@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-PEERS = Path(__file__).resolve().parents[1] / "ecx" / "peers.py"
+PEERS = Path(__file__).resolve().parents[2] / "bench" / "python" / "peers.py"
 FIELDS = {"system", "transport", "variant", "items", "item_bytes", "p50_us", "p99_us", "gbps",
           "control_rtts_per_item", "verified_bytes", "error"}
 # Every case peers.py runs by default (no --systems): nixl-eccpu (vLLM's ECCPUConnector

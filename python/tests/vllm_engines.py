@@ -2,7 +2,7 @@
 metrics and logs, stop them (the whole process group: a starting vLLM ignores SIGTERM
 for a while, and it runs an EngineCore and workers in processes of their own).
 
-The model is the tiny Qwen2-VL that `python -m ecx.tiny_vlm` builds offline."""
+The model is the tiny Qwen2-VL that `python bench/python/tiny_vlm.py` builds offline."""
 from __future__ import annotations
 
 import base64

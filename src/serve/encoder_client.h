@@ -2,7 +2,7 @@
 // failover, and giving back the params of a request abandoned before a PD read them.
 // Encoders speak ecx's API (POST /v1/encode) or vLLM's (a chat completion holding the
 // image, answered with ec_transfer_params), as the proxy's --upstream-api says. Every
-// call is asynchronous, on the proxy's pooled HTTP client (serve/http_client.h).
+// call is asynchronous, on the proxy's pooled HTTP client (http/http_client.h).
 #pragma once
 
 #include <chrono>

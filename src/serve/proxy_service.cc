@@ -23,7 +23,7 @@
 // /health): it reads in order, parse -> encode_all -> forward_to_pd -> relay, and each
 // co_await gives its thread back until an answer comes. Every call upstream (encode,
 // forward to a PD, release) goes through one asynchronous HTTP client with a pool of
-// keep-alive connections per upstream (serve/http_client.h). A streamed answer is relayed
+// keep-alive connections per upstream (http/http_client.h). A streamed answer is relayed
 // piece by piece; while the client's buffer is full, the PD's connection is not read.
 //
 // --upstream-api vllm: each image goes to its encoder as the chat completion vLLM's EPD

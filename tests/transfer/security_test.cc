@@ -7,6 +7,7 @@
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 #include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -483,10 +484,16 @@ TEST(Grants, NoByteOfAWriteLandsInAWindowAfterItIsRevoked) {
   ASSERT_TRUE(
       send_all(producer.get(), half.data(), half.size(), Deadline::after_ms(5000), "data").ok());
   auto* bytes = reinterpret_cast<const char*>(region.data);
-  // Time for the server to take the header and start receiving (the case under test);
-  // were it slower, the WRITE would be refused at its header instead, as the assertions
-  // below also accept. (No polling of the window: the server writes it meanwhile.)
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  // Until the server has taken the header and is receiving into the window (the case
+  // under test): its first byte is then 'X'. Looked at through the kernel
+  // (process_vm_readv), not by loads that would race with the server's receive.
+  auto first_byte = [&] {
+    char c = 0;
+    iovec local{&c, 1};
+    iovec remote{const_cast<char*>(bytes), 1};
+    return ::process_vm_readv(::getpid(), &local, 1, &remote, 1, 0) == 1 ? c : '\0';
+  };
+  EXPECT_TRUE(eventually([&] { return first_byte() == 'X'; }, Deadline::after_ms(5000)));
   // The consumer gives up on the load and revokes the window; then another image's bytes
   // go into the block.
   server->revoke(window);

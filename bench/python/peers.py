@@ -1,11 +1,11 @@
 """The real NIXL and Mooncake engines, measured the way `ecx bench peers` measures ecx.
 
-    python python/ecx/peers.py install            # pip-install the pinned peers into this venv
-    python python/ecx/peers.py check              # what is installed / missing (JSON)
-    python python/ecx/peers.py run --json FILE    # measure; rows as in DESIGN.md §9
+    python bench/python/peers.py install            # pip-install the pinned peers into this venv
+    python bench/python/peers.py check              # what is installed / missing (JSON)
+    python bench/python/peers.py run --json FILE    # measure; rows as in DESIGN.md §9
 
-(`python -m ecx.peers ...` works too where the ecx package is installed; the file runs on
-its own, without ecx's C++ module, so the path form works from any checkout's .venv.)
+(The file runs on its own, without ecx's C++ module, from any checkout's .venv. It is not
+part of the ecx wheel: the benchmark harness lives in bench/python/.)
 
 Every case runs two processes (peers_worker.py) started by `run`: a *target* holding
 registered DRAM filled with a known pattern, and an *initiator* that moves it and times each

@@ -1,4 +1,4 @@
-"""The two processes of one `ecx bench peers` case (python/ecx/peers.py starts them):
+"""The two processes of one `ecx bench peers` case (bench/python/peers.py starts them):
 
     python peers_worker.py target    CONFIG_JSON   registered DRAM with a known pattern
     python peers_worker.py initiator CONFIG_JSON   moves it, times each request, verifies it

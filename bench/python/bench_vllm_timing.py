@@ -1,6 +1,6 @@
 """EC load time per item, measured the same way for every vLLM EC connector.
 
-`ecx bench vllm` (python/ecx/bench_vllm.py) loads each connector through this module
+`ecx bench vllm` (bench/python/bench_vllm.py) loads each connector through this module
 instead of directly: `"ec_connector": "TimedECExampleConnector"` with
 `"ec_connector_module_path"` naming this module makes vLLM's factory build
 `Timed<Name>`, a subclass of the real connector `<Name>` made here on first use (PEP 562

@@ -1,4 +1,4 @@
-"""python -m ecx.bench: the Python connector against the C++ one, in one run.
+"""python bench/python/bench.py: the Python connector against the C++ one, in one run.
 
 Loads requests of 3 x 1600 KiB through ecx.Connector (Python, a consumer over the C++
 core), from the same producer process the C++ benchmark uses (`ecx bench connector-peer`),
@@ -116,7 +116,7 @@ def cpp_p50_us(exe: str, items: int, requests: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ecx.bench", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python bench/python/bench.py", description=__doc__.splitlines()[0])
     ap.add_argument("--ecx", help="the ecx binary (default: build/ecx of this checkout)")
     ap.add_argument("--items", type=int, default=3)
     ap.add_argument("--requests", type=int, default=100)

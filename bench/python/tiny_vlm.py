@@ -1,7 +1,6 @@
 """A tiny multimodal model for tests and benchmarks, built offline and deterministically.
 
-    python -m ecx.tiny_vlm OUT_DIR [--geometry tiny|seed] [--seed N]
-    python python/ecx/tiny_vlm.py OUT_DIR ...      (the same, without importing ecx._ecx)
+    python bench/python/tiny_vlm.py OUT_DIR [--geometry tiny|seed] [--seed N]
 
 writes a random-init Qwen2-VL (transformers' Qwen2VLForConditionalGeneration built from a
 config: model code only, nothing from a hub) that `vllm serve OUT_DIR` loads: config.json,
@@ -269,7 +268,7 @@ def build(out_dir: str, geometry: str = "tiny", seed: int = 0) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ecx.tiny_vlm", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python bench/python/tiny_vlm.py", description=__doc__.split("\n\n")[0])
     p.add_argument("out_dir")
     p.add_argument("--geometry", choices=sorted(GEOMETRIES), default="tiny")
     p.add_argument("--seed", type=int, default=0)

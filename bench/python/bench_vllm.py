@@ -1,6 +1,6 @@
 """vLLM's own EC connectors and ECXConnector side by side, driven by `vllm bench serve`.
 
-    python python/ecx/bench_vllm.py --json FILE [--quick] [--connectors single,example,...]
+    python bench/python/bench_vllm.py --json FILE [--quick] [--connectors single,example,...]
     ecx bench vllm --json FILE ...                   (runs this file from the project venv)
 
 Runs, one configuration after another in one run, on this machine, the same workload

@@ -34,7 +34,7 @@ namespace ecx::bench {
 namespace {
 
 namespace beast = boost::beast;
-namespace http = beast::http;
+namespace bhttp = beast::http;
 namespace net = boost::asio;
 using tcp = net::ip::tcp;
 using nlohmann::json;
@@ -110,15 +110,15 @@ class Client : public std::enable_shared_from_this<Client> {
   void send() {
     if (Clock::now() >= run_.stop_at || (run_.one_each && sent_ > 0)) return close();
     sent_++;
-    req_ = {http::verb::post, "/v1/chat/completions", 11};
-    req_.set(http::field::host, run_.host);
-    req_.set(http::field::content_type, "application/json");
+    req_ = {bhttp::verb::post, "/v1/chat/completions", 11};
+    req_.set(bhttp::field::host, run_.host);
+    req_.set(bhttp::field::content_type, "application/json");
     req_.keep_alive(true);
     req_.body() = run_.bodies[run_.next_body++ % run_.bodies.size()];
     req_.prepare_payload();
     t_sent_ = Clock::now();
     stream_.expires_after(std::chrono::seconds(300));
-    http::async_write(stream_, req_, [self = shared_from_this()](beast::error_code ec, size_t) {
+    bhttp::async_write(stream_, req_, [self = shared_from_this()](beast::error_code ec, size_t) {
       if (ec) return self->fail();
       self->read();
     });
@@ -126,7 +126,7 @@ class Client : public std::enable_shared_from_this<Client> {
   void read() {
     parser_.emplace();
     parser_->body_limit(64 << 20);
-    http::async_read(stream_, buffer_, *parser_,
+    bhttp::async_read(stream_, buffer_, *parser_,
                      [self = shared_from_this()](beast::error_code ec, size_t) {
                        if (ec) return self->fail();
                        self->done();
@@ -167,8 +167,8 @@ class Client : public std::enable_shared_from_this<Client> {
 
   beast::tcp_stream stream_;
   beast::flat_buffer buffer_;
-  http::request<http::string_body> req_;
-  std::optional<http::response_parser<http::string_body>> parser_;
+  bhttp::request<bhttp::string_body> req_;
+  std::optional<bhttp::response_parser<bhttp::string_body>> parser_;
   Run& run_;
   Clock::time_point t_sent_;
   int sent_ = 0;

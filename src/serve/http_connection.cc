@@ -24,7 +24,7 @@
 namespace ecx::serve {
 
 namespace beast = boost::beast;
-namespace http = beast::http;
+namespace bhttp = beast::http;
 namespace net = boost::asio;
 using tcp = net::ip::tcp;
 using nlohmann::json;
@@ -112,7 +112,7 @@ HttpResponse error_response(int status, const std::string& type, const std::stri
   return res;
 }
 
-HttpRequest to_request(http::request<http::string_body>&& msg) {
+HttpRequest to_request(bhttp::request<bhttp::string_body>&& msg) {
   HttpRequest req;
   req.method = std::string(msg.method_string());
   std::string target(msg.target());
@@ -226,7 +226,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   const std::string client_;
   beast::tcp_stream stream_;
   beast::flat_buffer buffer_;
-  std::optional<http::request_parser<http::string_body>> parser_;
+  std::optional<bhttp::request_parser<bhttp::string_body>> parser_;
   unsigned version_ = 11;    // of the request being answered
   bool keep_alive_ = false;  // of the request being answered
   // The request being answered, for its log line (strand only).
@@ -264,7 +264,7 @@ void Connection::read_request() {
   parser_->body_limit(state_.max_body_bytes);
   parser_->header_limit(64 * 1024);
   stream_.expires_after(over_capacity_ ? kOverCapacityRequestWait : state_.idle_timeout);
-  http::async_read_header(
+  bhttp::async_read_header(
       stream_, buffer_, *parser_,
       [self = shared_from_this()](beast::error_code ec, size_t) { self->on_header(ec); });
 }
@@ -276,7 +276,7 @@ void Connection::on_header(beast::error_code ec) {
       parser_->content_length().value_or(parser_->chunked() ? state_.max_body_bytes : 0);
   declared_ = bytes;
   const auto& head = parser_->get();
-  const bool wants_go_ahead = beast::iequals(head[http::field::expect], "100-continue");
+  const bool wants_go_ahead = beast::iequals(head[bhttp::field::expect], "100-continue");
   if (bytes > 0) {
     // The budget is charged as the body arrives (reserve_more), one step ahead: headers
     // that announce a large body and send nothing hold one step, until
@@ -301,13 +301,13 @@ void Connection::on_header(beast::error_code ec) {
   }
   if (bytes == 0 || !wants_go_ahead) return read_body();
   // The client waits for a go-ahead before it sends the body (curl does past 1 MiB).
-  auto go_ahead =
-      std::make_shared<http::response<http::empty_body>>(http::status::continue_, head.version());
-  http::async_write(stream_, *go_ahead,
-                    [self = shared_from_this(), go_ahead](beast::error_code e, size_t) {
-                      if (e) return self->close();
-                      self->read_body();
-                    });
+  auto go_ahead = std::make_shared<bhttp::response<bhttp::empty_body>>(bhttp::status::continue_,
+                                                                       head.version());
+  bhttp::async_write(stream_, *go_ahead,
+                     [self = shared_from_this(), go_ahead](beast::error_code e, size_t) {
+                       if (e) return self->close();
+                       self->read_body();
+                     });
 }
 
 bool Connection::reserve_more() {
@@ -323,7 +323,7 @@ void Connection::read_body() {
   if (parser_->is_done()) return on_read({});
   // The body must keep coming: a client that stalls it loses the connection.
   stream_.expires_after(kBodyStepTimeout);
-  http::async_read_some(
+  bhttp::async_read_some(
       stream_, buffer_, *parser_,
       [self = shared_from_this()](beast::error_code ec, size_t) { self->on_body_bytes(ec); });
 }
@@ -376,7 +376,7 @@ void Connection::on_read(beast::error_code ec) {
 }
 
 void Connection::read_failed(beast::error_code ec) {
-  if (ec == http::error::end_of_stream || ec == beast::error::timeout ||
+  if (ec == bhttp::error::end_of_stream || ec == beast::error::timeout ||
       ec == net::error::operation_aborted || ec == net::error::connection_reset ||
       ec == net::error::eof) {
     return close();
@@ -384,7 +384,7 @@ void Connection::read_failed(beast::error_code ec) {
   // The client sent too much or something that is not HTTP: say so, then close.
   keep_alive_ = false;
   version_ = 11;
-  bool too_large = ec == http::error::body_limit || ec == http::error::header_limit;
+  bool too_large = ec == bhttp::error::body_limit || ec == bhttp::error::header_limit;
   int status = too_large ? 413 : 400;
   std::string what = too_large ? "request larger than " + std::to_string(state_.max_body_bytes) +
                                      " bytes (--max-body-bytes)"
@@ -605,10 +605,10 @@ void Connection::run_work(const HttpHandler& handler, const HttpRequest& req) {
 
 void Connection::send(HttpResponse res, std::string method, std::string path, size_t bytes_in,
                       bool counted) {
-  auto msg = std::make_shared<http::response<http::string_body>>();
+  auto msg = std::make_shared<bhttp::response<bhttp::string_body>>();
   msg->version(version_);
   msg->result(static_cast<unsigned>(res.status));
-  msg->set(http::field::content_type, res.content_type);
+  msg->set(bhttp::field::content_type, res.content_type);
   for (const auto& [name, value] : res.headers) msg->set(name, value);
   msg->keep_alive(keep_alive_ && !state_.stopping);
   msg->body() = std::move(res.body);
@@ -618,13 +618,13 @@ void Connection::send(HttpResponse res, std::string method, std::string path, si
   // share of the budget is given back now, before the client can send the next one.
   release_body();
   stream_.expires_after(state_.write_timeout);
-  http::async_write(stream_, *msg,
-                    [self = shared_from_this(), msg, counted](beast::error_code ec, size_t) {
-                      if (counted) self->state_.end_request();
-                      if (!ec && self->linger_) return self->linger();
-                      if (ec || !msg->keep_alive()) return self->close();
-                      self->read_request();
-                    });
+  bhttp::async_write(stream_, *msg,
+                     [self = shared_from_this(), msg, counted](beast::error_code ec, size_t) {
+                       if (counted) self->state_.end_request();
+                       if (!ec && self->linger_) return self->linger();
+                       if (ec || !msg->keep_alive()) return self->close();
+                       self->read_request();
+                     });
 }
 
 void Connection::close() {
@@ -648,26 +648,26 @@ std::shared_ptr<ChunkStream> Connection::open_stream(const HttpResponse& res,
     }
   };
   chunks_ = chunks;  // read by the strand only after the post below
-  auto header = std::make_shared<http::response<http::empty_body>>();
+  auto header = std::make_shared<bhttp::response<bhttp::empty_body>>();
   header->version(version_);
   header->result(static_cast<unsigned>(res.status));
-  header->set(http::field::content_type, type);
-  header->set(http::field::cache_control, "no-cache");
+  header->set(bhttp::field::content_type, type);
+  header->set(bhttp::field::cache_control, "no-cache");
   for (const auto& [name, value] : res.headers) header->set(name, value);
   header->keep_alive(false);  // one streamed answer per connection: its end is the close
   header->chunked(true);
   stream_status_ = res.status;
   net::post(stream_.get_executor(), [self = shared_from_this(), header, chunks] {
-    auto sr = std::make_shared<http::response_serializer<http::empty_body>>(*header);
+    auto sr = std::make_shared<bhttp::response_serializer<bhttp::empty_body>>(*header);
     self->stream_.expires_after(self->state_.write_timeout);
-    http::async_write_header(self->stream_, *sr,
-                             [self, header, sr, chunks](beast::error_code ec, size_t) {
-                               if (ec)
-                                 chunks->mark_gone();
-                               else
-                                 self->watch_client(chunks);
-                               self->pump(chunks);
-                             });
+    bhttp::async_write_header(self->stream_, *sr,
+                              [self, header, sr, chunks](beast::error_code ec, size_t) {
+                                if (ec)
+                                  chunks->mark_gone();
+                                else
+                                  self->watch_client(chunks);
+                                self->pump(chunks);
+                              });
   });
   return chunks;
 }
@@ -690,7 +690,7 @@ void Connection::pump(const std::shared_ptr<ChunkStream>& chunks) {
   if (gone) return end_stream(chunks, false);
   if (data->empty()) return end_stream(chunks, ended);
   stream_.expires_after(state_.write_timeout);
-  net::async_write(stream_, http::make_chunk(net::buffer(*data)),
+  net::async_write(stream_, bhttp::make_chunk(net::buffer(*data)),
                    [self = shared_from_this(), chunks, data](beast::error_code ec, size_t) {
                      if (ec) chunks->mark_gone();
                      self->pump(chunks);
@@ -709,7 +709,8 @@ void Connection::end_stream(const std::shared_ptr<ChunkStream>& chunks, bool sen
   };
   if (!send_last) return done();
   stream_.expires_after(state_.write_timeout);
-  net::async_write(stream_, http::make_chunk_last(), [done](beast::error_code, size_t) { done(); });
+  net::async_write(stream_, bhttp::make_chunk_last(),
+                   [done](beast::error_code, size_t) { done(); });
 }
 
 }  // namespace

@@ -20,11 +20,6 @@ using transfer::UniqueFd;
 
 constexpr int64_t kIoTimeoutMs = 10000;
 
-void set_nodelay(int fd) {
-  int one = 1;
-  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-}
-
 // Sends back whatever arrives until the peer closes or goes quiet for kIoTimeoutMs.
 void echo_connection(int fd) {
   set_nodelay(fd);

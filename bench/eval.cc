@@ -11,8 +11,8 @@
 
 #include "ecx/common/json_reader.h"
 #include "ecx/engine/image.h"
-#include "http/http_client.h"
 #include "epd_bench.h"
+#include "http/http_client.h"
 #include "stack.h"
 
 namespace ecx::bench {

@@ -127,10 +127,10 @@ class Client : public std::enable_shared_from_this<Client> {
     parser_.emplace();
     parser_->body_limit(64 << 20);
     bhttp::async_read(stream_, buffer_, *parser_,
-                     [self = shared_from_this()](beast::error_code ec, size_t) {
-                       if (ec) return self->fail();
-                       self->done();
-                     });
+                      [self = shared_from_this()](beast::error_code ec, size_t) {
+                        if (ec) return self->fail();
+                        self->done();
+                      });
   }
   void done() {
     auto now = Clock::now();

@@ -134,9 +134,8 @@ EtcdClient::EtcdClient(std::vector<EtcdEndpoint> endpoints, std::chrono::millise
       access_(std::move(access)),
       token_(std::make_shared<TokenState>()),
       preferred_(std::make_shared<std::atomic<size_t>>(0)),
-      http_(std::make_shared<http::HttpClient>(
-          http::HttpClient::Options{.threads = 1, .max_idle_per_upstream = 4,
-                                    .max_body_bytes = kAnswerLimits.max_bytes})) {}
+      http_(std::make_shared<http::HttpClient>(http::HttpClient::Options{
+          .threads = 1, .max_idle_per_upstream = 4, .max_body_bytes = kAnswerLimits.max_bytes})) {}
 
 Result<EtcdClient> EtcdClient::create(const std::string& endpoints,
                                       std::chrono::milliseconds timeout, EtcdAccess access) {

@@ -8,10 +8,10 @@
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/post.hpp>
+#include <boost/asio/ssl.hpp>
 #include <boost/asio/strand.hpp>
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
-#include <boost/asio/ssl.hpp>
 #include <cerrno>
 #include <map>
 #include <optional>
@@ -261,11 +261,12 @@ class Exchange : public std::enable_shared_from_this<Exchange> {
     beast::error_code not_a_name;
     net::ip::make_address(host_, not_a_name);
     if (not_a_name) SSL_set_tlsext_host_name(tls->native_handle(), host_.c_str());
-    tls->async_handshake(ssl::stream_base::client, [self = shared_from_this()](beast::error_code e) {
-      if (!self->live()) return self->close();
-      if (e) return self->fail(ClientError::kConnect, "tls handshake with " + self->where_, e);
-      self->write();
-    });
+    tls->async_handshake(
+        ssl::stream_base::client, [self = shared_from_this()](beast::error_code e) {
+          if (!self->live()) return self->close();
+          if (e) return self->fail(ClientError::kConnect, "tls handshake with " + self->where_, e);
+          self->write();
+        });
   }
 
   // Runs `op` on the connection's stream, TLS or not.
@@ -387,8 +388,8 @@ class Exchange : public std::enable_shared_from_this<Exchange> {
   HttpClient::Impl& impl_;
   const std::string host_;
   const int port_;
-  const std::string where_;  // "host:port"
-  const std::string key_;    // the pool's: pool_key()
+  const std::string where_;            // "host:port"
+  const std::string key_;              // the pool's: pool_key()
   std::shared_ptr<ssl::context> tls_;  // for https
   ClientRequest request_;
   HttpClient::Done done_;

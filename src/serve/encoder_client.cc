@@ -130,26 +130,27 @@ void call_encoder(http::HttpClient& client, std::shared_ptr<Upstream> e, const E
   request.timeout = std::chrono::milliseconds(timeout_ms);
   request.cancel = call.cancel;
   e->in_flight++;
-  client.send(
-      e->host, e->port, std::move(request), [e, vllm, done = std::move(done)](http::ClientResult res) {
-        e->in_flight--;
-        EncodeResult r;
-        if (!res.ok()) {
-          r.transport = res.error;
-          r.timed_out = res.error == http::ClientError::kTimeout;
-          r.error = "encoder " + e->url + ": " + res.message;
-          if (res.error == http::ClientError::kConnect) e->mark_down(res.message);
-          return done(std::move(r));
-        }
-        r.http_status = res.status;
-        if (res.status == 200) {
-          vllm ? read_chat_answer(res.body, r, e->url) : read_encode_answer(res.body, r, e->url);
-        } else {
-          r.error = "encoder " + e->url + " answered " + std::to_string(res.status) + ": " +
-                    error_message(res.body);
-        }
-        done(std::move(r));
-      });
+  client.send(e->host, e->port, std::move(request),
+              [e, vllm, done = std::move(done)](http::ClientResult res) {
+                e->in_flight--;
+                EncodeResult r;
+                if (!res.ok()) {
+                  r.transport = res.error;
+                  r.timed_out = res.error == http::ClientError::kTimeout;
+                  r.error = "encoder " + e->url + ": " + res.message;
+                  if (res.error == http::ClientError::kConnect) e->mark_down(res.message);
+                  return done(std::move(r));
+                }
+                r.http_status = res.status;
+                if (res.status == 200) {
+                  vllm ? read_chat_answer(res.body, r, e->url)
+                       : read_encode_answer(res.body, r, e->url);
+                } else {
+                  r.error = "encoder " + e->url + " answered " + std::to_string(res.status) + ": " +
+                            error_message(res.body);
+                }
+                done(std::move(r));
+              });
 }
 
 UpstreamList encoder_order(const UpstreamList& encoders, uint64_t key) {

@@ -49,8 +49,9 @@ struct EncodeResult {
   std::string error;  // why not encoded
 };
 // Calls `done` once, on a client thread.
-void call_encoder(http::HttpClient& client, std::shared_ptr<Upstream> encoder, const EncodeCall& call,
-                  int64_t timeout_ms, std::function<void(EncodeResult)> done);
+void call_encoder(http::HttpClient& client, std::shared_ptr<Upstream> encoder,
+                  const EncodeCall& call, int64_t timeout_ms,
+                  std::function<void(EncodeResult)> done);
 
 // What encoding one image came to.
 struct ImageEncode {

@@ -46,9 +46,9 @@
 #include "ecx/directory/membership.h"
 #include "ecx/engine/image.h"
 #include "ecx/engine/model.h"
+#include "http/http_client.h"
 #include "serve/coroutine.h"
 #include "serve/encoder_client.h"
-#include "http/http_client.h"
 #include "serve/http_server.h"
 #include "serve/instance_registration.h"
 #include "serve/metric_families.h"
@@ -227,7 +227,7 @@ class Proxy {
   const bool use_encoders_;  // false with --connector local: the PDs encode
   Metrics metrics_;
   std::shared_ptr<void> alive_ = std::make_shared<int>(0);  // reset first, by ~Proxy
-  http::HttpClient client_;                                       // stopped next, by ~Proxy
+  http::HttpClient client_;                                 // stopped next, by ~Proxy
   ParamsReleaser releaser_;                                 // sends through client_
 };
 
@@ -513,7 +513,8 @@ void Proxy::answer_no_pd(ChatCall& call, const std::string& pd_errors) {
   respond(call, std::move(res));
 }
 
-void Proxy::answer_pd_failure(ChatCall& call, const Upstream& pd, const http::ClientResult& result) {
+void Proxy::answer_pd_failure(ChatCall& call, const Upstream& pd,
+                              const http::ClientResult& result) {
   bool timeout = result.error == http::ClientError::kTimeout;
   metrics_.add(metric::kProxyFailures, 1, {{"reason", "pd"}});
   HttpResponse res;

@@ -338,9 +338,9 @@ TEST(EtcdSecure, NoUserAWrongPasswordOrAnUntrustedCertificateIsRefusedWithAClear
   EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.to_string();
 
   // A certificate for another name (the test CA's is for 127.0.0.1 alone): refused too.
-  auto other_name = EtcdClient::create("https://localhost:" + std::to_string(
-                                           parse_etcd_endpoints(url).value()[0].port),
-                                       std::chrono::seconds(2), access);
+  auto other_name = EtcdClient::create(
+      "https://localhost:" + std::to_string(parse_etcd_endpoints(url).value()[0].port),
+      std::chrono::seconds(2), access);
   ASSERT_TRUE(other_name.ok());
   s = other_name->put(key, "x");
   EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.to_string();

@@ -340,8 +340,10 @@ class EncoderCachePool::Impl {
   Status verify_and_stamp(const Entry& e, const BlockExpectation& expected,
                           std::optional<uint64_t> payload_checksum) {
     std::vector<std::byte> staging;
-    ECX_ASSIGN_OR_RETURN(std::span<const std::byte> host,
-                         host_block(e, /*with_payload=*/!payload_checksum.has_value(), staging));
+    ECX_ASSIGN_OR_RETURN(
+        std::span<const std::byte> host,
+        host_block(e, /*with_payload=*/expected.verify_payload && !payload_checksum.has_value(),
+                   staging));
     ECX_RETURN_IF_ERROR(verify_block(host.data(), e.block_length, expected, payload_checksum));
     return write_header(e, read_block_header(host.data()).checksum);
   }

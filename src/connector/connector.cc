@@ -364,7 +364,15 @@ Result<std::vector<Result<EcTransferParams>>> Connector::remote_saved_params(
 
 void Connector::discard(const LoadRequest& request) {
   if (!core_.is_consumer()) return;
-  queue_background([this, request] { driver_->release(request, {}); });
+  auto state = std::make_shared<RequestState>();
+  state->request = request;
+  bool wake_loader = false;
+  {
+    MutexLock lock(&mu_);
+    if (stopping_) return;
+    wake_loader = queue_release({std::move(state), {}});
+  }
+  if (wake_loader) work_cv_.notify_one();
 }
 
 ConnectorStats Connector::stats() const {

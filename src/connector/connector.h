@@ -44,6 +44,8 @@ class Connector final : public EcConnector {
   ConnectorMetadata build_connector_meta() override;
   Status start_load_caches(const ConnectorMetadata& metadata) override;
   LoadOutcome wait_for_load(const std::string& request_id, Deadline deadline) override;
+  // The caller's thread runs the load: no hand-off to a loader and back.
+  LoadOutcome load(const LoadRequest& request, Deadline deadline) override;
   std::vector<std::string> get_finished() override;
   Result<cache::BlockRef> loaded(const std::string& request_id, const MmHash& mm_hash) override;
   Result<std::vector<EcTransferParams>> share_loaded(const std::string& request_id,
@@ -63,6 +65,12 @@ class Connector final : public EcConnector {
     LoadOutcome outcome;
     bool done = false;
     bool abandoned = false;  // request_finished came before the load ended
+  };
+  // What a finished (or discarded) request holds at producers, until a loader gives it
+  // back; `state` keeps the request the slots point into.
+  struct PendingRelease {
+    std::shared_ptr<RequestState> state;
+    std::vector<FetchSlot> slots;
   };
   // One load's working state, from planning to the outcome.
   struct LoadJob {
@@ -92,7 +100,10 @@ class Connector final : public EcConnector {
   // (second = true), for `item` in the consumer cache.
   Result<std::pair<cache::Pin, bool>> reserve_or_join(const LoadItem& item,
                                                       const std::string& holder, Deadline deadline);
-  void queue_background(std::function<void()> task);
+  // Queues a release; true for the first of a batch (a loader must be woken: it takes
+  // the whole batch).
+  bool queue_release(PendingRelease release) ECX_REQUIRES(mu_);
+  void send_releases(std::vector<PendingRelease> batch);
   void loader_loop();
   void stop();
 
@@ -105,7 +116,10 @@ class Connector final : public EcConnector {
   std::map<std::string, ConnectorMetadata::Entry> scheduled_ ECX_GUARDED_BY(mu_);
   std::map<std::string, std::shared_ptr<RequestState>> requests_ ECX_GUARDED_BY(mu_);
   std::deque<std::shared_ptr<RequestState>> queue_ ECX_GUARDED_BY(mu_);
-  std::deque<std::function<void()>> background_ ECX_GUARDED_BY(mu_);  // releases and the like
+  std::vector<PendingRelease> releases_ ECX_GUARDED_BY(mu_);
+  Deadline release_due_ ECX_GUARDED_BY(mu_) = Deadline::never();  // of the batch in releases_
+  // How long a batch of releases waits for more before it goes out.
+  static constexpr int64_t kReleaseBatchMs = 2;
   std::vector<std::string> finished_ ECX_GUARDED_BY(mu_);
   std::map<std::string, uint64_t> nacks_ ECX_GUARDED_BY(mu_);
   bool stopping_ ECX_GUARDED_BY(mu_) = false;

@@ -10,6 +10,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -33,6 +34,12 @@ struct FetchSlot {
   ReleasedPin producer_pin;
   // Set by fetch: the producer already ended the params' pin itself (push).
   bool params_pin_released = false;
+};
+
+// A load whose holdings at producers are to be given back (ConnectorDriver::release).
+struct FinishedLoad {
+  const LoadRequest* request = nullptr;
+  const std::vector<FetchSlot>* slots = nullptr;  // empty for a discarded request
 };
 
 // What a Connector shares with its driver. Lives as long as the connector.
@@ -110,10 +117,11 @@ class ConnectorDriver {
   // Fills and commits every slot (consumer_cache()->commit / commit_received), or sets
   // its status. Must return by `deadline`.
   virtual void fetch(std::vector<FetchSlot*>& slots, Deadline deadline) = 0;
-  // The request's load is over, whichever way: loaded, already cached, recomputed,
-  // failed, or discarded before it started (then `slots` is empty). Gives back exactly
-  // what this request holds at producers. Runs on a loader thread, off the critical path.
-  virtual void release(const LoadRequest&, const std::vector<FetchSlot>&) {}
+  // These requests' loads are over, whichever way: loaded, already cached, recomputed,
+  // failed, or discarded before they started (then `slots` is empty). Gives back exactly
+  // what they hold at producers, coalesced: all the loads that finished since the last
+  // call come together. Runs on a loader thread, off the critical path.
+  virtual void release(std::span<const FinishedLoad> /*loads*/) {}
   // request_finished: the consumer is done with the loaded bytes (e.g. delete files).
   virtual void on_request_finished(const LoadRequest&) {}
 

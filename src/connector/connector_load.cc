@@ -2,19 +2,30 @@
 // encode), fetch through the driver, settle, recompute or fail per the failure policy,
 // publish the outcome, then give back what the request holds at producers.
 #include <algorithm>
+#include <numeric>
 
 #include "connector/connector.h"
 #include "ecx/common/log.h"
 
 namespace ecx::connector {
 
-void Connector::queue_background(std::function<void()> task) {
-  {
-    MutexLock lock(&mu_);
-    if (stopping_) return;
-    background_.push_back(std::move(task));
+bool Connector::queue_release(PendingRelease release) {
+  if (releases_.empty()) release_due_ = Deadline::after_ms(kReleaseBatchMs);
+  releases_.push_back(std::move(release));
+  return releases_.size() == 1;
+}
+
+// One driver call for every release queued since the last: p2p sends one RELEASE per
+// producer for all of them.
+void Connector::send_releases(std::vector<PendingRelease> batch) {
+  std::vector<FinishedLoad> loads;
+  loads.reserve(batch.size());
+  for (const auto& r : batch) loads.push_back({&r.state->request, &r.slots});
+  try {
+    driver_->release(loads);
+  } catch (const std::exception& e) {
+    spdlog::error("connector {}: releasing {} loads failed: {}", name(), batch.size(), e.what());
   }
-  work_cv_.notify_one();
 }
 
 void Connector::loader_loop() {
@@ -23,34 +34,40 @@ void Connector::loader_loop() {
     {
       MutexLock lock(&mu_);
       work_cv_.wait(&mu_, [this]() ECX_REQUIRES(mu_) {
-        return stopping_ || !queue_.empty() || !background_.empty();
+        return stopping_ || !queue_.empty() || !releases_.empty();
       });
       // Past the drain deadline (stop() set it), what is still queued is dropped.
-      if (stopping_ && !background_.empty() && drain_until_.expired()) {
+      if (stopping_ && !releases_.empty() && drain_until_.expired()) {
         spdlog::warn(
             "connector {}: shutting down: {} queued releases dropped (their pins end "
             "by lease)",
-            name(), background_.size());
-        background_.clear();
+            name(), releases_.size());
+        releases_.clear();
       }
-      // Releases still queued go out before the loaders end: a connector shutting down
-      // gives back the pins it holds at producers rather than leave them to the lease.
-      if (!background_.empty()) {
-        auto task = std::move(background_.front());
-        background_.pop_front();
+      if (!stopping_ && !queue_.empty()) {
+        state = std::move(queue_.front());
+        queue_.pop_front();
         lock.unlock();
-        try {
-          task();
-        } catch (const std::exception& e) {
-          spdlog::error("connector {}: background task failed: {}", name(), e.what());
+        run_load(state);  // catches what its driver throws (fetch_guarded)
+        continue;
+      }
+      // Releases go out once their batch is kReleaseBatchMs old (the loads finishing
+      // meanwhile join it, without waking anyone), and all before the loaders end: a
+      // connector shutting down gives back the pins it holds at producers rather than
+      // leave them to the lease.
+      if (!releases_.empty()) {
+        if (!stopping_ && !release_due_.expired()) {
+          work_cv_.wait_until(&mu_, release_due_.time_point());
+          continue;
         }
+        std::vector<PendingRelease> batch;
+        batch.swap(releases_);
+        lock.unlock();
+        send_releases(std::move(batch));
         continue;
       }
       if (stopping_) return;
-      state = std::move(queue_.front());
-      queue_.pop_front();
     }
-    run_load(state);  // catches what its driver throws (fetch_guarded)
   }
 }
 
@@ -268,6 +285,7 @@ void Connector::finish(LoadJob& job) {
   load_us_total_ += static_cast<uint64_t>(job.outcome.load_ms * 1000);
   (job.outcome.status.ok() ? loads_ok_ : loads_failed_)++;
   bool abandoned = false;
+  bool wake_loader = false;
   {
     MutexLock lock(&mu_);
     state->outcome = job.outcome;
@@ -279,10 +297,9 @@ void Connector::finish(LoadJob& job) {
     // Queued with the outcome, not after it: a caller that sees the load done and shuts
     // the connector down still has this release sent (the loaders drain it first; this
     // thread is one of them).
-    background_.push_back(
-        [this, state, slots = std::move(job.slots)] { driver_->release(state->request, slots); });
+    wake_loader = queue_release({state, std::move(job.slots)});
   }
-  work_cv_.notify_one();
+  if (wake_loader) work_cv_.notify_one();
   done_cv_.notify_all();
   if (abandoned) {
     for (uint64_t pin : state->pins) core_.consumer_cache()->unpin(pin).ignore_error();
@@ -313,6 +330,33 @@ LoadOutcome Connector::wait_for_load(const std::string& request_id, Deadline dea
     out.status = DeadlineExceeded("request " + request_id + ": load still running at the deadline");
     return out;
   }
+  return state->outcome;
+}
+
+LoadOutcome Connector::load(const LoadRequest& request, Deadline deadline) {
+  auto state = std::make_shared<RequestState>();
+  state->request = request;
+  // The load gives up by the earlier of the connector's load timeout and this deadline.
+  auto& own = state->request.deadline;
+  own = own ? Deadline::earliest(*own, deadline) : deadline;
+  state->items.resize(request.items.size());
+  std::iota(state->items.begin(), state->items.end(), size_t{0});
+  LoadOutcome refused;
+  {
+    MutexLock lock(&mu_);
+    if (!core_.is_consumer()) {
+      refused.status =
+          Status(StatusCode::kFailedPrecondition, "connector " + name() + " is not a consumer");
+    } else if (stopping_) {
+      refused.status = Unavailable("connector " + name() + " shut down");
+    } else if (!requests_.emplace(request.request_id, state).second) {
+      refused.status = Status(StatusCode::kAlreadyExists,
+                              "request " + request.request_id + " is already loading");
+    }
+  }
+  if (!refused.status.ok()) return refused;
+  run_load(state);
+  MutexLock lock(&mu_);
   return state->outcome;
 }
 

@@ -210,7 +210,7 @@ class DiskDriver final : public ConnectorDriver {
       s = read_safetensors_tensor(fd, *header, *e,
                                   {slot.block.payload(), slot.item->meta.byte_size()});
     ::close(fd);
-    if (s.ok()) {
+    if (s.ok() && core_.options().verify_checksum(/*crossed=*/true)) {
       auto sum = header->metadata.find("checksum");
       if (sum == header->metadata.end() ||
           sum->second !=

@@ -45,7 +45,8 @@ const std::set<std::string> kKnownKeys = {"engine_id",
                                           "auth_token_file",
                                           "max_connections",
                                           "idle_timeout_ms",
-                                          "require_grants"};
+                                          "require_grants",
+                                          "checksum"};
 
 // A size: a byte count, or a string such as "512MiB".
 Result<uint64_t> read_bytes(const JsonReader& r, const char* key, uint64_t fallback) {
@@ -54,6 +55,9 @@ Result<uint64_t> read_bytes(const JsonReader& r, const char* key, uint64_t fallb
   if (!r.document()[key].is_string()) return r.wrong(key, "a size");
   return parse_bytes(r.document()[key].get<std::string>());
 }
+
+constexpr EnumName<ChecksumPolicy> kChecksums[] = {
+    {ChecksumPolicy::kAuto, "auto"}, {ChecksumPolicy::kOn, "on"}, {ChecksumPolicy::kOff, "off"}};
 
 constexpr EnumName<FailurePolicy> kPolicies[] = {{FailurePolicy::kRecompute, "recompute"},
                                                  {FailurePolicy::kFail, "fail"}};
@@ -75,6 +79,8 @@ Status read_common(const JsonReader& r, ConnectorOptions& o) {
                        r.string("failure_policy", Presence::kOptional, 64, "recompute"));
   ECX_ASSIGN_OR_RETURN(o.failure_policy,
                        parse_name<FailurePolicy>(kPolicies, policy, "failure_policy"));
+  ECX_ASSIGN_OR_RETURN(std::string checksum, r.string("checksum", Presence::kOptional, 16, "auto"));
+  ECX_ASSIGN_OR_RETURN(o.checksum, parse_name<ChecksumPolicy>(kChecksums, checksum, "checksum"));
   ECX_ASSIGN_OR_RETURN(o.load_timeout_ms, r.i64("load_timeout_ms", 1, 3'600'000,
                                                 Presence::kOptional, o.load_timeout_ms));
   ECX_ASSIGN_OR_RETURN(o.pool_bytes, read_bytes(r, "pool_bytes", o.pool_bytes));

@@ -13,6 +13,12 @@
 
 namespace ecx::connector {
 
+// Whether a consumer checks each loaded payload against its producer's xxh3 (the
+// "checksum" option). kAuto: wherever the bytes crossed a wire or a disk (tcp, ucx, push,
+// disk, store); not for a same-host shm read, which a generation check before and after
+// the copy proves untorn instead (docs/SECURITY.md, "Integrity of loaded bytes").
+enum class ChecksumPolicy { kAuto, kOn, kOff };
+
 // How the p2p connector moves an item (see p2p_connector.h).
 enum class P2pMode { kPull, kPull2Step, kPush };
 Result<P2pMode> parse_p2p_mode(std::string_view name);  // "pull", "pull-2step", "push"
@@ -41,6 +47,12 @@ struct ConnectorOptions {
   // Pools reachable by peers only through grants (capabilities). Off only to measure what
   // the checks cost (ecx bench transfer --security on,off); never in a deployment.
   bool require_grants = true;
+  ChecksumPolicy checksum = ChecksumPolicy::kAuto;
+  // Whether a load that `crossed` a wire or disk (false: a same-host view) checks the
+  // payload's checksum.
+  bool verify_checksum(bool crossed) const {
+    return checksum == ChecksumPolicy::kOn || (checksum == ChecksumPolicy::kAuto && crossed);
+  }
   // p2p
   P2pMode mode = P2pMode::kPull;
   transfer::Backend backend = transfer::Backend::kAuto;

@@ -1,12 +1,15 @@
 #include "connector/p2p_connector.h"
 
+#include <atomic>
 #include <cstring>
 #include <map>
 #include <numeric>
+#include <optional>
 #include <set>
 
 #include "connector/control_messages.h"
 #include "ecx/common/checksum.h"
+#include "ecx/common/copy.h"
 #include "ecx/common/log.h"
 #include "ecx/common/mutex.h"
 
@@ -19,6 +22,9 @@ constexpr int64_t kMaxLookupWaitMs = 2000;
 constexpr int64_t kConnectAttemptMs = 2500;
 // Longest a consumer spends connecting to a producer only to give its pins back.
 constexpr int64_t kReleaseConnectMs = 2000;
+
+// Pins one RELEASE notice carries at most (a coalesced batch is split beyond it).
+constexpr size_t kMaxPinsPerNotice = 256;
 
 // Producers remembered by the consumer (engine id -> metadata) before the map is reset.
 constexpr size_t kMaxKnownProducers = 1024;
@@ -77,7 +83,7 @@ class P2pDriver final : public ConnectorDriver {
   // ---------------- consumer ----------------
   bool can_load(const LoadItem& item) override;
   void fetch(std::vector<FetchSlot*>& slots, Deadline deadline) override;
-  void release(const LoadRequest& request, const std::vector<FetchSlot>& slots) override;
+  void release(std::span<const FinishedLoad> loads) override;
   void add_stats(ConnectorStats& s) const override;
 
  private:
@@ -114,9 +120,14 @@ class P2pDriver final : public ConnectorDriver {
                   bool force_lookup);
   void read_through_view(const std::string& producer, std::vector<FetchSlot*>& moving,
                          std::vector<BlockLocation>& where);
+  Status copy_from_view(FetchSlot& slot, const std::byte* block, const BlockLocation& loc,
+                        const std::string& producer);
   void read_batched(const std::string& producer, const std::vector<FetchSlot*>& moving,
                     const std::vector<BlockLocation>& where, Deadline deadline);
   void fetch_push(const std::string& producer, std::vector<FetchSlot*>& group, Deadline deadline);
+  using PinsByProducer = std::map<std::string, std::vector<ReleasedPin>>;
+  void collect_pins(const FinishedLoad& load, PinsByProducer& by_producer,
+                    std::map<std::string, const EcTransferParams*>& params_of) const;
 
   ConnectorCore& core_;
   std::unique_ptr<cache::EncoderCachePool> producer_pool_;
@@ -501,9 +512,9 @@ void P2pDriver::fetch_pull(const std::string& producer, std::vector<FetchSlot*>&
 }
 
 // Reads through a zero-copy view of the producer's arena where the backend has one (shm:
-// same host; our pin keeps the block in place), checksumming each chunk while it is in
-// cache. The blocks it could not view because the backend maps nothing (or not that
-// memory) stay in `moving` for a READ; the others leave it, done or failed.
+// same host; our pin keeps the block in place). The blocks it could not view because the
+// backend maps nothing (or not that memory) stay in `moving` for a READ; the others leave
+// it, done or failed.
 void P2pDriver::read_through_view(const std::string& producer, std::vector<FetchSlot*>& moving,
                                   std::vector<BlockLocation>& where) {
   std::vector<FetchSlot*> to_read;
@@ -517,19 +528,38 @@ void P2pDriver::read_through_view(const std::string& producer, std::vector<Fetch
       to_read_where.push_back(loc);
       continue;
     }
-    if (!view.ok()) {
-      slot->status = view.status();
-      continue;
-    }
-    std::memcpy(slot->block.block, view->data, cache::kBlockHeaderBytes);
-    uint64_t sum = copy_with_checksum(slot->block.payload(), view->data + cache::kBlockHeaderBytes,
-                                      loc.length - cache::kBlockHeaderBytes);
-    slot->status = core_.consumer_cache()->commit_received(
-        slot->item->mm_hash, slot->block.generation,
-        {slot->item->mm_hash, slot->item->meta, loc.generation, describe(loc, producer)}, sum);
+    slot->status = view.ok() ? copy_from_view(*slot, view->data, loc, producer) : view.status();
   }
   moving.swap(to_read);
   where.swap(to_read_where);
+}
+
+// Copies one block out of the producer's memory and commits it. The header is read before
+// the payload and compared after it: the producer clears a block's magic before it can
+// be reused (and a reused block gets a new generation), so an unchanged header proves
+// the payload copied in between untorn, should our pin have ended meanwhile (lease). The
+// payload's xxh3 is checked besides when the checksum option says so (off by default
+// here: nothing crossed a wire).
+Status P2pDriver::copy_from_view(FetchSlot& slot, const std::byte* block, const BlockLocation& loc,
+                                 const std::string& producer) {
+  std::memcpy(slot.block.block, block, cache::kBlockHeaderBytes);
+  const uint64_t payload = loc.length - cache::kBlockHeaderBytes;
+  const bool verify = options().verify_checksum(/*crossed=*/false);
+  std::optional<uint64_t> sum;
+  if (verify) {
+    sum = copy_with_checksum(slot.block.payload(), block + cache::kBlockHeaderBytes, payload);
+  } else {
+    // A large block of our cache is rarely in cache: streaming stores skip reading it.
+    copy_streaming(slot.block.payload(), block + cache::kBlockHeaderBytes, payload);
+  }
+  std::atomic_thread_fence(std::memory_order_acquire);  // the payload's loads before these
+  if (std::memcmp(slot.block.block, block, cache::kBlockHeaderBytes) != 0) {
+    return Status(StatusCode::kEvicted, "block at " + describe(loc, producer) +
+                                            " was evicted and reused while it was read");
+  }
+  return core_.consumer_cache()->commit_received(
+      slot.item->mm_hash, slot.block.generation,
+      {slot.item->mm_hash, slot.item->meta, loc.generation, describe(loc, producer), verify}, sum);
 }
 
 // One batched READ of every block.
@@ -544,11 +574,12 @@ void P2pDriver::read_batched(const std::string& producer, const std::vector<Fetc
   Status s = handle.ok() ? handle->wait(deadline) : handle.status();
   for (size_t k = 0; k < moving.size(); ++k) {
     FetchSlot* slot = moving[k];
-    slot->status = s.ok() ? core_.consumer_cache()->commit_received(
-                                slot->item->mm_hash, slot->block.generation,
-                                {slot->item->mm_hash, slot->item->meta, where[k].generation,
-                                 describe(where[k], producer)})
-                          : s;
+    slot->status =
+        s.ok() ? core_.consumer_cache()->commit_received(
+                     slot->item->mm_hash, slot->block.generation,
+                     {slot->item->mm_hash, slot->item->meta, where[k].generation,
+                      describe(where[k], producer), options().verify_checksum(/*crossed=*/true)})
+               : s;
   }
 }
 
@@ -581,50 +612,60 @@ void P2pDriver::fetch_push(const std::string& producer, std::vector<FetchSlot*>&
     for (const auto& g : grants) agent()->revoke(g);
     return answer;
   };
-  call_until_ready(producer, group, deadline, "load", exchange,
-                   [&](size_t i, const ItemReply& reply) {
-                     FetchSlot* slot = group[i];
-                     // The producer ends the params' pin once it has written (or failed).
-                     slot->params_pin_released = true;
-                     Status s = reply.status;
-                     if (s.ok()) {
-                       s = core_.consumer_cache()->commit_received(
-                           slot->item->mm_hash, slot->block.generation,
-                           {slot->item->mm_hash, slot->item->meta, slot->item->params->generation,
-                            "our cache offset " + std::to_string(slot->block.offset) +
-                                " written by " + producer});
-                     }
-                     slot->status = s;
-                   });
+  call_until_ready(
+      producer, group, deadline, "load", exchange, [&](size_t i, const ItemReply& reply) {
+        FetchSlot* slot = group[i];
+        // The producer ends the params' pin once it has written (or failed).
+        slot->params_pin_released = true;
+        Status s = reply.status;
+        if (s.ok()) {
+          s = core_.consumer_cache()->commit_received(
+              slot->item->mm_hash, slot->block.generation,
+              {slot->item->mm_hash, slot->item->meta, slot->item->params->generation,
+               "our cache offset " + std::to_string(slot->block.offset) + " written by " + producer,
+               options().verify_checksum(/*crossed=*/true)});
+        }
+        slot->status = s;
+      });
 }
 
-// Gives back, in one notice per producer, the pins this request holds there: each trusted
-// item's params pin (unless the producer ended it itself), and the pins lookups took.
-void P2pDriver::release(const LoadRequest& request, const std::vector<FetchSlot>& slots) {
-  std::map<std::string, std::vector<ReleasedPin>> by_producer;
-  std::map<std::string, const EcTransferParams*> params_of;  // to connect, if need be
+// The pins `load` holds at producers: each trusted item's params pin (unless the
+// producer ended it itself), and the pins lookups took.
+void P2pDriver::collect_pins(const FinishedLoad& load, PinsByProducer& by_producer,
+                             std::map<std::string, const EcTransferParams*>& params_of) const {
   std::set<const LoadItem*> ended_by_producer;
-  for (const auto& slot : slots) {
+  for (const auto& slot : *load.slots) {
     if (slot.params_pin_released) ended_by_producer.insert(slot.item);
     if (slot.producer_pin.pin != 0) {
       by_producer[slot.item->params->engine_id].push_back(slot.producer_pin);
     }
   }
-  for (const auto& item : request.items) {
+  for (const auto& item : load.request->items) {
     if (ended_by_producer.count(&item) || !trust(item).ok() || item.params->pin == 0) continue;
     auto cap = params_capability(*item.params);
     if (!cap.ok()) continue;
     by_producer[item.params->engine_id].push_back({item.params->pin, *cap});
     params_of[item.params->engine_id] = &*item.params;
   }
+}
+
+// Gives back what `loads` hold at producers: one notice per producer for all of them
+// (split past kMaxPinsPerNotice).
+void P2pDriver::release(std::span<const FinishedLoad> loads) {
+  PinsByProducer by_producer;
+  std::map<std::string, const EcTransferParams*> params_of;  // to connect, if need be
+  for (const FinishedLoad& load : loads) collect_pins(load, by_producer, params_of);
   for (auto& [producer, pins] : by_producer) {
     // A request that never loaded (discarded) may name a producer we never connected to.
     if (!agent()->peer_backend(producer).ok() && params_of.count(producer)) {
       connect_producer(*params_of[producer], Deadline::after_ms(kReleaseConnectMs)).ignore_error();
     }
-    size_t n = pins.size();
-    if (agent()->notify(producer, to_json(ReleaseNotice{std::move(pins)})).ok()) {
-      releases_sent_ += n;
+    for (size_t first = 0; first < pins.size(); first += kMaxPinsPerNotice) {
+      size_t n = std::min(kMaxPinsPerNotice, pins.size() - first);
+      std::vector<ReleasedPin> part(pins.begin() + first, pins.begin() + first + n);
+      if (agent()->notify(producer, to_json(ReleaseNotice{std::move(part)})).ok()) {
+        releases_sent_ += n;
+      }
     }
   }
 }

@@ -103,7 +103,8 @@ class StoreDriver final : public ConnectorDriver {
     std::memcpy(slot.block.block, value.data() + 2 + n, block_bytes);
     return core_.consumer_cache()->commit_received(
         mm_hash, slot.block.generation,
-        {mm_hash, slot.item->meta, 0, "redis key " + key_for(mm_hash)});
+        {mm_hash, slot.item->meta, 0, "redis key " + key_for(mm_hash),
+         core_.options().verify_checksum(/*crossed=*/true)});
   }
 
  private:

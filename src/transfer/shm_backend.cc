@@ -10,8 +10,33 @@
 
 namespace ecx::transfer {
 
+namespace {
+
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22  // Linux 5.14
+#endif
+
+// Granule of ShmDataPath::Mapping::populate.
+constexpr uint64_t kPopulateChunk = 2ull << 20;
+
+}  // namespace
+
 ShmDataPath::Mapping::~Mapping() {
   if (data != nullptr) ::munmap(data, length);
+}
+
+void ShmDataPath::Mapping::populate(uint64_t offset, uint64_t bytes) {
+  if (bytes == 0) return;
+  for (uint64_t chunk = offset / kPopulateChunk; chunk <= (offset + bytes - 1) / kPopulateChunk;
+       ++chunk) {
+    const uint64_t bit = uint64_t{1} << (chunk % 64);
+    std::atomic<uint64_t>& word = populated[chunk / 64];
+    if (word.load(std::memory_order_relaxed) & bit) continue;
+    const uint64_t start = chunk * kPopulateChunk;
+    // Best effort: on a kernel without MADV_POPULATE_READ the pages fault in as read.
+    ::madvise(data + start, std::min(kPopulateChunk, length - start), MADV_POPULATE_READ);
+    word.fetch_or(bit, std::memory_order_relaxed);
+  }
 }
 
 Result<std::shared_ptr<ShmDataPath::Mapping>> ShmDataPath::mapping(uint32_t region,
@@ -33,8 +58,9 @@ Result<std::shared_ptr<ShmDataPath::Mapping>> ShmDataPath::mapping(uint32_t regi
   // says: otherwise it is not mapped at all.
   ECX_RETURN_IF_ERROR(check_received_memfd(
       grant.memfd.get(), grant.length, "region " + std::to_string(region) + " of agent " + peer));
-  // Read-only, always. Not populated: a peer's arena can be gigabytes, and populating it
-  // all would stall the first load after a connect. Pages fault in once as first read.
+  // Read-only, always. Not populated here: a peer's arena can be gigabytes, and populating
+  // it all would stall the first load after a connect. Each read populates the 2 MiB
+  // chunks it touches, once (Mapping::populate).
   void* p = ::mmap(nullptr, grant.length, PROT_READ, MAP_SHARED, grant.memfd.get(), 0);
   if (p == MAP_FAILED) {
     return ErrnoError("map region " + std::to_string(region) + " of agent " + peer, errno);
@@ -43,6 +69,8 @@ Result<std::shared_ptr<ShmDataPath::Mapping>> ShmDataPath::mapping(uint32_t regi
   m->data = static_cast<std::byte*>(p);
   m->length = grant.length;
   m->readable = grant.remote_read;
+  m->populated = std::make_unique<std::atomic<uint64_t>[]>(
+      (grant.length + 64 * kPopulateChunk - 1) / (64 * kPopulateChunk));
   MutexLock lock(&mu_);
   auto [it, inserted] = mappings_.emplace(region, m);
   return it->second;  // a concurrent mapper may have won; both views are equivalent
@@ -68,6 +96,7 @@ Result<std::vector<std::shared_ptr<ShmDataPath::Mapping>>> ShmDataPath::resolve(
       stats_->rejected_descriptors++;
       return Status(StatusCode::kFailedPrecondition, what + ": region is not remotely readable");
     }
+    (*m)->populate(d.remote_offset, d.length);
     maps.push_back(std::move(*m));
   }
   return maps;

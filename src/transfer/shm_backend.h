@@ -4,6 +4,7 @@
 // go over a unix data stream, so no peer ever maps another's memory writable.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -45,7 +46,12 @@ class ShmDataPath final : public DataPath {
     std::byte* data = nullptr;
     uint64_t length = 0;
     bool readable = false;
+    // One bit per kPopulateChunk of the mapping: its page tables are filled.
+    std::unique_ptr<std::atomic<uint64_t>[]> populated;
     ~Mapping();
+    // Fills the page tables of [offset, offset + length) (one madvise per chunk, once), so
+    // that a read does not take a page fault per 4 KiB page on first touch.
+    void populate(uint64_t offset, uint64_t length);
   };
   Result<std::shared_ptr<Mapping>> mapping(uint32_t region, const Capability& capability,
                                            Deadline deadline) ECX_EXCLUDES(mu_);

@@ -47,6 +47,9 @@ struct BlockExpectation {
   TensorMeta meta;
   uint64_t generation = 0;  // 0 = any
   std::string where;        // "region 3 offset 4096 on agent e-0", for messages
+  // false: the payload is not hashed; the caller proved it otherwise (a same-host read
+  // checked before and after its copy, ChecksumPolicy in the connector's options).
+  bool verify_payload = true;
 };
 
 // Checks a received block (header + payload) against what was asked for: magic and

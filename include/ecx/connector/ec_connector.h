@@ -218,8 +218,9 @@ class EcConnector {
   // its items' params hold at producers, off the critical path.
   virtual void discard(const LoadRequest& request) = 0;
 
-  // has_caches + update_state_after_alloc for every loadable item + build + start + wait.
-  LoadOutcome load(const LoadRequest& request, Deadline deadline);
+  // has_caches + update_state_after_alloc for every loadable item + build + start + wait,
+  // in effect; an implementation may run it on the calling thread.
+  virtual LoadOutcome load(const LoadRequest& request, Deadline deadline);
 
   // Counters and pool figures, for /metrics and tests.
   virtual ConnectorStats stats() const = 0;

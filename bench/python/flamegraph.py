@@ -4,7 +4,7 @@
     perf script -i perf.data | .venv/bin/python bench/python/flamegraph.py \
         --root 'Connector::load' --title '...' --out docs/results/flame.png
 
-Only the stacks through a frame containing --root are drawn, from that frame up: the
+Only the stacks through a frame whose name ends with --root are drawn, from that frame up: the
 width of a box is its share of the samples under the root.
 """
 
@@ -38,7 +38,7 @@ def stacks(lines):
 
 def short(symbol):
     """A frame name without templates, arguments and namespaces ecx::."""
-    symbol = re.sub(r"\+0x[0-9a-f]+$", "", symbol)
+    symbol = re.sub(r"\+0x[0-9a-f]+$", "", symbol).replace("(anonymous namespace)::", "")
     while "<" in symbol and re.search(r"<[^<>]*>", symbol):
         symbol = re.sub(r"<[^<>]*>", "", symbol)
     symbol = re.sub(r"\(.*\)", "", symbol)
@@ -49,7 +49,7 @@ def tree(samples, root):
     counts = collections.Counter()
     total = 0
     for frames in samples:
-        at = next((i for i, f in enumerate(frames) if root in f), None)
+        at = next((i for i, f in enumerate(frames) if short(f).endswith(root)), None)
         if at is None:
             continue
         path = tuple(short(f) for f in frames[at:])
@@ -91,7 +91,7 @@ def main():
     args = parser.parse_args()
     counts, total = tree(stacks(sys.stdin), args.root)
     if not total:
-        sys.exit(f"no stack passes through a frame containing {args.root!r}")
+        sys.exit(f"no stack passes through a frame ending with {args.root!r}")
     draw(counts, total, args.title, args.out)
     for path, n in sorted(counts.items(), key=lambda kv: -kv[1])[:12]:
         print(f"{100 * n / total:5.1f}%  {' > '.join(path[-3:])}")

@@ -57,6 +57,7 @@ class ConnectorPeer {
   void save(std::stringstream& args, bool commit);
   void commit(std::stringstream& args);
   void read(std::stringstream& args);
+  void load(std::stringstream& args);
   Status read_block(const connector::EcTransferParams& params);
 
   std::unique_ptr<EcConnector> conn_;
@@ -75,6 +76,8 @@ bool ConnectorPeer::run_command(const std::string& line) {
       commit(ss);
     } else if (cmd == "read") {
       read(ss);
+    } else if (cmd == "load") {
+      load(ss);
     } else if (cmd == "stats") {
       reply_ok(connector::to_json(conn_->stats()).dump());
     } else if (cmd == "metadata") {
@@ -144,6 +147,21 @@ void ConnectorPeer::read(std::stringstream& args) {
   if (!params.ok()) return reply(params.status());
   Status s = read_block(*params);
   s.ok() ? reply_ok() : reply(s);
+}
+
+// load <request_id> <params-json>: loads one item into this (consumer) connector and
+// keeps what the request holds (no request_finished): a reader that dies holding it.
+void ConnectorPeer::load(std::stringstream& args) {
+  std::string id, rest;
+  args >> id;
+  std::getline(args, rest);
+  auto j = parse_json_object(rest, "params");
+  if (!j.ok()) return reply(j.status());
+  auto params = connector::EcTransferParams::from_json(*j);
+  if (!params.ok()) return reply(params.status());
+  auto out = conn_->load({.request_id = id, .items = {{params->mm_hash, params->meta, *params}}},
+                         Deadline::after_ms(10000));
+  out.status.ok() ? reply_ok(connector::to_json(conn_->stats()).dump()) : reply(out.status);
 }
 
 Status ConnectorPeer::read_block(const connector::EcTransferParams& params) {

@@ -179,6 +179,18 @@ class EncoderCachePool::Impl {
     return Status::Ok();
   }
 
+  Status renew_granted(uint64_t pin_id, const transfer::Capability& capability,
+                       const std::string& peer) ECX_EXCLUDES(mu_) {
+    MutexLock lock(&mu_);
+    const PinRecord* record = pins_.find(pin_id);
+    if (record == nullptr || capability.empty() || !(record->capability == capability)) {
+      return NotFound("pin " + std::to_string(pin_id) + " in pool " + config_.name +
+                      ": no such pin held with that capability (released, or its lease ended)");
+    }
+    // A later lease end never wakes the reaper: it wakes at the old one and looks again.
+    return pins_.renew(pin_id, peer, Clock::now() + config_.lease);
+  }
+
   Status unpin(uint64_t pin_id) ECX_EXCLUDES(mu_) {
     {
       MutexLock lock(&mu_);
@@ -498,6 +510,10 @@ Result<Pin> EncoderCachePool::pin_of_capability(const MmHash& h, const transfer:
 }
 Status EncoderCachePool::release_granted(uint64_t id, const transfer::Capability& c) {
   return impl_->release_granted(id, c);
+}
+Status EncoderCachePool::renew_granted(uint64_t id, const transfer::Capability& c,
+                                       const std::string& peer) {
+  return impl_->renew_granted(id, c, peer);
 }
 size_t EncoderCachePool::release_holder(const std::string& holder) {
   return impl_->release_holder(holder);

@@ -57,6 +57,27 @@ PinRecord PinTable::take(std::map<uint64_t, PinRecord>::iterator it) {
   return record;
 }
 
+Status PinTable::renew(uint64_t id, const std::string& holder, Clock::time_point expiry) {
+  auto it = pins_.find(id);
+  if (it == pins_.end()) {
+    return NotFound("pin " + std::to_string(id) + " in pool " + pool_name_ + ": no such pin");
+  }
+  PinRecord& record = it->second;
+  if (record.holder != holder) {
+    ECX_RETURN_IF_ERROR(check_quota(holder));
+    auto held = per_holder_.find(record.holder);
+    if (held != per_holder_.end() && --held->second == 0) per_holder_.erase(held);
+    per_holder_[holder]++;
+    record.holder = holder;
+  }
+  if (expiry > record.expiry) {
+    expiries_.erase({record.expiry, id});
+    record.expiry = expiry;
+    expiries_.emplace(expiry, id);
+  }
+  return Status::Ok();
+}
+
 std::optional<PinRecord> PinTable::end(uint64_t id) {
   auto it = pins_.find(id);
   if (it == pins_.end()) return std::nullopt;

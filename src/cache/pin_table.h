@@ -59,6 +59,11 @@ class PinTable {
   // When the soonest lease ends (nullopt: no pins).
   std::optional<Clock::time_point> next_expiry() const;
 
+  // Moves pin `id`'s lease end to `expiry`, and makes `holder` its holder: a pin handed
+  // out in params and kept longer by the peer that reads it counts toward that peer's
+  // quota (kResourceExhausted if the peer already holds its quota). kNotFound: no such pin.
+  Status renew(uint64_t id, const std::string& holder, Clock::time_point expiry);
+
   // Each returns the pins it ended (their capabilities are still to be revoked).
   std::optional<PinRecord> end(uint64_t id);
   std::vector<PinRecord> end_holder(std::string_view holder);

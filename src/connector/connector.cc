@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "connector/control_messages.h"
+#include "ecx/common/copy.h"
 #include "ecx/common/log.h"
 
 namespace ecx::connector {
@@ -100,6 +101,8 @@ void Connector::stop() {
     MutexLock lock(&mu_);
     stopping_ = true;
     drain_until_ = Deadline::after_ms(kReleaseDrainMs);
+    // The views still held go back with the other releases the loaders drain.
+    for (auto& [id, state] : requests_) release_views(state);
   }
   work_cv_.notify_all();
   for (auto& t : loaders_) t.join();
@@ -252,6 +255,11 @@ Result<cache::BlockRef> Connector::loaded(const std::string& request_id, const M
       return Status(StatusCode::kFailedPrecondition,
                     "request " + request_id + " has no finished load");
     }
+    // A zero-copy view: read-only, held by the request's pin at the producer.
+    for (const FetchSlot& v : it->second->views) {
+      if (v.item->mm_hash == mm_hash)
+        return v.status.ok() ? Result<cache::BlockRef>(v.block) : v.status;
+    }
   }
   // Pinned for the request, so it is still there.
   return core_.consumer_cache()->find(mm_hash);
@@ -259,6 +267,7 @@ Result<cache::BlockRef> Connector::loaded(const std::string& request_id, const M
 
 void Connector::request_finished(const std::string& request_id) {
   std::shared_ptr<RequestState> state;
+  bool wake_loader = false;
   {
     MutexLock lock(&mu_);
     scheduled_.erase(request_id);
@@ -272,6 +281,15 @@ void Connector::request_finished(const std::string& request_id) {
     state = it->second;
     requests_.erase(it);
   }
+  // Views end here: what the cache keeps is copied while their pins still hold them.
+  if (!state->views.empty()) {
+    if (core_.options().keep_loaded) keep_views(*state);
+    {
+      MutexLock lock(&mu_);
+      wake_loader = release_views(state);
+    }
+    if (wake_loader) work_cv_.notify_one();
+  }
   for (uint64_t pin : state->pins) core_.consumer_cache()->unpin(pin).ignore_error();
   if (!core_.options().keep_loaded) {
     // Entries still pinned (another request, a reader of share_loaded) stay.
@@ -280,6 +298,27 @@ void Connector::request_finished(const std::string& request_id) {
     }
   }
   driver_->on_request_finished(state->request);
+}
+
+// A copy of each view in the consumer cache, for later requests (keep_loaded): off the
+// load's critical path, before the view's pin goes. An item already here, or with no room
+// for it, is not copied.
+void Connector::keep_views(const RequestState& state) {
+  cache::EncoderCachePool* cache = core_.consumer_cache();
+  for (const FetchSlot& v : state.views) {
+    if (!v.status.ok()) continue;
+    const MmHash& h = v.item->mm_hash;
+    auto ref = cache->reserve(h, v.item->meta, Deadline::after_ms(0));
+    if (!ref.ok()) continue;
+    copy_streaming(ref->block, v.block.block, v.block.block_length);
+    Status kept = cache->commit_received(
+        h, ref->generation,
+        {h, v.item->meta, v.block.generation, "a view of " + h.str(), /*verify_payload=*/false});
+    if (!kept.ok()) {
+      spdlog::warn("connector {}: keeping the view of {} failed: {}", name(), h.str(),
+                   kept.message());
+    }
+  }
 }
 
 Result<std::vector<EcTransferParams>> Connector::share_loaded(const std::string& request_id,
@@ -305,6 +344,13 @@ Result<std::vector<EcTransferParams>> Connector::share_loaded(const std::string&
     if (!loaded) {
       return Status(StatusCode::kFailedPrecondition,
                     "share_loaded: request " + request_id + " did not load " + mm_hash.str());
+    }
+    const auto& views = it->second->views;
+    if (std::any_of(views.begin(), views.end(),
+                    [&](const FetchSlot& v) { return v.item->mm_hash == mm_hash; })) {
+      return Status(StatusCode::kFailedPrecondition,
+                    "share_loaded: request " + request_id + " holds " + mm_hash.str() +
+                        " as a zero-copy view of its producer, not in this cache");
     }
   }
   std::vector<EcTransferParams> out;
@@ -391,7 +437,9 @@ ConnectorStats Connector::stats() const {
   {
     MutexLock lock(&mu_);
     s.nacks = nacks_;
+    s.views_held = views_held_;
   }
+  s.view_renewals_failed = view_renewals_failed_.load();
   if (core_.consumer_cache()) s.consumer_cache = core_.consumer_cache()->stats();
   if (driver_) driver_->add_stats(s);
   return s;

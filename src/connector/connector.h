@@ -62,6 +62,8 @@ class Connector final : public EcConnector {
     LoadRequest request;
     std::vector<size_t> items;
     std::vector<uint64_t> pins;  // consumer cache pins held for the request
+    // zero_copy: the items it reads where they lie, held (renewed) until request_finished.
+    std::vector<FetchSlot> views;
     LoadOutcome outcome;
     bool done = false;
     bool abandoned = false;  // request_finished came before the load ended
@@ -71,6 +73,7 @@ class Connector final : public EcConnector {
   struct PendingRelease {
     std::shared_ptr<RequestState> state;
     std::vector<FetchSlot> slots;
+    bool views = false;  // the request's views, at its end (FinishedLoad::views)
   };
   // One load's working state, from planning to the outcome.
   struct LoadJob {
@@ -78,7 +81,7 @@ class Connector final : public EcConnector {
     Deadline deadline;
     std::string holder;  // of the consumer cache pins
     std::vector<FetchSlot> slots;
-    std::vector<FetchSlot*> to_fetch, to_encode;
+    std::vector<FetchSlot*> to_view, to_fetch, to_encode;
     std::vector<uint64_t> pins;
     LoadOutcome outcome;
   };
@@ -88,6 +91,10 @@ class Connector final : public EcConnector {
   void run_load(const std::shared_ptr<RequestState>& state);
   void plan(LoadJob& job);
   bool take_local_hit(LoadJob& job, FetchSlot& slot);
+  // A block of the consumer cache for `slot` to be fetched into (or another load's entry).
+  void reserve_for_fetch(LoadJob& job, FetchSlot& slot);
+  // zero_copy: the driver views what it can; the rest is reserved and fetched.
+  void view_or_reserve(LoadJob& job);
   // fetch(), with anything it throws turned into failed slots, and every slot that
   // claims success checked to be committed.
   void fetch_guarded(std::vector<FetchSlot*>& slots, Deadline deadline);
@@ -104,6 +111,15 @@ class Connector final : public EcConnector {
   // the whole batch).
   bool queue_release(PendingRelease release) ECX_REQUIRES(mu_);
   void send_releases(std::vector<PendingRelease> batch);
+  // Holds a finished request's views (renewed from then on), or queues their release if
+  // the request already finished; true if a loader must be woken.
+  bool hold_views(const std::shared_ptr<RequestState>& state, std::vector<FetchSlot> views)
+      ECX_REQUIRES(mu_);
+  bool release_views(const std::shared_ptr<RequestState>& state) ECX_REQUIRES(mu_);
+  // Another lease for every view held (a loader, every lease_ms / 3).
+  void renew_views() ECX_EXCLUDES(mu_);
+  void keep_views(const RequestState& state);
+  int64_t renew_period_ms() const { return std::max<int64_t>(1, core_.options().lease_ms / 3); }
   void loader_loop();
   void stop();
 
@@ -120,6 +136,9 @@ class Connector final : public EcConnector {
   Deadline release_due_ ECX_GUARDED_BY(mu_) = Deadline::never();  // of the batch in releases_
   // How long a batch of releases waits for more before it goes out.
   static constexpr int64_t kReleaseBatchMs = 2;
+  size_t views_held_ ECX_GUARDED_BY(mu_) = 0;
+  Deadline renew_due_ ECX_GUARDED_BY(mu_) = Deadline::never();
+  std::atomic<uint64_t> view_renewals_failed_{0};
   std::vector<std::string> finished_ ECX_GUARDED_BY(mu_);
   std::map<std::string, uint64_t> nacks_ ECX_GUARDED_BY(mu_);
   bool stopping_ ECX_GUARDED_BY(mu_) = false;

@@ -34,12 +34,20 @@ struct FetchSlot {
   ReleasedPin producer_pin;
   // Set by fetch: the producer already ended the params' pin itself (push).
   bool params_pin_released = false;
+  // Set by view (zero_copy): `block` is a read-only view of the producer's block, not a
+  // block of ours. The params' pin holds it there (renewed) until the request finishes;
+  // `keepalive` keeps the mapping.
+  bool viewed = false;
+  std::shared_ptr<const void> keepalive;
 };
 
 // A load whose holdings at producers are to be given back (ConnectorDriver::release).
 struct FinishedLoad {
   const LoadRequest* request = nullptr;
   const std::vector<FetchSlot>* slots = nullptr;  // empty for a discarded request
+  // The slots are zero-copy views the request held to its end: exactly their pins go.
+  // Otherwise the request's items' pins go, except those of views (kept until then).
+  bool views = false;
 };
 
 // What a Connector shares with its driver. Lives as long as the connector.
@@ -117,6 +125,17 @@ class ConnectorDriver {
   // Fills and commits every slot (consumer_cache()->commit / commit_received), or sets
   // its status. Must return by `deadline`.
   virtual void fetch(std::vector<FetchSlot*>& slots, Deadline deadline) = 0;
+  // zero_copy: views each slot's block where it lies, with no copy (slot.viewed, its
+  // block, status ok), once its producer has confirmed the pin that holds it there and
+  // taken it as ours; or fails the slot. A slot the driver cannot view (the block is not
+  // on this host, or the mode copies) is left ok and not viewed: fetch copies it.
+  virtual void view(std::vector<FetchSlot*>& /*slots*/, Deadline) {}
+  // Another lease for the pins that hold these views at their producers: per view, ok,
+  // or the producer's refusal (the pin ended, or the reader's pin quota is full). A
+  // producer that cannot be reached leaves its views ok: their pins still run their lease.
+  virtual std::vector<Status> renew(std::span<const FetchSlot* const> views, Deadline) {
+    return std::vector<Status>(views.size());
+  }
   // These requests' loads are over, whichever way: loaded, already cached, recomputed,
   // failed, or discarded before they started (then `slots` is empty). Gives back exactly
   // what they hold at producers, coalesced: all the loads that finished since the last

@@ -20,11 +20,68 @@ bool Connector::queue_release(PendingRelease release) {
 void Connector::send_releases(std::vector<PendingRelease> batch) {
   std::vector<FinishedLoad> loads;
   loads.reserve(batch.size());
-  for (const auto& r : batch) loads.push_back({&r.state->request, &r.slots});
+  for (const auto& r : batch) loads.push_back({&r.state->request, &r.slots, r.views});
   try {
     driver_->release(loads);
   } catch (const std::exception& e) {
     spdlog::error("connector {}: releasing {} loads failed: {}", name(), batch.size(), e.what());
+  }
+}
+
+bool Connector::hold_views(const std::shared_ptr<RequestState>& state,
+                           std::vector<FetchSlot> views) {
+  if (state->abandoned) {  // the request is over already: they go back at once
+    return queue_release({state, std::move(views), /*views=*/true});
+  }
+  const bool first = views_held_ == 0;
+  if (first) renew_due_ = Deadline::after_ms(renew_period_ms());
+  views_held_ += views.size();
+  state->views = std::move(views);
+  return first;  // a loader starts renewing
+}
+
+bool Connector::release_views(const std::shared_ptr<RequestState>& state) {
+  if (state->views.empty()) return false;
+  views_held_ -= state->views.size();
+  std::vector<FetchSlot> views;
+  views.swap(state->views);
+  return queue_release({state, std::move(views), /*views=*/true});
+}
+
+// One renew call per producer for every view held; a view whose pin its producer refused
+// to renew is marked, so that loaded() no longer hands it out.
+void Connector::renew_views() {
+  std::vector<std::shared_ptr<RequestState>> holding;
+  std::vector<FetchSlot> views;  // copies: the requests may finish meanwhile
+  {
+    MutexLock lock(&mu_);
+    renew_due_ = Deadline::after_ms(renew_period_ms());
+    for (const auto& [id, state] : requests_) {
+      for (const FetchSlot& v : state->views) {
+        if (!v.status.ok()) continue;
+        holding.push_back(state);  // keeps the request the copy's item points into
+        views.push_back(v);
+      }
+    }
+  }
+  if (views.empty()) return;
+  std::vector<const FetchSlot*> ptrs;
+  for (const FetchSlot& v : views) ptrs.push_back(&v);
+  std::vector<Status> renewed;
+  try {
+    renewed = driver_->renew(ptrs, Deadline::after_ms(renew_period_ms()));
+  } catch (const std::exception& e) {
+    spdlog::error("connector {}: renewing {} views failed: {}", name(), views.size(), e.what());
+    return;
+  }
+  MutexLock lock(&mu_);
+  for (size_t i = 0; i < views.size() && i < renewed.size(); ++i) {
+    if (renewed[i].ok()) continue;
+    view_renewals_failed_++;
+    spdlog::warn("connector {}: {}", name(), renewed[i].message());
+    for (FetchSlot& v : holding[i]->views) {
+      if (v.item == views[i].item) v.status = renewed[i];
+    }
   }
 }
 
@@ -33,9 +90,16 @@ void Connector::loader_loop() {
     std::shared_ptr<RequestState> state;
     {
       MutexLock lock(&mu_);
-      work_cv_.wait(&mu_, [this]() ECX_REQUIRES(mu_) {
-        return stopping_ || !queue_.empty() || !releases_.empty();
-      });
+      // Views held: wake to renew them, besides the loads and releases.
+      auto ready = [this]() ECX_REQUIRES(mu_) {
+        return stopping_ || !queue_.empty() || !releases_.empty() ||
+               (views_held_ > 0 && renew_due_.expired());
+      };
+      if (views_held_ > 0) {
+        work_cv_.wait_until(&mu_, renew_due_.time_point(), ready);
+      } else {
+        work_cv_.wait(&mu_, ready);
+      }
       // Past the drain deadline (stop() set it), what is still queued is dropped.
       if (stopping_ && !releases_.empty() && drain_until_.expired()) {
         spdlog::warn(
@@ -49,6 +113,12 @@ void Connector::loader_loop() {
         queue_.pop_front();
         lock.unlock();
         run_load(state);  // catches what its driver throws (fetch_guarded)
+        continue;
+      }
+      if (!stopping_ && views_held_ > 0 && renew_due_.expired()) {
+        renew_due_ = Deadline::after_ms(renew_period_ms());  // one loader renews
+        lock.unlock();
+        renew_views();
         continue;
       }
       // Releases go out once their batch is kReleaseBatchMs old (the loads finishing
@@ -105,6 +175,7 @@ void Connector::run_load(const std::shared_ptr<RequestState>& state) {
   if (state->request.deadline)
     job.deadline = Deadline::earliest(job.deadline, *state->request.deadline);
   plan(job);
+  if (!job.to_view.empty()) view_or_reserve(job);
   if (!job.to_fetch.empty()) fetch_guarded(job.to_fetch, job.deadline);
   settle_fetched(job);
   recompute_or_fail(job);
@@ -156,25 +227,67 @@ void Connector::plan(LoadJob& job) {
       job.to_encode.push_back(&slot);
       continue;
     }
-    auto reserved = reserve_or_join(item, job.holder, job.deadline);
-    if (!reserved.ok()) {
-      slot.status = reserved.status().with_context("reserve " + item.mm_hash.str() +
-                                                   " in the consumer cache");
-      slot.done = true;
+    if (core_.options().zero_copy) {
+      job.to_view.push_back(&slot);
       continue;
     }
-    job.pins.push_back(reserved->first.pin_id);
-    if (reserved->second) {  // another request brought it in meanwhile
-      slot.status = Status::Ok();
-      slot.done = true;
-      job.outcome.items.push_back(
-          {.mm_hash = item.mm_hash, .status = Status::Ok(), .local_hit = true});
-      local_hits_++;
+    reserve_for_fetch(job, slot);
+  }
+}
+
+void Connector::reserve_for_fetch(LoadJob& job, FetchSlot& slot) {
+  const LoadItem& item = *slot.item;
+  auto reserved = reserve_or_join(item, job.holder, job.deadline);
+  if (!reserved.ok()) {
+    slot.status =
+        reserved.status().with_context("reserve " + item.mm_hash.str() + " in the consumer cache");
+    slot.done = true;
+    return;
+  }
+  job.pins.push_back(reserved->first.pin_id);
+  if (reserved->second) {  // another request brought it in meanwhile
+    slot.status = Status::Ok();
+    slot.done = true;
+    job.outcome.items.push_back(
+        {.mm_hash = item.mm_hash, .status = Status::Ok(), .local_hit = true});
+    local_hits_++;
+    return;
+  }
+  slot.block = reserved->first.ref;
+  slot.pin_id = reserved->first.pin_id;
+  job.to_fetch.push_back(&slot);
+}
+
+void Connector::view_or_reserve(LoadJob& job) {
+  try {
+    driver_->view(job.to_view, job.deadline);
+  } catch (const std::exception& e) {
+    for (FetchSlot* slot : job.to_view) {
+      slot->viewed = false;
+      slot->status = Internal("connector " + name() + " failed while viewing " +
+                              slot->item->mm_hash.str() + ": " + e.what());
+    }
+  }
+  for (FetchSlot* slot : job.to_view) {
+    const LoadItem& item = *slot->item;
+    if (slot->status.ok() && !slot->viewed) {
+      reserve_for_fetch(job, *slot);  // not on this host: copied
       continue;
     }
-    slot.block = reserved->first.ref;
-    slot.pin_id = reserved->first.pin_id;
-    job.to_fetch.push_back(&slot);
+    slot->done = true;
+    if (!slot->status.ok()) {
+      slot->viewed = false;
+      {
+        MutexLock lock(&mu_);
+        nacks_[std::string(status_code_name(slot->status.code()))]++;
+      }
+      job.to_encode.push_back(slot);
+      continue;
+    }
+    items_loaded_++;
+    bytes_loaded_ += item.meta.byte_size();
+    job.outcome.bytes += item.meta.byte_size();
+    job.outcome.items.push_back({.mm_hash = item.mm_hash, .status = Status::Ok()});
   }
 }
 
@@ -287,6 +400,10 @@ void Connector::finish(LoadJob& job) {
   bool abandoned = false;
   bool wake_loader = false;
   {
+    std::vector<FetchSlot> views;
+    for (const FetchSlot& slot : job.slots) {
+      if (slot.viewed) views.push_back(slot);
+    }
     MutexLock lock(&mu_);
     state->outcome = job.outcome;
     state->pins = std::move(job.pins);
@@ -296,8 +413,9 @@ void Connector::finish(LoadJob& job) {
     if (abandoned) requests_.erase(state->request.request_id);
     // Queued with the outcome, not after it: a caller that sees the load done and shuts
     // the connector down still has this release sent (the loaders drain it first; this
-    // thread is one of them).
+    // thread is one of them). Views stay held until the request finishes.
     wake_loader = queue_release({state, std::move(job.slots)});
+    if (!views.empty()) wake_loader |= hold_views(state, std::move(views));
   }
   if (wake_loader) work_cv_.notify_one();
   done_cv_.notify_all();

@@ -100,7 +100,31 @@ Result<ParamsRequest> parse_params(const JsonReader& r) {
   return m;
 }
 
+Result<RenewRequest> parse_renew(const JsonReader& r) {
+  RenewRequest m;
+  ECX_ASSIGN_OR_RETURN(const json* items, read_items(r, "items"));
+  for (size_t i = 0; i < items->size(); ++i) {
+    JsonReader item((*items)[i], "renew item " + std::to_string(i));
+    ECX_RETURN_IF_ERROR(item.object());
+    RenewItem out;
+    ECX_ASSIGN_OR_RETURN(out.mm_hash, read_mm_hash(item));
+    ECX_ASSIGN_OR_RETURN(out.pin, item.u64("pin", kRequired));
+    ECX_ASSIGN_OR_RETURN(out.capability, read_capability(item, "capability"));
+    m.items.push_back(out);
+  }
+  return m;
+}
+
 }  // namespace
+
+std::string to_json(const RenewRequest& m) {
+  json items = json::array();
+  for (const auto& it : m.items) {
+    items.push_back(
+        {{"mm_hash", it.mm_hash.str()}, {"pin", it.pin}, {"capability", it.capability.hex()}});
+  }
+  return json{{"op", "renew"}, {"items", items}}.dump();
+}
 
 std::string to_json(const ParamsRequest& m) {
   json items = json::array();
@@ -179,6 +203,10 @@ Result<ControlRequest> parse_control_request(std::string_view text) {
   }
   if (op == "params") {
     ECX_ASSIGN_OR_RETURN(ParamsRequest m, parse_params(r));
+    return ControlRequest(std::move(m));
+  }
+  if (op == "renew") {
+    ECX_ASSIGN_OR_RETURN(RenewRequest m, parse_renew(r));
     return ControlRequest(std::move(m));
   }
   return InvalidArgument("control request: unknown op '" + op + "'");

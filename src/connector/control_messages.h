@@ -10,6 +10,9 @@
 //   params   scheduler -> producer CALL  the params of items the producer holds, by
 //                                        mm_hash (vLLM's scheduler asking its own worker)
 //            producer -> scheduler reply per item: status, signed params
+//   renew    consumer -> producer CALL   pins to keep another lease (zero-copy views),
+//                                        each with its item and capability
+//            producer -> consumer reply  per item: status
 //   release  consumer -> producer NOTIFY pins to end, each with its capability
 #pragma once
 
@@ -64,7 +67,18 @@ struct ParamsRequest {
   int64_t wait_ms = 0;  // how long the producer may wait for a not-ready entry
 };
 
-using ControlRequest = std::variant<LookupRequest, LoadBlocksRequest, ParamsRequest>;
+// Pins a consumer still reads through (a zero-copy view): each gets another lease, and
+// becomes the caller's (its quota). The capability proves the caller was handed it.
+struct RenewItem {
+  MmHash mm_hash;
+  uint64_t pin = 0;
+  transfer::Capability capability;
+};
+struct RenewRequest {
+  std::vector<RenewItem> items;
+};
+
+using ControlRequest = std::variant<LookupRequest, LoadBlocksRequest, ParamsRequest, RenewRequest>;
 
 // Where a block is at its producer, the pin that holds it there for the consumer, and
 // the capability that lets the consumer read it and release the pin.
@@ -99,10 +113,11 @@ struct ReleaseNotice {
 std::string to_json(const LookupRequest& m);
 std::string to_json(const LoadBlocksRequest& m);
 std::string to_json(const ParamsRequest& m);
+std::string to_json(const RenewRequest& m);
 std::string to_json(const ItemsReply& m);
 std::string to_json(const ReleaseNotice& m);
 
-// A CALL body: a lookup, a load or a params request, by its "op".
+// A CALL body: a lookup, a load, a params or a renew request, by its "op".
 Result<ControlRequest> parse_control_request(std::string_view text);
 // A reply to a request of `expected_items` items: exactly that many.
 Result<ItemsReply> parse_items_reply(std::string_view text, size_t expected_items);

@@ -55,6 +55,11 @@ struct ConnectorOptions {
   }
   // p2p
   P2pMode mode = P2pMode::kPull;
+  // Consumer, pull: a load from a producer on this host takes no copy. The request holds
+  // the producer's pin, renewed every lease_ms / 3 until request_finished, and loaded()
+  // returns a read-only view of the producer's sealed block. Items it cannot view (another
+  // host, push) are copied as before. Viewed items are not kept after their request.
+  bool zero_copy = false;
   transfer::Backend backend = transfer::Backend::kAuto;
   // "ucx": true (or backend "ucx") enables the agent's ucx backend; "ucx_tls",
   // "ucx_library" and "ucx_error_mode" set the rest of it (transfer::UcxConfig).

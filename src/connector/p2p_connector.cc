@@ -8,6 +8,7 @@
 #include <set>
 
 #include "connector/control_messages.h"
+#include "ecx/cache/block_header.h"
 #include "ecx/common/checksum.h"
 #include "ecx/common/copy.h"
 #include "ecx/common/log.h"
@@ -83,6 +84,8 @@ class P2pDriver final : public ConnectorDriver {
   // ---------------- consumer ----------------
   bool can_load(const LoadItem& item) override;
   void fetch(std::vector<FetchSlot*>& slots, Deadline deadline) override;
+  void view(std::vector<FetchSlot*>& slots, Deadline deadline) override;
+  std::vector<Status> renew(std::span<const FetchSlot* const> views, Deadline deadline) override;
   void release(std::span<const FinishedLoad> loads) override;
   void add_stats(ConnectorStats& s) const override;
 
@@ -105,6 +108,7 @@ class P2pDriver final : public ConnectorDriver {
   ItemsReply handle_lookup(const transfer::Caller& caller, const LookupRequest& req);
   Result<std::string> handle_load(const transfer::Caller& caller, const LoadBlocksRequest& req);
   ItemsReply handle_params(const ParamsRequest& req);
+  ItemsReply handle_renew(const transfer::Caller& caller, const RenewRequest& req);
 
   // consumer
   Status trust(const LoadItem& item) const;
@@ -125,6 +129,11 @@ class P2pDriver final : public ConnectorDriver {
   void read_batched(const std::string& producer, const std::vector<FetchSlot*>& moving,
                     const std::vector<BlockLocation>& where, Deadline deadline);
   void fetch_push(const std::string& producer, std::vector<FetchSlot*>& group, Deadline deadline);
+  void view_group(const std::string& producer, std::vector<FetchSlot*>& group, Deadline deadline);
+  // One renew CALL to `producer` for the pins of `group` (params pins): per item, the
+  // producer's answer, or the call's own failure for all.
+  std::vector<Status> renew_pins(const std::string& producer,
+                                 const std::vector<const FetchSlot*>& group, Deadline deadline);
   using PinsByProducer = std::map<std::string, std::vector<ReleasedPin>>;
   void collect_pins(const FinishedLoad& load, PinsByProducer& by_producer,
                     std::map<std::string, const EcTransferParams*>& params_of) const;
@@ -134,7 +143,7 @@ class P2pDriver final : public ConnectorDriver {
   Mutex producers_mu_;
   // engine_id -> agent JSON
   std::map<std::string, std::string> known_producers_ ECX_GUARDED_BY(producers_mu_);
-  std::atomic<uint64_t> releases_sent_{0}, releases_received_{0};
+  std::atomic<uint64_t> releases_sent_{0}, releases_received_{0}, renewals_received_{0};
   mutable std::atomic<uint64_t> params_rejected_{0};
 };
 
@@ -189,6 +198,8 @@ Result<std::string> P2pDriver::handle_call(const transfer::Caller& caller, std::
     }
     if (auto* params = std::get_if<ParamsRequest>(&*request))
       return to_json(handle_params(*params));
+    if (auto* renew = std::get_if<RenewRequest>(&*request))
+      return to_json(handle_renew(caller, *renew));
     return handle_load(caller, std::get<LoadBlocksRequest>(*request));
   } catch (const std::exception& e) {
     return Internal(name() + ": request from " + caller.name + " failed: " + e.what());
@@ -292,6 +303,28 @@ ItemsReply P2pDriver::handle_params(const ParamsRequest& req) {
       auto params = params_for(mm_hash);
       out.status = params.status();
       if (params.ok()) out.params = std::move(*params);
+    }
+    reply.items.push_back(std::move(out));
+  }
+  return reply;
+}
+
+// A consumer keeps reading through zero-copy views: each pin it proves it holds (the
+// capability, for this very item) gets another lease and becomes the caller's, within
+// its quota; its death ends them (peer-gone handler).
+ItemsReply P2pDriver::handle_renew(const transfer::Caller& caller, const RenewRequest& req) {
+  ItemsReply reply;
+  for (const auto& item : req.items) {
+    ItemReply out{.mm_hash = item.mm_hash};
+    auto pin = producer_pool_->pin_of_capability(item.mm_hash, item.capability);
+    if (pin.ok() && pin->pin_id != item.pin) {
+      out.status = NotFound("pin " + std::to_string(item.pin) + " of " + item.mm_hash.str() +
+                            ": not held with that capability");
+    } else if (!pin.ok()) {
+      out.status = pin.status();
+    } else {
+      out.status = producer_pool_->renew_granted(item.pin, item.capability, caller.holder);
+      if (out.status.ok()) renewals_received_++;
     }
     reply.items.push_back(std::move(out));
   }
@@ -511,6 +544,148 @@ void P2pDriver::fetch_pull(const std::string& producer, std::vector<FetchSlot*>&
   }
 }
 
+// zero_copy, pull: views each block where it lies in the producer's memory (same host),
+// then asks the producer to renew the params' pins, which proves each one still holds its
+// block and makes it ours until request_finished (renewed meanwhile). Only then is the
+// header checked: with the pin live, the block cannot be reused under the view. Blocks
+// on another host are left to fetch.
+void P2pDriver::view(std::vector<FetchSlot*>& slots, Deadline deadline) {
+  if (options().mode != P2pMode::kPull) return;  // push and 2-step copy what they move
+  std::map<std::string, std::vector<FetchSlot*>> by_producer;
+  for (FetchSlot* slot : slots) by_producer[slot->item->params->engine_id].push_back(slot);
+  for (auto& [producer, group] : by_producer) {
+    Status ready = connect_producer(*group.front()->item->params, deadline);
+    if (!ready.ok()) {
+      for (FetchSlot* s : group) s->status = ready;
+      continue;
+    }
+    view_group(producer, group, deadline);
+  }
+}
+
+void P2pDriver::view_group(const std::string& producer, std::vector<FetchSlot*>& group,
+                           Deadline deadline) {
+  std::vector<BlockLocation> where = locate(producer, group, /*force_lookup=*/false, deadline);
+  std::vector<FetchSlot*> mapped;
+  std::vector<const FetchSlot*> to_renew;
+  for (size_t i = 0; i < group.size(); ++i) {
+    FetchSlot* slot = group[i];
+    if (!slot->status.ok()) continue;
+    const BlockLocation& loc = where[i];
+    const uint64_t expected = cache::kBlockHeaderBytes + slot->item->meta.byte_size();
+    if (loc.length != expected) {
+      slot->status = InvalidArgument("ec_transfer_params for " + slot->item->mm_hash.str() +
+                                     ": length " + std::to_string(loc.length) + " does not match " +
+                                     slot->item->meta.to_string());
+      continue;
+    }
+    auto view = agent()->view(producer, loc.region, loc.offset, loc.length, loc.capability);
+    if (!view.ok() && view.status().code() == StatusCode::kFailedPrecondition) continue;
+    if (!view.ok()) {
+      slot->status = view.status().code() == StatusCode::kPermissionDenied
+                         ? Status(StatusCode::kEvicted,
+                                  view.status().message() + " (the producer no longer grants it)")
+                         : view.status();
+      continue;
+    }
+    slot->block = cache::BlockRef{.mm_hash = slot->item->mm_hash,
+                                  .meta = slot->item->meta,
+                                  .region = loc.region,
+                                  .offset = loc.offset,
+                                  .block_length = loc.length,
+                                  .generation = loc.generation,
+                                  .block = const_cast<std::byte*>(view->data)};  // read-only
+    slot->keepalive = view->keepalive;
+    mapped.push_back(slot);
+    to_renew.push_back(slot);
+  }
+  if (mapped.empty()) return;
+  std::vector<Status> renewed = renew_pins(producer, to_renew, deadline);
+  for (size_t k = 0; k < mapped.size(); ++k) {
+    FetchSlot* slot = mapped[k];
+    Status s = renewed[k];
+    if (s.code() == StatusCode::kResourceExhausted) {
+      // We hold all the pins this producer lets one reader keep: copy it instead.
+      slot->block = {};
+      slot->keepalive.reset();
+      slot->status = Status::Ok();
+      continue;
+    }
+    if (s.ok()) {
+      s = cache::verify_block(slot->block.block, slot->block.block_length,
+                              {slot->item->mm_hash, slot->item->meta, slot->block.generation,
+                               describe({slot->block.region, slot->block.offset}, producer),
+                               options().verify_checksum(/*crossed=*/false)});
+    } else if (s.code() == StatusCode::kNotFound) {
+      s = Status(StatusCode::kEvicted, s.message() + " (its pin at " + producer + " ended)");
+    }
+    slot->status = s;
+    slot->viewed = s.ok();
+    if (!s.ok()) {
+      slot->block = {};
+      slot->keepalive.reset();
+    }
+  }
+}
+
+std::vector<Status> P2pDriver::renew_pins(const std::string& producer,
+                                          const std::vector<const FetchSlot*>& group,
+                                          Deadline deadline) {
+  RenewRequest req;
+  for (const FetchSlot* slot : group) {
+    // The pin a lookup took for us, or else the params' own.
+    if (slot->producer_pin.pin != 0) {
+      req.items.push_back(
+          {slot->item->mm_hash, slot->producer_pin.pin, slot->producer_pin.capability});
+      continue;
+    }
+    const auto& p = *slot->item->params;
+    auto cap = params_capability(p);
+    req.items.push_back({p.mm_hash, p.pin, cap.ok() ? *cap : transfer::Capability{}});
+  }
+  auto answer = agent()->call(producer, to_json(req), deadline);
+  auto reply =
+      answer.ok() ? parse_items_reply(*answer, group.size()) : Result<ItemsReply>(answer.status());
+  std::vector<Status> out;
+  for (size_t i = 0; i < group.size(); ++i) {
+    out.push_back(reply.ok() ? reply->items[i].status
+                             : reply.status().with_context("renew at " + producer));
+  }
+  return out;
+}
+
+// The pins of views still in use get another lease: one renew call per producer.
+std::vector<Status> P2pDriver::renew(std::span<const FetchSlot* const> views, Deadline deadline) {
+  std::map<std::string, std::vector<size_t>> by_producer;
+  for (size_t i = 0; i < views.size(); ++i) {
+    by_producer[views[i]->item->params->engine_id].push_back(i);
+  }
+  std::vector<Status> out(views.size());
+  for (const auto& [producer, indices] : by_producer) {
+    std::vector<const FetchSlot*> group;
+    for (size_t i : indices) group.push_back(views[i]);
+    std::vector<Status> answers = renew_pins(producer, group, deadline);
+    for (size_t k = 0; k < indices.size(); ++k) {
+      // The producer's refusal ends the view; a call that failed (the producer is busy or
+      // gone) does not: the pin still runs its lease, and the mapping stays ours.
+      const Status& s = answers[k];
+      const bool refused = s.code() == StatusCode::kNotFound ||
+                           s.code() == StatusCode::kResourceExhausted ||
+                           s.code() == StatusCode::kPermissionDenied;
+      if (refused) {
+        out[indices[k]] =
+            Status(StatusCode::kEvicted, "the view of " + views[indices[k]]->item->mm_hash.str() +
+                                             " lost its pin: " + s.message());
+      } else if (!s.ok()) {
+        spdlog::warn("{}: renewing {} pins at {} failed: {} (their leases still run)", name(),
+                     indices.size(), producer, s.message());
+        break;
+      }
+    }
+  }
+  return out;
+}
+
 // Reads through a zero-copy view of the producer's arena where the backend has one (shm:
 // same host; our pin keeps the block in place). The blocks it could not view because the
 // backend maps nothing (or not that memory) stay in `moving` for a READ; the others leave
@@ -633,15 +808,18 @@ void P2pDriver::fetch_push(const std::string& producer, std::vector<FetchSlot*>&
 // producer ended it itself), and the pins lookups took.
 void P2pDriver::collect_pins(const FinishedLoad& load, PinsByProducer& by_producer,
                              std::map<std::string, const EcTransferParams*>& params_of) const {
-  std::set<const LoadItem*> ended_by_producer;
+  std::set<const LoadItem*> not_to_end;  // ended by the producer, or held by a view
+  std::set<const LoadItem*> items;       // of a views load: only these
   for (const auto& slot : *load.slots) {
-    if (slot.params_pin_released) ended_by_producer.insert(slot.item);
-    if (slot.producer_pin.pin != 0) {
+    if (slot.params_pin_released || (slot.viewed && !load.views)) not_to_end.insert(slot.item);
+    if (load.views) items.insert(slot.item);
+    if (slot.producer_pin.pin != 0 && (load.views || !slot.viewed)) {
       by_producer[slot.item->params->engine_id].push_back(slot.producer_pin);
     }
   }
   for (const auto& item : load.request->items) {
-    if (ended_by_producer.count(&item) || !trust(item).ok() || item.params->pin == 0) continue;
+    if (load.views && !items.count(&item)) continue;
+    if (not_to_end.count(&item) || !trust(item).ok() || item.params->pin == 0) continue;
     auto cap = params_capability(*item.params);
     if (!cap.ok()) continue;
     by_producer[item.params->engine_id].push_back({item.params->pin, *cap});
@@ -673,6 +851,7 @@ void P2pDriver::release(std::span<const FinishedLoad> loads) {
 void P2pDriver::add_stats(ConnectorStats& s) const {
   s.releases_sent = releases_sent_.load();
   s.releases_received = releases_received_.load();
+  s.renewals_received = renewals_received_.load();
   s.params_rejected = params_rejected_.load();
   if (agent() != nullptr) {
     transfer::AgentStats a = agent()->stats();

@@ -37,6 +37,9 @@ json to_json(const ConnectorStats& s) {
             {"nacks", s.nacks},
             {"releases_sent", s.releases_sent},
             {"releases_received", s.releases_received},
+            {"views_held", s.views_held},
+            {"view_renewals_failed", s.view_renewals_failed},
+            {"renewals_received", s.renewals_received},
             {"params_rejected", s.params_rejected},
             {"transfer_connects", s.transfer_connects},
             {"peer_failures", s.peer_failures}};

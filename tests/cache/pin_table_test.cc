@@ -77,6 +77,26 @@ TEST(PinTableTest, AHolderPastItsQuotaIsRefusedAndParamsMayHoldSixteenTimesMore)
   EXPECT_TRUE(pins.check_quota("peer").ok()) << "ending pins gives the quota back";
 }
 
+TEST(PinTableTest, ARenewedPinLastsLongerAndCountsTowardItsNewHoldersQuota) {
+  PinTable pins("p", 1);
+  const auto t0 = Clock::now();
+  uint64_t params = pins.add(hash_of(1), std::string(PinTable::kParamsHolder), t0 + seconds(1));
+  uint64_t other = pins.add(hash_of(2), std::string(PinTable::kParamsHolder), t0 + seconds(2));
+  ASSERT_TRUE(pins.renew(params, "reader", t0 + seconds(10)).ok());
+  EXPECT_EQ(pins.find(params)->holder, "reader");
+  EXPECT_EQ(pins.next_expiry(), t0 + seconds(2)) << "the renewed lease moved past the other";
+  EXPECT_TRUE(pins.end_expired(t0 + seconds(5)).size() == 1 && pins.find(params) != nullptr);
+  // The reader's quota (1) is full: a second pin is not renewed, and keeps its lease.
+  other = pins.add(hash_of(2), std::string(PinTable::kParamsHolder), t0 + seconds(2));
+  Status refused = pins.renew(other, "reader", t0 + seconds(10));
+  EXPECT_EQ(refused.code(), StatusCode::kResourceExhausted) << refused.to_string();
+  EXPECT_EQ(pins.find(other)->holder, PinTable::kParamsHolder);
+  EXPECT_EQ(pins.find(other)->expiry, t0 + seconds(2));
+  // Ending the reader ends its renewed pin.
+  EXPECT_EQ(pins.end_holder("reader").size(), 1u);
+  EXPECT_EQ(pins.renew(params, "reader", t0 + seconds(10)).code(), StatusCode::kNotFound);
+}
+
 TEST(PinTableTest, EndingAHolderOrAnEntryEndsExactlyItsPins) {
   PinTable pins("p", 8);
   const auto later = Clock::now() + seconds(30);

@@ -23,11 +23,12 @@ using nlohmann::json;
 const TensorMeta kSeedItem{DType::kBF16, {400, 2048}};
 
 struct Case {
-  std::string label;      // test name suffix
-  std::string connector;  // p2p, disk, store, local
-  std::string mode;       // p2p mode
-  std::string backend;    // p2p backend: "" (auto: shm here), "tcp" or "ucx"
-  std::string ucx_tls;    // ucx: UCX_TLS of both sides
+  std::string label;       // test name suffix
+  std::string connector;   // p2p, disk, store, local
+  std::string mode;        // p2p mode
+  std::string backend;     // p2p backend: "" (auto: shm here), "tcp" or "ucx"
+  std::string ucx_tls;     // ucx: UCX_TLS of both sides
+  bool zero_copy = false;  // the consumer reads same-host blocks where they lie
   bool transfers() const { return connector != "local"; }
   bool p2p() const { return connector == "p2p"; }
 };
@@ -66,6 +67,7 @@ class ConformanceTest : public ::testing::TestWithParam<Case> {
     if (GetParam().p2p()) e["mode"] = GetParam().mode;
     if (!GetParam().backend.empty()) e["backend"] = GetParam().backend;
     if (!GetParam().ucx_tls.empty()) e["ucx_tls"] = GetParam().ucx_tls;
+    if (GetParam().zero_copy) e["zero_copy"] = true;
     if (GetParam().connector == "disk") e["root"] = root_.string();
     if (GetParam().connector == "store") e["redis"] = redis_address();
     if (overrides.is_object()) e.update(overrides);
@@ -447,7 +449,8 @@ TEST_P(ConformanceTest, ConcurrentLoadsEachGetTheirBytes) {
 }
 
 // Every p2p mode over every backend: shm (auto on one host), tcp, ucx over tcp and ucx
-// over shared memory; then the other connectors.
+// over shared memory; zero-copy pull (viewed over shm; over tcp it falls back to the
+// copy); then the other connectors.
 std::vector<Case> all_cases() {
   std::vector<Case> cases;
   for (std::string mode : {"pull", "pull-2step", "push"}) {
@@ -458,6 +461,8 @@ std::vector<Case> all_cases() {
     cases.push_back({label + "_ucx_tcp", "p2p", mode, "ucx", "tcp"});
     cases.push_back({label + "_ucx_shm", "p2p", mode, "ucx", "posix,cma"});
   }
+  cases.push_back({"p2p_pull_view", "p2p", "pull", "", "", true});
+  cases.push_back({"p2p_pull_view_tcp", "p2p", "pull", "tcp", "", true});
   cases.push_back({"disk", "disk", ""});
   cases.push_back({"store", "store", ""});
   cases.push_back({"local", "local", ""});

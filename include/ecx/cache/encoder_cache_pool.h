@@ -140,6 +140,11 @@ class EncoderCachePool {
   // A peer's RELEASE: ends the pin only if `capability` is the one it was granted with.
   // kNotFound otherwise (an unknown pin and a wrong capability look the same).
   Status release_granted(uint64_t pin_id, const transfer::Capability& capability);
+  // A peer's RENEW: the pin's lease starts again (the pool's lease), only if `capability`
+  // is the one it was granted with; the pin is `peer`'s from then on, within its quota
+  // (kResourceExhausted beyond it; the pin then keeps its old lease end).
+  Status renew_granted(uint64_t pin_id, const transfer::Capability& capability,
+                       const std::string& peer);
   // Ends every pin of `holder`; returns how many.
   size_t release_holder(const std::string& holder);
   // Removes an unpinned entry. kFailedPrecondition if pinned.

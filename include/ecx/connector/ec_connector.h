@@ -123,6 +123,11 @@ struct ConnectorStats {
   // Producer pins given back by this consumer, and received back by this producer.
   uint64_t releases_sent = 0;
   uint64_t releases_received = 0;
+  // zero_copy: views this consumer holds now, and renewals a producer refused (the view
+  // was dropped); renewals this producer granted.
+  uint64_t views_held = 0;
+  uint64_t view_renewals_failed = 0;
+  uint64_t renewals_received = 0;
   // ec_transfer_params ignored: unsigned, not signed by this deployment, or not the item's.
   uint64_t params_rejected = 0;
   // p2p: connections this side's agent opened to peers, by backend ("shm", "tcp", "ucx").
@@ -201,6 +206,8 @@ class EcConnector {
   virtual Status start_load_caches(const ConnectorMetadata& metadata) = 0;
   virtual LoadOutcome wait_for_load(const std::string& request_id, Deadline deadline) = 0;
   virtual std::vector<std::string> get_finished() = 0;
+  // With zero_copy, an item read where it lies is a read-only view of its producer's
+  // block (writing to it faults), held until request_finished.
   virtual Result<cache::BlockRef> loaded(const std::string& request_id, const MmHash& mm_hash) = 0;
   // Lets `readers` other agents of this deployment READ a loaded item from this consumer's
   // cache (vLLM's scheduler hands its loads to its workers, which are other processes):

@@ -25,7 +25,13 @@ using connector::EcTransferParams;
 using nlohmann::json;
 
 // Control round trips an item needs before its data can move.
-double control_rtts(const std::string& name) { return name == "p2p:pull-2step" ? 1.0 : 0.0; }
+// Control round trips per item: pull-2step's lookup per item; pull-view's renew call, one
+// per request.
+double control_rtts(const std::string& name, int items) {
+  if (name == "p2p:pull-2step") return 1.0;
+  if (name == "p2p:pull-view") return 1.0 / std::max(1, items);
+  return 0.0;
+}
 
 class Producer {
  public:
@@ -70,6 +76,10 @@ json connector_extra(const ConnectorBenchOptions& o, const std::string& name,
   if (kind == "p2p") {
     extra["mode"] = colon == std::string::npos ? "pull" : name.substr(colon + 1);
     extra["backend"] = o.backend;
+    if (extra["mode"] == "pull-view") {  // pull with zero_copy: the consumer reads in place
+      extra["mode"] = "pull";
+      extra["zero_copy"] = true;
+    }
   }
   if (kind == "disk") {
     extra["root"] = disk_root.string();
@@ -199,7 +209,7 @@ Status measure(const ConnectorBenchOptions& o, const std::string& exe, const jso
   row.p99_us = s.p99_us;
   row.mean_us = s.mean_us;
   row.gbps = gbps(o.item_bytes * o.items * static_cast<uint64_t>(o.requests), s.total_seconds);
-  row.control_rtts_per_item = control_rtts(row.connector);
+  row.control_rtts_per_item = control_rtts(row.connector, o.items);
   row.bytes_used_per_payload_byte = producer_pool_overhead(producer);
   return Status::Ok();
 }

@@ -130,8 +130,8 @@ class P2pDriver final : public ConnectorDriver {
                     const std::vector<BlockLocation>& where, Deadline deadline);
   void fetch_push(const std::string& producer, std::vector<FetchSlot*>& group, Deadline deadline);
   void view_group(const std::string& producer, std::vector<FetchSlot*>& group, Deadline deadline);
-  // One renew CALL to `producer` for the pins of `group` (params pins): per item, the
-  // producer's answer, or the call's own failure for all.
+  // One renew CALL to `producer` for the pins of `group`'s views: per view, the
+  // producer's answer for its own pin, or the call's failure.
   std::vector<Status> renew_pins(const std::string& producer,
                                  const std::vector<const FetchSlot*>& group, Deadline deadline);
   using PinsByProducer = std::map<std::string, std::vector<ReleasedPin>>;
@@ -545,10 +545,11 @@ void P2pDriver::fetch_pull(const std::string& producer, std::vector<FetchSlot*>&
 }
 
 // zero_copy, pull: views each block where it lies in the producer's memory (same host),
-// then asks the producer to renew the params' pins, which proves each one still holds its
-// block and makes it ours until request_finished (renewed meanwhile). Only then is the
-// header checked: with the pin live, the block cannot be reused under the view. Blocks
-// on another host are left to fetch.
+// then takes a pin of our own on it: a lookup with the params' capability, which proves
+// the params' pin still holds the block and pins it for this consumer alone (its quota;
+// its death ends it; nobody else can release it). Only then is the header checked: with
+// our pin live, the block cannot be reused under the view. Blocks that cannot be viewed
+// (another host), and views beyond our pin quota, are left to fetch.
 void P2pDriver::view(std::vector<FetchSlot*>& slots, Deadline deadline) {
   if (options().mode != P2pMode::kPull) return;  // push and 2-step copy what they move
   std::map<std::string, std::vector<FetchSlot*>> by_producer;
@@ -567,13 +568,12 @@ void P2pDriver::view_group(const std::string& producer, std::vector<FetchSlot*>&
                            Deadline deadline) {
   std::vector<BlockLocation> where = locate(producer, group, /*force_lookup=*/false, deadline);
   std::vector<FetchSlot*> mapped;
-  std::vector<const FetchSlot*> to_renew;
+  std::vector<BlockLocation> mapped_where;
   for (size_t i = 0; i < group.size(); ++i) {
     FetchSlot* slot = group[i];
     if (!slot->status.ok()) continue;
     const BlockLocation& loc = where[i];
-    const uint64_t expected = cache::kBlockHeaderBytes + slot->item->meta.byte_size();
-    if (loc.length != expected) {
+    if (loc.length != cache::kBlockHeaderBytes + slot->item->meta.byte_size()) {
       slot->status = InvalidArgument("ec_transfer_params for " + slot->item->mm_hash.str() +
                                      ": length " + std::to_string(loc.length) + " does not match " +
                                      slot->item->meta.to_string());
@@ -597,13 +597,29 @@ void P2pDriver::view_group(const std::string& producer, std::vector<FetchSlot*>&
                                   .block = const_cast<std::byte*>(view->data)};  // read-only
     slot->keepalive = view->keepalive;
     mapped.push_back(slot);
-    to_renew.push_back(slot);
+    mapped_where.push_back(loc);
   }
   if (mapped.empty()) return;
-  std::vector<Status> renewed = renew_pins(producer, to_renew, deadline);
+  // Our own pins: those a lookup by key took already (locate), and the others' now.
+  std::vector<BlockLocation> ours = mapped_where;
+  std::vector<FetchSlot*> to_pin;
+  std::vector<size_t> to_pin_index;
+  for (size_t k = 0; k < mapped.size(); ++k) {
+    if (mapped[k]->producer_pin.pin != 0) continue;
+    to_pin.push_back(mapped[k]);
+    to_pin_index.push_back(k);
+  }
+  if (!to_pin.empty()) {
+    std::vector<BlockLocation> found(to_pin.size());
+    lookup(producer, to_pin, found, deadline);
+    for (size_t j = 0; j < to_pin.size(); ++j) ours[to_pin_index[j]] = found[j];
+  }
   for (size_t k = 0; k < mapped.size(); ++k) {
     FetchSlot* slot = mapped[k];
-    Status s = renewed[k];
+    const BlockLocation& mine = ours[k];
+    const BlockLocation& named = mapped_where[k];
+    if (mine.pin != 0) slot->producer_pin = {mine.pin, mine.capability};  // released at the end
+    Status s = slot->status;
     if (s.code() == StatusCode::kResourceExhausted) {
       // We hold all the pins this producer lets one reader keep: copy it instead.
       slot->block = {};
@@ -611,11 +627,16 @@ void P2pDriver::view_group(const std::string& producer, std::vector<FetchSlot*>&
       slot->status = Status::Ok();
       continue;
     }
+    if (s.ok() && (mine.region != named.region || mine.offset != named.offset ||
+                   (named.generation != 0 && mine.generation != named.generation))) {
+      s = Status(StatusCode::kEvicted, "block of " + slot->item->mm_hash.str() + " at " +
+                                           describe(named, producer) + " was reused");
+    }
     if (s.ok()) {
-      s = cache::verify_block(slot->block.block, slot->block.block_length,
-                              {slot->item->mm_hash, slot->item->meta, slot->block.generation,
-                               describe({slot->block.region, slot->block.offset}, producer),
-                               options().verify_checksum(/*crossed=*/false)});
+      s = cache::verify_block(
+          slot->block.block, slot->block.block_length,
+          {slot->item->mm_hash, slot->item->meta, slot->block.generation, describe(named, producer),
+           options().verify_checksum(/*crossed=*/false)});
     } else if (s.code() == StatusCode::kNotFound) {
       s = Status(StatusCode::kEvicted, s.message() + " (its pin at " + producer + " ended)");
     }
@@ -631,21 +652,21 @@ void P2pDriver::view_group(const std::string& producer, std::vector<FetchSlot*>&
 std::vector<Status> P2pDriver::renew_pins(const std::string& producer,
                                           const std::vector<const FetchSlot*>& group,
                                           Deadline deadline) {
+  // Each view's own pin first (its answer is the view's), then the params' pins the
+  // views' requests hold too: no pin of a live view ends by lease.
   RenewRequest req;
   for (const FetchSlot* slot : group) {
-    // The pin a lookup took for us, or else the params' own.
-    if (slot->producer_pin.pin != 0) {
-      req.items.push_back(
-          {slot->item->mm_hash, slot->producer_pin.pin, slot->producer_pin.capability});
-      continue;
-    }
+    req.items.push_back(
+        {slot->item->mm_hash, slot->producer_pin.pin, slot->producer_pin.capability});
+  }
+  for (const FetchSlot* slot : group) {
     const auto& p = *slot->item->params;
     auto cap = params_capability(p);
-    req.items.push_back({p.mm_hash, p.pin, cap.ok() ? *cap : transfer::Capability{}});
+    if (p.pin != 0 && cap.ok()) req.items.push_back({p.mm_hash, p.pin, *cap});
   }
   auto answer = agent()->call(producer, to_json(req), deadline);
-  auto reply =
-      answer.ok() ? parse_items_reply(*answer, group.size()) : Result<ItemsReply>(answer.status());
+  auto reply = answer.ok() ? parse_items_reply(*answer, req.items.size())
+                           : Result<ItemsReply>(answer.status());
   std::vector<Status> out;
   for (size_t i = 0; i < group.size(); ++i) {
     out.push_back(reply.ok() ? reply->items[i].status
@@ -808,18 +829,19 @@ void P2pDriver::fetch_push(const std::string& producer, std::vector<FetchSlot*>&
 // producer ended it itself), and the pins lookups took.
 void P2pDriver::collect_pins(const FinishedLoad& load, PinsByProducer& by_producer,
                              std::map<std::string, const EcTransferParams*>& params_of) const {
-  std::set<const LoadItem*> not_to_end;  // ended by the producer, or held by a view
-  std::set<const LoadItem*> items;       // of a views load: only these
+  std::set<const LoadItem*> kept;   // ended by the producer, or (at the load's end) viewed
+  std::set<const LoadItem*> views;  // of a views release: only these items
   for (const auto& slot : *load.slots) {
-    if (slot.params_pin_released || (slot.viewed && !load.views)) not_to_end.insert(slot.item);
-    if (load.views) items.insert(slot.item);
-    if (slot.producer_pin.pin != 0 && (load.views || !slot.viewed)) {
+    if (slot.params_pin_released || (slot.viewed && !load.views)) kept.insert(slot.item);
+    if (load.views) views.insert(slot.item);
+    // A view's pins go with the views, at the request's end; the others' at the load's.
+    if (slot.producer_pin.pin != 0 && slot.viewed == load.views) {
       by_producer[slot.item->params->engine_id].push_back(slot.producer_pin);
     }
   }
   for (const auto& item : load.request->items) {
-    if (load.views && !items.count(&item)) continue;
-    if (not_to_end.count(&item) || !trust(item).ok() || item.params->pin == 0) continue;
+    if (load.views && !views.count(&item)) continue;
+    if (kept.count(&item) || !trust(item).ok() || item.params->pin == 0) continue;
     auto cap = params_capability(*item.params);
     if (!cap.ok()) continue;
     by_producer[item.params->engine_id].push_back({item.params->pin, *cap});

@@ -132,6 +132,7 @@ def test_round_trip_between_processes_is_bit_exact_and_zero_copy(producer_proces
     for mm_hash, want in expected.items():
         got = consumer.loaded("req-1", mm_hash)
         assert np.array_equal(got, want)
+        assert not got.flags.writeable, "ecx's memory is handed out read-only"
         # The array is the consumer cache's block itself, not a copy of it.
         assert got.__array_interface__["data"][0] == consumer.loaded_address("req-1", mm_hash)
     consumer.request_finished("req-1")
@@ -167,3 +168,26 @@ def test_an_encoder_cache_pool_hands_out_its_blocks_without_a_copy():
     with pytest.raises(ecx.Error) as err:
         pool.find("item-missing")
     assert err.value.code == "missing"  # kNotFound, named as the NACK is
+
+
+def test_zero_copy_load_hands_out_the_producers_block_read_only(producer_process):
+    command, token = producer_process
+    consumer = ecx.Connector(json.dumps({
+        "connector": "p2p", "role": "consumer",
+        "extra": {"engine_id": f"pd-zc-{os.getpid()}", "pool_bytes": "64MiB",
+                  "auth_token": token, "zero_copy": True, "keep_loaded": False}}))
+    mm_hash = f"pkg-zc-{os.getpid()}"
+    params = command(f"save {mm_hash} BF16 400,2048 7")
+    assert "error" not in json.loads(params), params
+    outcome = consumer.load("req-zc", [(mm_hash, "BF16", [400, 2048], params)], 30000)
+    assert outcome["ok"], outcome
+    got = consumer.loaded("req-zc", mm_hash)
+    assert np.array_equal(got, payload(7, 400 * 2048 * 2))
+    assert not got.flags.writeable
+    with pytest.raises(ValueError):
+        got[0] = 1  # E's block is not the PD's to write
+    stats = consumer.stats()
+    assert stats["views_held"] == 1, stats
+    assert stats["consumer_cache"]["entries"] == 0, "a view takes no block of PD's cache"
+    consumer.request_finished("req-zc")
+    assert consumer.stats()["views_held"] == 0

@@ -620,8 +620,9 @@ void P2pDriver::view_group(const std::string& producer, std::vector<FetchSlot*>&
     const BlockLocation& named = mapped_where[k];
     if (mine.pin != 0) slot->producer_pin = {mine.pin, mine.capability};  // released at the end
     Status s = slot->status;
-    if (s.code() == StatusCode::kResourceExhausted) {
-      // We hold all the pins this producer lets one reader keep: copy it instead.
+    if (s.code() == StatusCode::kResourceExhausted || s.code() == StatusCode::kFailedPrecondition) {
+      // We hold all the pins this producer lets one reader keep, or the block's owner
+      // pins nothing for readers (a consumer cache shared by share_loaded): copy it.
       slot->block = {};
       slot->keepalive.reset();
       slot->status = Status::Ok();

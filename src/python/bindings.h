@@ -31,7 +31,10 @@ T unwrap(Result<T> r) {
 // A one-dimensional uint8 ndarray over [data, data + length), kept valid by `owner`.
 // A numpy array over ecx memory (torch.from_numpy / DLPack share it too); no copy.
 using ByteArray = nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>, nb::c_contig>;
+using ReadOnlyByteArray = nb::ndarray<nb::numpy, const uint8_t, nb::ndim<1>, nb::c_contig>;
 ByteArray byte_view(std::byte* data, uint64_t length, nb::handle owner);
+// A read-only numpy view (a zero-copy load may be another process's read-only mapping).
+ReadOnlyByteArray read_only_view(const std::byte* data, uint64_t length, nb::handle owner);
 // The memory of a Python buffer (anything with the buffer protocol or DLPack).
 struct Buffer {
   std::byte* data = nullptr;

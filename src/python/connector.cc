@@ -294,10 +294,11 @@ void bind_loaded(nb::class_<PyConnector>& c) {
        "loaded",
        [](nb::handle self, const std::string& id, const std::string& h) {
          auto ref = unwrap(nb::cast<PyConnector&>(self).get().loaded(id, hash_of(h)));
-         return byte_view(ref.payload(), ref.payload_length(), self);
+         return read_only_view(ref.payload(), ref.payload_length(), self);
        },
        nb::arg("request_id"), nb::arg("mm_hash"),
-       "The loaded bytes, without a copy: valid until request_finished(request_id).")
+       "The loaded bytes, read-only and without a copy: valid until "
+       "request_finished(request_id). With zero_copy, the producer's own block.")
       .def(
           "loaded_address",
           [](PyConnector& c, const std::string& id, const std::string& h) {

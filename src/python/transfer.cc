@@ -30,6 +30,11 @@ ByteArray byte_view(std::byte* data, uint64_t length, nb::handle owner) {
   return ByteArray(data, 1, shape, owner);
 }
 
+ReadOnlyByteArray read_only_view(const std::byte* data, uint64_t length, nb::handle owner) {
+  size_t shape[1] = {static_cast<size_t>(length)};
+  return ReadOnlyByteArray(reinterpret_cast<const uint8_t*>(data), 1, shape, owner);
+}
+
 Buffer buffer_of(const nb::ndarray<nb::c_contig>& array) {
   if (array.device_type() != nb::device::cpu::value) {
     check(InvalidArgument("a host (CPU) buffer is needed; copy device tensors to the host first"));

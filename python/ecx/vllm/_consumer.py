@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -292,6 +293,14 @@ class ConsumerScheduler:
             self._conn.request_finished(rid)  # gives back its cache pins (and any in flight)
 
 
+def _read_only_tensor(view) -> torch.Tensor:
+    """A tensor over ecx's read-only bytes, only ever read (then copied) here: torch's
+    warning that it could be written through does not apply."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(view)
+
+
 class ConsumerWorker:
     """Puts the scheduler's loads into vLLM's encoder cache, through this process's agent."""
 
@@ -329,8 +338,8 @@ class ConsumerWorker:
                                  item["message"])
                     continue
                 w = next(x for x in loads if x.key == key)
-                view = self._conn.loaded(rid, key)  # ecx memory, no copy
-                tensor = torch.from_numpy(view).view(TORCH_DTYPES[w.dtype]).reshape(w.shape)
+                view = self._conn.loaded(rid, key)  # ecx memory, read-only, no copy
+                tensor = _read_only_tensor(view).view(TORCH_DTYPES[w.dtype]).reshape(w.shape)
                 # vLLM keeps its tensor after ecx reuses the block: a copy, on the model's
                 # device and in its dtype.
                 encoder_cache[names[key]] = tensor.to(device=device, dtype=dtype, copy=True)

@@ -99,6 +99,8 @@ class Connector final : public EcConnector {
   // claims success checked to be committed.
   void fetch_guarded(std::vector<FetchSlot*>& slots, Deadline deadline);
   void settle_fetched(LoadJob& job);
+  void count_nack(const Status& failure) ECX_EXCLUDES(mu_);
+  void count_loaded(LoadJob& job, const LoadItem& item);
   Status recompute(LoadJob& job, const LoadItem& item, double* recompute_ms);
   void recompute_or_fail(LoadJob& job);
   void report_settled_failures(LoadJob& job);

@@ -277,17 +277,11 @@ void Connector::view_or_reserve(LoadJob& job) {
     slot->done = true;
     if (!slot->status.ok()) {
       slot->viewed = false;
-      {
-        MutexLock lock(&mu_);
-        nacks_[std::string(status_code_name(slot->status.code()))]++;
-      }
+      count_nack(slot->status);
       job.to_encode.push_back(slot);
       continue;
     }
-    items_loaded_++;
-    bytes_loaded_ += item.meta.byte_size();
-    job.outcome.bytes += item.meta.byte_size();
-    job.outcome.items.push_back({.mm_hash = item.mm_hash, .status = Status::Ok()});
+    count_loaded(job, item);
   }
 }
 
@@ -314,19 +308,25 @@ void Connector::settle_fetched(LoadJob& job) {
   for (FetchSlot* slot : job.to_fetch) {
     const LoadItem& item = *slot->item;
     if (!slot->status.ok()) {
-      {
-        MutexLock lock(&mu_);
-        nacks_[std::string(status_code_name(slot->status.code()))]++;
-      }
+      count_nack(slot->status);
       core_.consumer_cache()->abort(item.mm_hash, slot->block.generation);
       job.to_encode.push_back(slot);
       continue;
     }
-    items_loaded_++;
-    bytes_loaded_ += item.meta.byte_size();
-    job.outcome.bytes += item.meta.byte_size();
-    job.outcome.items.push_back({.mm_hash = item.mm_hash, .status = Status::Ok()});
+    count_loaded(job, item);
   }
+}
+
+void Connector::count_nack(const Status& failure) {
+  MutexLock lock(&mu_);
+  nacks_[std::string(status_code_name(failure.code()))]++;
+}
+
+void Connector::count_loaded(LoadJob& job, const LoadItem& item) {
+  items_loaded_++;
+  bytes_loaded_ += item.meta.byte_size();
+  job.outcome.bytes += item.meta.byte_size();
+  job.outcome.items.push_back({.mm_hash = item.mm_hash, .status = Status::Ok()});
 }
 
 // Encodes `item` here into a block of the consumer cache (or joins the request that

@@ -129,7 +129,12 @@ class P2pDriver final : public ConnectorDriver {
   void read_batched(const std::string& producer, const std::vector<FetchSlot*>& moving,
                     const std::vector<BlockLocation>& where, Deadline deadline);
   void fetch_push(const std::string& producer, std::vector<FetchSlot*>& group, Deadline deadline);
+  void per_producer(std::vector<FetchSlot*>& slots, Deadline deadline,
+                    const std::function<void(const std::string&, std::vector<FetchSlot*>&)>& fn);
   void view_group(const std::string& producer, std::vector<FetchSlot*>& group, Deadline deadline);
+  bool map_view(const std::string& producer, FetchSlot& slot, const BlockLocation& loc);
+  void settle_view(const std::string& producer, FetchSlot& slot, const BlockLocation& named,
+                   const BlockLocation& mine);
   // One renew CALL to `producer` for the pins of `group`'s views: per view, the
   // producer's answer for its own pin, or the call's failure.
   std::vector<Status> renew_pins(const std::string& producer,
@@ -356,8 +361,12 @@ bool P2pDriver::can_load(const LoadItem& item) {
   return trusted.ok();
 }
 
-void P2pDriver::fetch(std::vector<FetchSlot*>& slots, Deadline deadline) {
-  // Group by producer: one connection, one batch, one release per producer.
+// Groups `slots` by producer (one connection, one batch, one release per producer),
+// connects to each, and hands each connected group to `fn`; a group whose producer cannot
+// be reached fails.
+void P2pDriver::per_producer(
+    std::vector<FetchSlot*>& slots, Deadline deadline,
+    const std::function<void(const std::string&, std::vector<FetchSlot*>&)>& fn) {
   std::map<std::string, std::vector<FetchSlot*>> by_producer;
   for (FetchSlot* slot : slots) by_producer[slot->item->params->engine_id].push_back(slot);
   for (auto& [producer, group] : by_producer) {
@@ -366,6 +375,12 @@ void P2pDriver::fetch(std::vector<FetchSlot*>& slots, Deadline deadline) {
       for (FetchSlot* s : group) s->status = ready;
       continue;
     }
+    fn(producer, group);
+  }
+}
+
+void P2pDriver::fetch(std::vector<FetchSlot*>& slots, Deadline deadline) {
+  per_producer(slots, deadline, [&](const std::string& producer, std::vector<FetchSlot*>& group) {
     switch (options().mode) {
       case P2pMode::kPush:
         fetch_push(producer, group, deadline);
@@ -380,7 +395,7 @@ void P2pDriver::fetch(std::vector<FetchSlot*>& slots, Deadline deadline) {
         fetch_pull(producer, group, deadline, /*force_lookup=*/false);
         break;
     }
-  }
+  });
 }
 
 Status P2pDriver::connect_producer(const EcTransferParams& params, Deadline deadline) {
@@ -552,16 +567,9 @@ void P2pDriver::fetch_pull(const std::string& producer, std::vector<FetchSlot*>&
 // (another host), and views beyond our pin quota, are left to fetch.
 void P2pDriver::view(std::vector<FetchSlot*>& slots, Deadline deadline) {
   if (options().mode != P2pMode::kPull) return;  // push and 2-step copy what they move
-  std::map<std::string, std::vector<FetchSlot*>> by_producer;
-  for (FetchSlot* slot : slots) by_producer[slot->item->params->engine_id].push_back(slot);
-  for (auto& [producer, group] : by_producer) {
-    Status ready = connect_producer(*group.front()->item->params, deadline);
-    if (!ready.ok()) {
-      for (FetchSlot* s : group) s->status = ready;
-      continue;
-    }
+  per_producer(slots, deadline, [&](const std::string& producer, std::vector<FetchSlot*>& group) {
     view_group(producer, group, deadline);
-  }
+  });
 }
 
 void P2pDriver::view_group(const std::string& producer, std::vector<FetchSlot*>& group,
@@ -570,34 +578,10 @@ void P2pDriver::view_group(const std::string& producer, std::vector<FetchSlot*>&
   std::vector<FetchSlot*> mapped;
   std::vector<BlockLocation> mapped_where;
   for (size_t i = 0; i < group.size(); ++i) {
-    FetchSlot* slot = group[i];
-    if (!slot->status.ok()) continue;
-    const BlockLocation& loc = where[i];
-    if (loc.length != cache::kBlockHeaderBytes + slot->item->meta.byte_size()) {
-      slot->status = InvalidArgument("ec_transfer_params for " + slot->item->mm_hash.str() +
-                                     ": length " + std::to_string(loc.length) + " does not match " +
-                                     slot->item->meta.to_string());
-      continue;
+    if (map_view(producer, *group[i], where[i])) {
+      mapped.push_back(group[i]);
+      mapped_where.push_back(where[i]);
     }
-    auto view = agent()->view(producer, loc.region, loc.offset, loc.length, loc.capability);
-    if (!view.ok() && view.status().code() == StatusCode::kFailedPrecondition) continue;
-    if (!view.ok()) {
-      slot->status = view.status().code() == StatusCode::kPermissionDenied
-                         ? Status(StatusCode::kEvicted,
-                                  view.status().message() + " (the producer no longer grants it)")
-                         : view.status();
-      continue;
-    }
-    slot->block = cache::BlockRef{.mm_hash = slot->item->mm_hash,
-                                  .meta = slot->item->meta,
-                                  .region = loc.region,
-                                  .offset = loc.offset,
-                                  .block_length = loc.length,
-                                  .generation = loc.generation,
-                                  .block = const_cast<std::byte*>(view->data)};  // read-only
-    slot->keepalive = view->keepalive;
-    mapped.push_back(slot);
-    mapped_where.push_back(loc);
   }
   if (mapped.empty()) return;
   // Our own pins: those a lookup by key took already (locate), and the others' now.
@@ -615,38 +599,73 @@ void P2pDriver::view_group(const std::string& producer, std::vector<FetchSlot*>&
     for (size_t j = 0; j < to_pin.size(); ++j) ours[to_pin_index[j]] = found[j];
   }
   for (size_t k = 0; k < mapped.size(); ++k) {
-    FetchSlot* slot = mapped[k];
-    const BlockLocation& mine = ours[k];
-    const BlockLocation& named = mapped_where[k];
-    if (mine.pin != 0) slot->producer_pin = {mine.pin, mine.capability};  // released at the end
-    Status s = slot->status;
-    if (s.code() == StatusCode::kResourceExhausted || s.code() == StatusCode::kFailedPrecondition) {
-      // We hold all the pins this producer lets one reader keep, or the block's owner
-      // pins nothing for readers (a consumer cache shared by share_loaded): copy it.
-      slot->block = {};
-      slot->keepalive.reset();
-      slot->status = Status::Ok();
-      continue;
-    }
-    if (s.ok() && (mine.region != named.region || mine.offset != named.offset ||
-                   (named.generation != 0 && mine.generation != named.generation))) {
-      s = Status(StatusCode::kEvicted, "block of " + slot->item->mm_hash.str() + " at " +
-                                           describe(named, producer) + " was reused");
-    }
-    if (s.ok()) {
-      s = cache::verify_block(
-          slot->block.block, slot->block.block_length,
-          {slot->item->mm_hash, slot->item->meta, slot->block.generation, describe(named, producer),
-           options().verify_checksum(/*crossed=*/false)});
-    } else if (s.code() == StatusCode::kNotFound) {
-      s = Status(StatusCode::kEvicted, s.message() + " (its pin at " + producer + " ended)");
-    }
-    slot->status = s;
-    slot->viewed = s.ok();
-    if (!s.ok()) {
-      slot->block = {};
-      slot->keepalive.reset();
-    }
+    settle_view(producer, *mapped[k], mapped_where[k], ours[k]);
+  }
+}
+
+// Maps `slot`'s block, as the params name it at `loc`; false if it is not viewed (failed,
+// or left to fetch: the backend maps nothing of that producer).
+bool P2pDriver::map_view(const std::string& producer, FetchSlot& slot, const BlockLocation& loc) {
+  if (!slot.status.ok()) return false;
+  if (loc.length != cache::kBlockHeaderBytes + slot.item->meta.byte_size()) {
+    slot.status = InvalidArgument("ec_transfer_params for " + slot.item->mm_hash.str() +
+                                  ": length " + std::to_string(loc.length) + " does not match " +
+                                  slot.item->meta.to_string());
+    return false;
+  }
+  auto view = agent()->view(producer, loc.region, loc.offset, loc.length, loc.capability);
+  if (!view.ok() && view.status().code() == StatusCode::kFailedPrecondition) return false;
+  if (!view.ok()) {
+    slot.status = view.status().code() == StatusCode::kPermissionDenied
+                      ? Status(StatusCode::kEvicted,
+                               view.status().message() + " (the producer no longer grants it)")
+                      : view.status();
+    return false;
+  }
+  slot.block = cache::BlockRef{.mm_hash = slot.item->mm_hash,
+                               .meta = slot.item->meta,
+                               .region = loc.region,
+                               .offset = loc.offset,
+                               .block_length = loc.length,
+                               .generation = loc.generation,
+                               .block = const_cast<std::byte*>(view->data)};  // read-only
+  slot.keepalive = view->keepalive;
+  return true;
+}
+
+// A mapped view, once the lookup answered for our own pin (`mine`): viewed if the pin is
+// on the block the params named and its header is the item's; copied instead if the
+// producer pins no more for us; failed otherwise.
+void P2pDriver::settle_view(const std::string& producer, FetchSlot& slot,
+                            const BlockLocation& named, const BlockLocation& mine) {
+  if (mine.pin != 0) slot.producer_pin = {mine.pin, mine.capability};  // released at the end
+  Status s = slot.status;
+  if (s.code() == StatusCode::kResourceExhausted || s.code() == StatusCode::kFailedPrecondition) {
+    // We hold all the pins this producer lets one reader keep, or the block's owner
+    // pins nothing for readers (a consumer cache shared by share_loaded): copy it.
+    slot.block = {};
+    slot.keepalive.reset();
+    slot.status = Status::Ok();
+    return;
+  }
+  if (s.ok() && (mine.region != named.region || mine.offset != named.offset ||
+                 (named.generation != 0 && mine.generation != named.generation))) {
+    s = Status(StatusCode::kEvicted, "block of " + slot.item->mm_hash.str() + " at " +
+                                         describe(named, producer) + " was reused");
+  }
+  if (s.ok()) {
+    s = cache::verify_block(
+        slot.block.block, slot.block.block_length,
+        {slot.item->mm_hash, slot.item->meta, slot.block.generation, describe(named, producer),
+         options().verify_checksum(/*crossed=*/false)});
+  } else if (s.code() == StatusCode::kNotFound) {
+    s = Status(StatusCode::kEvicted, s.message() + " (its pin at " + producer + " ended)");
+  }
+  slot.status = s;
+  slot.viewed = s.ok();
+  if (!s.ok()) {
+    slot.block = {};
+    slot.keepalive.reset();
   }
 }
 

@@ -65,28 +65,37 @@ bool wanted(const PeersOptions& o, const std::string& system) {
   return ("," + o.systems + ",").find("," + system + ",") != std::string::npos;
 }
 
-// ecx: the p2p connector's pull, producer in its own process, per shape and transport.
+// ecx: the p2p connector's pull, producer in its own process, per shape and transport;
+// on shm also the zero-copy pull ("view": the consumer reads E's block in place).
 void ecx_rows(const PeersOptions& o, std::vector<json>& rows) {
   for (const char* transport : {"shm", "tcp"}) {
-    for (const Shape& shape : kShapes) {
-      ConnectorBenchOptions c{.connectors = "p2p:pull",
-                              .items = shape.items,
-                              .item_bytes = shape.item_bytes,
-                              .requests = o.iters,
-                              .backend = std::string(transport) == "shm" ? "auto" : "tcp"};
-      json r = row("ecx", transport, "pull", shape);
-      auto measured = run_connector_bench(c, current_executable());
-      if (measured.empty() || !measured[0].error.empty()) {
-        r["error"] = measured.empty() ? "no result" : measured[0].error;
-      } else {
-        const ConnectorRow& m = measured[0];
-        r["p50_us"] = m.p50_us;
-        r["p99_us"] = m.p99_us;
-        r["gbps"] = m.gbps;
-        // Every block is checked (header, generation, xxh3 of the payload) before use.
-        r["verified_bytes"] = shape.item_bytes * shape.items * static_cast<uint64_t>(o.iters);
+    const bool shm = std::string(transport) == "shm";
+    for (const char* variant : {"pull", "view"}) {
+      if (!shm && std::string(variant) == "view") continue;
+      for (const Shape& shape : kShapes) {
+        ConnectorBenchOptions c{
+            .connectors = std::string(variant) == "view" ? "p2p:pull-view" : "p2p:pull",
+            .items = shape.items,
+            .item_bytes = shape.item_bytes,
+            .requests = o.iters,
+            .backend = shm ? "auto" : "tcp"};
+        json r = row("ecx", transport, variant, shape);
+        auto measured = run_connector_bench(c, current_executable());
+        if (measured.empty() || !measured[0].error.empty()) {
+          r["error"] = measured.empty() ? "no result" : measured[0].error;
+        } else {
+          const ConnectorRow& m = measured[0];
+          r["p50_us"] = m.p50_us;
+          r["p99_us"] = m.p99_us;
+          r["gbps"] = m.gbps;
+          r["control_rtts_per_item"] = m.control_rtts_per_item;
+          // Every block is checked before use: its header and generation, and over tcp the
+          // payload's xxh3; on shm the header again after the copy (untorn), or, for a
+          // view, the consumer's own pin taken before the header check.
+          r["verified_bytes"] = shape.item_bytes * shape.items * static_cast<uint64_t>(o.iters);
+        }
+        rows.push_back(std::move(r));
       }
-      rows.push_back(std::move(r));
     }
   }
 }

@@ -142,7 +142,8 @@ TEST(BenchPeersTest, RowsKeepTheirFieldsAndAPeerThatCannotRunSaysWhy) {
       EXPECT_NE(r["error"].get<std::string>().find("nonexistent-venv"), std::string::npos);
     }
   }
-  EXPECT_EQ(rows["ecx"], 6);  // pull over shm and tcp: 1 x 1600 KiB, 3 x 1600 KiB, 8 MiB
+  // pull over shm and tcp, and the zero-copy view over shm: 1 x 1600 KiB, 3 x 1600 KiB, 8 MiB
+  EXPECT_EQ(rows["ecx"], 9);
   EXPECT_EQ(rows["memcpy"], 3);
   EXPECT_EQ(rows["nixl"], 3);
   EXPECT_EQ(rows.count("mooncake"), 0u);

@@ -345,12 +345,8 @@ Result<std::vector<EcTransferParams>> Connector::share_loaded(const std::string&
       return Status(StatusCode::kFailedPrecondition,
                     "share_loaded: request " + request_id + " did not load " + mm_hash.str());
     }
-    const auto& views = it->second->views;
-    if (std::any_of(views.begin(), views.end(),
-                    [&](const FetchSlot& v) { return v.item->mm_hash == mm_hash; })) {
-      return Status(StatusCode::kFailedPrecondition,
-                    "share_loaded: request " + request_id + " holds " + mm_hash.str() +
-                        " as a zero-copy view of its producer, not in this cache");
+    for (const FetchSlot& v : it->second->views) {
+      if (v.item->mm_hash == mm_hash) return share_view(request_id, v, readers);
     }
   }
   std::vector<EcTransferParams> out;
@@ -366,6 +362,29 @@ Result<std::vector<EcTransferParams>> Connector::share_loaded(const std::string&
     out.push_back(core_.located_params(*pin, P2pMode::kPull));
   }
   return out;
+}
+
+// An item the request holds as a view of its producer's block: the readers read that
+// block too, where it lies, with the producer's own params (its bearer capability, whose
+// pin this request holds and renews) re-signed without the pin, so that no reader ends
+// it. A reader on the producer's host views it and takes a pin of its own; another reads
+// it. The bytes move once, producer to reader, and never through this cache.
+Result<std::vector<EcTransferParams>> Connector::share_view(const std::string& request_id,
+                                                            const FetchSlot& view,
+                                                            size_t readers) const {
+  if (!view.status.ok())
+    return view.status.with_context("share_loaded " + view.item->mm_hash.str());
+  const EcTransferParams& original = *view.item->params;
+  if (!original.has_location() || original.capability.empty() || original.pin == 0) {
+    return Status(StatusCode::kFailedPrecondition,
+                  "share_loaded: request " + request_id + " views " + view.item->mm_hash.str() +
+                      " through a pin of its own (its params named no block): nothing to share");
+  }
+  EcTransferParams shared = original;
+  shared.mode = std::string(p2p_mode_name(P2pMode::kPull));
+  shared.pin = 0;
+  shared.sign(core_.options().auth_secret);
+  return std::vector<EcTransferParams>(readers, shared);
 }
 
 Result<std::vector<Result<EcTransferParams>>> Connector::remote_saved_params(

@@ -121,6 +121,8 @@ class Connector final : public EcConnector {
   // Another lease for every view held (a loader, every lease_ms / 3).
   void renew_views() ECX_EXCLUDES(mu_);
   void keep_views(const RequestState& state);
+  Result<std::vector<EcTransferParams>> share_view(const std::string& request_id,
+                                                   const FetchSlot& view, size_t readers) const;
   int64_t renew_period_ms() const { return std::max<int64_t>(1, core_.options().lease_ms / 3); }
   void loader_loop();
   void stop();

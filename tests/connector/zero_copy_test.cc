@@ -172,6 +172,49 @@ TEST_F(ZeroCopy, AReaderKilledWhileHoldingAViewHasItsOwnPinEndedAtOnceNotByLease
   EXPECT_EQ(producer_stats()["producer_pool"]["lease_expiries"].get<uint64_t>(), 0u);
 }
 
+// vLLM's scheduler loads, then shares the item with its workers (other processes, here
+// other connectors): a viewed item is shared as the producer's own block, so each reader
+// reads it from the producer (a view, or a copy), and no byte goes through the
+// scheduler's cache.
+TEST_F(ZeroCopy, AViewedItemIsSharedAsTheProducersBlockAndEveryPinComesBack) {
+  start_producer({{"lease_ms", 600000}});
+  make_consumer({{"keep_loaded", false}});
+  auto p = producer_->save(hash_of("s"), 9, kItem);
+  ASSERT_TRUE(p.ok()) << p.status().to_string();
+  ASSERT_TRUE(load("r1", *p).status.ok());
+  auto shared = consumer_->share_loaded("r1", p->mm_hash, 2);
+  ASSERT_TRUE(shared.ok()) << shared.status().to_string();
+  ASSERT_EQ(shared->size(), 2u);
+  EXPECT_EQ((*shared)[0].engine_id, p->engine_id) << "the producer's block, not this cache";
+  EXPECT_EQ((*shared)[0].pin, 0u) << "no reader may end the pin the sharer holds";
+  EXPECT_TRUE((*shared)[0].verify("").ok());
+  for (bool zero_copy : {true, false}) {
+    auto reader =
+        create_connector({.connector = "p2p",
+                          .role = Role::kConsumer,
+                          .extra = {{"engine_id", "w-zc-" + tag_ + (zero_copy ? "-v" : "-c")},
+                                    {"zero_copy", zero_copy},
+                                    {"keep_loaded", false},
+                                    {"failure_policy", "fail"}}});
+    ASSERT_TRUE(reader.ok()) << reader.status().to_string();
+    const EcTransferParams& mine = (*shared)[zero_copy ? 0 : 1];
+    LoadOutcome out = (*reader)->load({.request_id = "w", .items = {{mine.mm_hash, kItem, mine}}},
+                                      Deadline::after_ms(30000));
+    ASSERT_TRUE(out.status.ok()) << out.status.to_string();
+    auto ref = (*reader)->loaded("w", p->mm_hash);
+    ASSERT_TRUE(ref.ok()) << ref.status().to_string();
+    std::vector<std::byte> want(kItem.byte_size());
+    fill_pattern(want.data(), want.size(), 9);
+    EXPECT_EQ(std::memcmp(ref->payload(), want.data(), want.size()), 0);
+    EXPECT_EQ((*reader)->stats().views_held, zero_copy ? 1u : 0u);
+    (*reader)->request_finished("w");
+  }
+  EXPECT_EQ(consumer_->stats().consumer_cache->entries, 0u);
+  consumer_->request_finished("r1");
+  ASSERT_TRUE(producer_->command("wait-unpinned 20000").ok());
+  EXPECT_EQ(producer_stats()["producer_pool"]["lease_expiries"].get<uint64_t>(), 0u);
+}
+
 TEST_F(ZeroCopy, OverTcpTheLoadIsACopyIntoTheConsumersCache) {
   start_producer({{"backend", "tcp"}});
   make_consumer({{"backend", "tcp"}});

@@ -214,7 +214,9 @@ class EcConnector {
   // per reader, signed p2p params of the block, each with its own pin (lease_ms) and
   // capability, which that reader's load gives back. The request's own pin keeps the
   // entry meanwhile. kFailedPrecondition unless request_id's load ended with the item
-  // loaded, or for a connector without an agent.
+  // loaded, or for a connector without an agent. An item the request holds as a
+  // zero-copy view is shared as its producer's block itself (params without a pin: this
+  // request's pins hold it), so the readers read from the producer.
   virtual Result<std::vector<EcTransferParams>> share_loaded(const std::string& /*request_id*/,
                                                              const MmHash& /*mm_hash*/,
                                                              size_t /*readers*/) {

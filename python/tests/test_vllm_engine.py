@@ -6,6 +6,7 @@ An encoder (E, ec_producer) and a prefill/decode instance (PD, ec_consumer, poli
 recompute) of the tiny Qwen2-VL, next to a single instance that is the reference:
 - every request, with one or several images, gets the reference's greedy text from PD,
   PD's engine never runs the vision encoder, and E's pool holds no pin afterwards;
+- the same from a second PD with zero_copy, which reads E's blocks in place;
 - the same through ecx's proxy and through vLLM's own example EPD proxy (vLLM 0.32.0's,
   from its sdist on PyPI: scripts/deps puts it in .venv/share/vllm-examples);
 - ECXConnector's figures show in vLLM's /metrics;
@@ -102,6 +103,43 @@ def test_requests_with_one_and_several_images_match_the_single_instance(epd, ref
     assert pd.encoder_iterations() == 0
     assert pins_settle(e) == 0
     assert metric(pd.metrics(), "vllm:ecx_local_encodes_total") == local
+
+
+@pytest.fixture(scope="module")
+def pd_zero_copy(epd, tiny_model, deployment_secret, tmp_path_factory):
+    """A second PD, next to the first, whose ECXConnector reads E's blocks in place
+    (zero_copy): its scheduler holds views of E's blocks, and its worker reads each one
+    straight from E into vLLM's encoder cache."""
+    logs = tmp_path_factory.mktemp("epd-zero-copy")
+    port, metrics = free_port(), free_ports(2)
+    pd = Engine("pd-zc", serve_argv(tiny_model, port, "--enable-logging-iteration-details",
+                                    "--ec-transfer-config", ec_config(
+                                        "ec_consumer", {"auth_token_file": deployment_secret,
+                                                        "pool_bytes": "256MiB", "zero_copy": True,
+                                                        "metrics_port": metrics})),
+                vllm_env(), port, logs / "pd-zc.log", metrics_port=metrics)
+    try:
+        pd.start()
+        pd.wait_ready()
+        yield pd
+    finally:
+        pd.stop()
+
+
+def test_a_zero_copy_pd_reads_the_encoders_blocks_in_place(epd, pd_zero_copy, reference):
+    e, _ = epd
+    pd = pd_zero_copy
+    for i in range(len(REQUESTS)):
+        params = encode_on(e, images_of(i))
+        status, body = pd_request(pd, i, params)
+        assert status == 200, body
+        assert text_of(body) == reference.text(i), f"request {i}"
+    assert pd.encoder_iterations() == 0
+    # The scheduler viewed E's blocks (no copy into its cache on the load's path), and the
+    # worker read them from E: the scheduler's cache was not on the bytes' way.
+    assert metric(pd.metrics(pd.metrics_port), "ecx_vllm_items_viewed") > 0
+    assert metric(pd.worker_metrics(0), "ecx_vllm_items_viewed") > 0
+    assert pins_settle(e) == 0
 
 
 def test_ecx_proxy_in_front_of_vllm_moves_the_embeddings(epd, reference, ecx_binary,

@@ -459,6 +459,7 @@ ConnectorStats Connector::stats() const {
     s.views_held = views_held_;
   }
   s.view_renewals_failed = view_renewals_failed_.load();
+  s.items_viewed = items_viewed_.load();
   if (core_.consumer_cache()) s.consumer_cache = core_.consumer_cache()->stats();
   if (driver_) driver_->add_stats(s);
   return s;

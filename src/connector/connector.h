@@ -142,7 +142,7 @@ class Connector final : public EcConnector {
   static constexpr int64_t kReleaseBatchMs = 2;
   size_t views_held_ ECX_GUARDED_BY(mu_) = 0;
   Deadline renew_due_ ECX_GUARDED_BY(mu_) = Deadline::never();
-  std::atomic<uint64_t> view_renewals_failed_{0};
+  std::atomic<uint64_t> view_renewals_failed_{0}, items_viewed_{0};
   std::vector<std::string> finished_ ECX_GUARDED_BY(mu_);
   std::map<std::string, uint64_t> nacks_ ECX_GUARDED_BY(mu_);
   bool stopping_ ECX_GUARDED_BY(mu_) = false;

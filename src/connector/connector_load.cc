@@ -281,6 +281,7 @@ void Connector::view_or_reserve(LoadJob& job) {
       job.to_encode.push_back(slot);
       continue;
     }
+    items_viewed_++;
     count_loaded(job, item);
   }
 }

@@ -38,6 +38,7 @@ json to_json(const ConnectorStats& s) {
             {"releases_sent", s.releases_sent},
             {"releases_received", s.releases_received},
             {"views_held", s.views_held},
+            {"items_viewed", s.items_viewed},
             {"view_renewals_failed", s.view_renewals_failed},
             {"renewals_received", s.renewals_received},
             {"params_rejected", s.params_rejected},

@@ -207,6 +207,7 @@ TEST_F(ZeroCopy, AViewedItemIsSharedAsTheProducersBlockAndEveryPinComesBack) {
     fill_pattern(want.data(), want.size(), 9);
     EXPECT_EQ(std::memcmp(ref->payload(), want.data(), want.size()), 0);
     EXPECT_EQ((*reader)->stats().views_held, zero_copy ? 1u : 0u);
+    EXPECT_EQ((*reader)->stats().items_viewed, zero_copy ? 1u : 0u);
     (*reader)->request_finished("w");
   }
   EXPECT_EQ(consumer_->stats().consumer_cache->entries, 0u);

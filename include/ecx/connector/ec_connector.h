@@ -123,9 +123,10 @@ struct ConnectorStats {
   // Producer pins given back by this consumer, and received back by this producer.
   uint64_t releases_sent = 0;
   uint64_t releases_received = 0;
-  // zero_copy: views this consumer holds now, and renewals a producer refused (the view
-  // was dropped); renewals this producer granted.
+  // zero_copy: views this consumer holds now, items it loaded as views, and renewals a
+  // producer refused (the view was dropped); renewals this producer granted.
   uint64_t views_held = 0;
+  uint64_t items_viewed = 0;  // loads that were zero-copy views (of items_loaded)
   uint64_t view_renewals_failed = 0;
   uint64_t renewals_received = 0;
   // ec_transfer_params ignored: unsigned, not signed by this deployment, or not the item's.

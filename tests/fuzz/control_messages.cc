@@ -1,5 +1,5 @@
-// The p2p connector's control messages (src/connector/control_messages.h): a lookup or
-// load CALL body, a lookup/load reply and a release notification, as a peer could send
+// The p2p connector's control messages (src/connector/control_messages.h): a lookup, load,
+// params or renew CALL body, a reply and a release notification, as a peer could send
 // them. The first byte picks the reader; the rest is the message. Anything accepted must
 // survive a round trip through to_json unchanged.
 #include <string_view>
@@ -22,6 +22,24 @@ void check_request(std::string_view text) {
     for (size_t i = 0; i < back.items.size(); ++i) {
       ECX_FUZZ_CHECK(back.items[i].mm_hash == lookup->items[i].mm_hash, "mm_hash changed");
       ECX_FUZZ_CHECK(back.items[i].capability == lookup->items[i].capability, "capability changed");
+    }
+    return;
+  }
+  if (auto* params = std::get_if<ParamsRequest>(&*parsed)) {
+    auto again = parse_control_request(to_json(*params));
+    ECX_FUZZ_CHECK(again.ok(), "a params request we wrote does not parse");
+    ECX_FUZZ_CHECK(std::get<ParamsRequest>(*again).items == params->items, "params items changed");
+    return;
+  }
+  if (auto* renew = std::get_if<RenewRequest>(&*parsed)) {
+    auto again = parse_control_request(to_json(*renew));
+    ECX_FUZZ_CHECK(again.ok(), "a renew we wrote does not parse");
+    const auto& back = std::get<RenewRequest>(*again);
+    ECX_FUZZ_CHECK(back.items.size() == renew->items.size(), "renew items changed");
+    for (size_t i = 0; i < back.items.size(); ++i) {
+      ECX_FUZZ_CHECK(back.items[i].mm_hash == renew->items[i].mm_hash, "mm_hash changed");
+      ECX_FUZZ_CHECK(back.items[i].pin == renew->items[i].pin, "pin changed");
+      ECX_FUZZ_CHECK(back.items[i].capability == renew->items[i].capability, "capability changed");
     }
     return;
   }

@@ -165,6 +165,43 @@ TEST_F(P2pTrustTest, APeerReleasesOnlyThePinsItHolds) {
   EXPECT_EQ(producer_pins(), 0u);
 }
 
+// A renew keeps a pin alive past its lease (zero-copy views): only with the capability it
+// was granted with, for its own item and pin.
+TEST_F(P2pTrustTest, APeerRenewsOnlyThePinsItWasHanded) {
+  start_producer({{"lease_ms", 600}});  // renewed every 100 ms: six times within a lease
+  EcTransferParams a = save("a", 1), b = save("b", 2);
+  transfer::AgentConfig ac;
+  ac.name = "renewer-" + tag_;
+  ac.compat_hash = a.compat_hash;
+  ac.auth_secret = kSecret;
+  auto peer = std::move(transfer::Agent::create(ac).value());
+  auto meta = transfer::AgentMetadata::parse(a.agent);
+  ASSERT_TRUE(meta.ok());
+  ASSERT_TRUE(peer->connect(*meta).ok());
+  auto renew = [&](const MmHash& h, uint64_t pin, const std::string& capability) {
+    json item = {{"mm_hash", h.str()}, {"pin", pin}, {"capability", capability}};
+    auto r = peer->call(a.engine_id, json{{"op", "renew"}, {"items", {item}}}.dump(),
+                        Deadline::after_ms(10000));
+    EXPECT_TRUE(r.ok()) << r.status().to_string();
+    return r.ok() ? json::parse(*r)["items"][0]["status"].get<std::string>() : "";
+  };
+  // Forged renewals of `a`: a guessed capability, b's capability, a's with b's pin.
+  const std::string guessed = transfer::Capability::random().hex();
+  for (Deadline until = Deadline::after_ms(1800); !until.expired();) {
+    EXPECT_NE(renew(a.mm_hash, a.pin, guessed), "ok");
+    EXPECT_NE(renew(a.mm_hash, a.pin, b.capability), "ok");
+    EXPECT_NE(renew(a.mm_hash, b.pin, a.capability), "ok");
+    EXPECT_EQ(renew(b.mm_hash, b.pin, b.capability), "ok");  // the holder of b's
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  // Three leases later, a's pin ran out and b's, renewed by its holder, did not.
+  auto stats = producer_->stats();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ((*stats)["producer_pool"]["pins"].get<uint64_t>(), 1u) << stats->dump();
+  EXPECT_EQ((*stats)["producer_pool"]["lease_expiries"].get<uint64_t>(), 1u);
+  EXPECT_GE((*stats)["renewals_received"].get<uint64_t>(), 3u);
+}
+
 TEST_F(P2pTrustTest, AnItemAlreadyCachedGivesBackThePinItsParamsCarried) {
   start_producer({{"lease_ms", 600000}});  // only a RELEASE can end these pins
   make_consumer();

@@ -84,6 +84,20 @@ class P2pTrustTest : public ::testing::Test {
     EXPECT_EQ(checksum64(ref->payload(), want.size()), checksum64(want.data(), want.size()));
   }
 
+  // Another member of the deployment (it has the secret), connected to the producer of
+  // `p`; null if it could not connect.
+  std::unique_ptr<transfer::Agent> member_connected_to(const EcTransferParams& p,
+                                                       const std::string& name) {
+    transfer::AgentConfig ac;
+    ac.name = name;
+    ac.compat_hash = p.compat_hash;
+    ac.auth_secret = kSecret;
+    auto agent = transfer::Agent::create(ac);
+    auto meta = transfer::AgentMetadata::parse(p.agent);
+    if (!agent.ok() || !meta.ok() || !(*agent)->connect(*meta).ok()) return nullptr;
+    return std::move(*agent);
+  }
+
   uint64_t producer_pins() {
     auto s = producer_->stats();
     EXPECT_TRUE(s.ok()) << s.status().to_string();
@@ -138,14 +152,8 @@ TEST_F(P2pTrustTest, APeerReleasesOnlyThePinsItHolds) {
   EcTransferParams p = save("a", 1);
   ASSERT_EQ(producer_pins(), 1u);
   // Another member of the deployment (it has the secret) tries to end the pin.
-  transfer::AgentConfig ac;
-  ac.name = "meddler-" + tag_;
-  ac.compat_hash = p.compat_hash;
-  ac.auth_secret = kSecret;
-  auto meddler = std::move(transfer::Agent::create(ac).value());
-  auto meta = transfer::AgentMetadata::parse(p.agent);
-  ASSERT_TRUE(meta.ok());
-  ASSERT_TRUE(meddler->connect(*meta).ok());
+  auto meddler = member_connected_to(p, "meddler-" + tag_);
+  ASSERT_NE(meddler, nullptr);
   auto notify_then_sync = [&](const std::string& message) {
     ASSERT_TRUE(meddler->notify(p.engine_id, message).ok());
     // A call on the same connection is handled after the notification: a barrier.
@@ -170,14 +178,8 @@ TEST_F(P2pTrustTest, APeerReleasesOnlyThePinsItHolds) {
 TEST_F(P2pTrustTest, APeerRenewsOnlyThePinsItWasHanded) {
   start_producer({{"lease_ms", 600}});  // renewed every 100 ms: six times within a lease
   EcTransferParams a = save("a", 1), b = save("b", 2);
-  transfer::AgentConfig ac;
-  ac.name = "renewer-" + tag_;
-  ac.compat_hash = a.compat_hash;
-  ac.auth_secret = kSecret;
-  auto peer = std::move(transfer::Agent::create(ac).value());
-  auto meta = transfer::AgentMetadata::parse(a.agent);
-  ASSERT_TRUE(meta.ok());
-  ASSERT_TRUE(peer->connect(*meta).ok());
+  auto peer = member_connected_to(a, "renewer-" + tag_);
+  ASSERT_NE(peer, nullptr);
   auto renew = [&](const MmHash& h, uint64_t pin, const std::string& capability) {
     json item = {{"mm_hash", h.str()}, {"pin", pin}, {"capability", capability}};
     auto r = peer->call(a.engine_id, json{{"op", "renew"}, {"items", {item}}}.dump(),

@@ -3,6 +3,8 @@
 #include "connector/connector.h"
 
 #include <algorithm>
+#include <atomic>
+#include <cstring>
 
 #include "connector/control_messages.h"
 #include "ecx/common/copy.h"
@@ -311,9 +313,18 @@ void Connector::keep_views(const RequestState& state) {
     auto ref = cache->reserve(h, v.item->meta, Deadline::after_ms(0));
     if (!ref.ok()) continue;
     copy_streaming(ref->block, v.block.block, v.block.block_length);
-    Status kept = cache->commit_received(
-        h, ref->generation,
-        {h, v.item->meta, v.block.generation, "a view of " + h.str(), /*verify_payload=*/false});
+    // As a same-host copy is checked (P2pDriver::copy_from_view): the header again after
+    // the payload, should the view's pins have lapsed (renewals that never arrived).
+    std::atomic_thread_fence(std::memory_order_acquire);
+    Status kept;
+    if (std::memcmp(ref->block, v.block.block, cache::kBlockHeaderBytes) != 0) {
+      cache->abort(h, ref->generation);
+      kept = Status(StatusCode::kEvicted, "the view of " + h.str() + " was reused while copied");
+    } else {  // a failed commit drops the entry itself
+      kept = cache->commit_received(
+          h, ref->generation,
+          {h, v.item->meta, v.block.generation, "a view of " + h.str(), /*verify_payload=*/false});
+    }
     if (!kept.ok()) {
       spdlog::warn("connector {}: keeping the view of {} failed: {}", name(), h.str(),
                    kept.message());

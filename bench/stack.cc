@@ -70,7 +70,8 @@ std::string join_urls(const std::vector<std::unique_ptr<Proc>>& procs) {
 Status start_stack(const std::string& connector, const std::string& pool_bytes,
                    const std::string& redis, const std::filesystem::path& dir, StackProcs& s,
                    const StackLayout& layout) {
-  const std::string exe = current_executable();
+  // The services are `ecx serve`: the ecx binary beside this one (ecx-bench has no serve).
+  const std::string exe = sibling_executable("ecx");
   bool local = connector == "local";
   // Each stack's services share a secret of their own, in a file they are given.
   ECX_ASSIGN_OR_RETURN(serve::StackSecret secret, serve::StackSecret::create());

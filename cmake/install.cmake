@@ -3,7 +3,7 @@
 #   include/ecx/           the public headers
 #   lib/cmake/ecx/         ecxConfig.cmake: find_package(ecx) -> ecx::ecx
 #   lib/pkgconfig/ecx.pc   pkg-config --cflags --libs ecx
-#   bin/ecx                the command-line tool (services, benchmarks): tools/ecx
+#   bin/ecx, bin/ecx-bench the command-line tool (tools/ecx) and its benchmarks (bench/main.cc)
 include(CMakePackageConfigHelpers)
 
 set(ECX_LAYERS ecx_common ecx_http ecx_transfer ecx_cache ecx_connector ecx_engine

@@ -161,4 +161,13 @@ std::string current_executable() {
   return n > 0 ? std::string(path, static_cast<size_t>(n)) : std::string("ecx");
 }
 
+std::string sibling_executable(const std::string& name) {
+  char path[4096] = {};
+  ssize_t n = ::readlink("/proc/self/exe", path, sizeof(path) - 1);
+  if (n <= 0) return name;
+  std::string self(path, static_cast<size_t>(n));
+  size_t slash = self.rfind('/');
+  return slash == std::string::npos ? name : self.substr(0, slash + 1) + name;
+}
+
 }  // namespace ecx

@@ -1,24 +1,23 @@
-// ecx: one binary, one subcommand per job (DESIGN.md §7).
+// ecx: one command, one subcommand per job (DESIGN.md §7). The benchmarks (every `bench`
+// subcommand but `bench serve`, which the demo runs) and `eval` are built apart, as
+// ecx-bench beside this binary (bench/main.cc), and run there.
+#include <unistd.h>
+
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <iostream>
 #include <sstream>
 
-#include "bench.h"
 #include "ecx/common/log.h"
 #include "ecx/common/subprocess.h"
 #include "ecx/engine/model.h"
 #include "ecx/serve/services.h"
-#include "epd_bench.h"
-#include "gpu_bench.h"
-#include "load_bench.h"
-#include "peers_bench.h"
-#include "pool_bench.h"
 #include "relay.h"
 #include "serve_bench.h"
-#include "vllm_bench.h"
 
 namespace {
 
@@ -334,9 +333,34 @@ void add_weights_command(CLI::App& app, std::string& out_path, int* exit_code) {
   });
 }
 
+// Whether the command line is one ecx-bench runs: `eval`, or `bench` with any subcommand
+// but `serve` (`bench --help` included, so that it lists them all).
+bool runs_in_ecx_bench(const std::vector<std::string>& args) {
+  size_t i = 1;
+  while (i < args.size() && args[i].rfind("--log-level", 0) == 0) {
+    i += args[i].find('=') == std::string::npos ? 2 : 1;
+  }
+  if (i >= args.size()) return false;
+  if (args[i] == "eval") return true;
+  return args[i] == "bench" && !(i + 1 < args.size() && args[i + 1] == "serve");
+}
+
+// Runs ecx-bench in this process (exec), with the same command line, so that a caller's
+// pid, pipes and signals reach the benchmark itself. Returns only when it cannot start.
+int exec_ecx_bench(char** argv) {
+  const std::string bench = ecx::sibling_executable("ecx-bench");
+  ::execv(bench.c_str(), argv);
+  std::cerr << "ecx: `ecx bench` and `ecx eval` run " << bench << ", which cannot start ("
+            << std::strerror(errno)
+            << "): build it with `scripts/build release` (or `cmake --build build --target "
+               "ecx-bench`)\n";
+  return 127;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (runs_in_ecx_bench(std::vector<std::string>(argv, argv + argc))) return exec_ecx_bench(argv);
   CLI::App app{"ecx: encoder-cache transfer for EPD-disaggregated LLM serving"};
   app.require_subcommand(1);
   std::string log_level = "warn";
@@ -344,17 +368,11 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   int exit_code = 0;
 
-  CLI::App* bench = app.add_subcommand("bench", "Benchmarks");
+  // `bench serve` here; `ecx bench --help` lists the others, which run in ecx-bench.
+  CLI::App* bench = app.add_subcommand("bench", "Benchmarks (ecx bench --help lists them)");
   bench->require_subcommand(1);
-  ecx::bench::add_transfer_commands(*bench, &exit_code);
-  ecx::bench::add_gpu_transfer_command(*bench, &exit_code);
   ecx::bench::add_serve_command(*bench, &exit_code);
-  ecx::bench::add_load_command(*bench, &exit_code);
-  ecx::bench::add_pool_command(*bench, &exit_code);
-  ecx::bench::add_epd_command(*bench, &exit_code);
-  ecx::bench::add_peers_command(*bench, &exit_code);
-  ecx::bench::add_vllm_command(*bench, &exit_code);
-  ecx::bench::add_eval_command(app, &exit_code);
+  app.add_subcommand("eval", "Correctness: the same requests through every connector vs local");
 
   ecx::relay::add_relay_command(app, &exit_code);
 

@@ -45,4 +45,9 @@ class Subprocess {
 // it; "ecx" (found on PATH) if that cannot be read.
 std::string current_executable();
 
+// The path of the binary `name` in the directory of this process's own binary (`ecx` and
+// `ecx-bench` are installed side by side); `name` alone (found on PATH) when that
+// directory cannot be read.
+std::string sibling_executable(const std::string& name);
+
 }  // namespace ecx

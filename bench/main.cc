@@ -1,0 +1,55 @@
+// ecx-bench: the benchmarks and the correctness run behind `ecx bench ...` and `ecx eval`
+// (DESIGN.md §7). `ecx` runs this binary, which sits beside it, for every `bench`
+// subcommand but `bench serve` (which `ecx demo` needs) and for `eval`, with the same
+// command line; so building the services and the demo does not compile the benchmarks.
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <iostream>
+
+#include "bench.h"
+#include "ecx/common/log.h"
+#include "epd_bench.h"
+#include "gpu_bench.h"
+#include "load_bench.h"
+#include "peers_bench.h"
+#include "pool_bench.h"
+#include "serve_bench.h"
+#include "vllm_bench.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"ecx: encoder-cache transfer for EPD-disaggregated LLM serving (benchmarks)", "ecx"};
+  app.require_subcommand(1);
+  std::string log_level = "warn";
+  app.add_option("--log-level", log_level, "trace, debug, info, warn, error, off")
+      ->capture_default_str();
+  int exit_code = 0;
+
+  CLI::App* bench = app.add_subcommand("bench", "Benchmarks");
+  bench->require_subcommand(1);
+  ecx::bench::add_transfer_commands(*bench, &exit_code);
+  ecx::bench::add_gpu_transfer_command(*bench, &exit_code);
+  ecx::bench::add_serve_command(*bench, &exit_code);
+  ecx::bench::add_load_command(*bench, &exit_code);
+  ecx::bench::add_pool_command(*bench, &exit_code);
+  ecx::bench::add_epd_command(*bench, &exit_code);
+  ecx::bench::add_peers_command(*bench, &exit_code);
+  ecx::bench::add_vllm_command(*bench, &exit_code);
+  ecx::bench::add_eval_command(app, &exit_code);
+
+  app.parse_complete_callback([&] {
+    ecx::Status s = ecx::set_log_level(log_level);
+    if (!s.ok()) {
+      std::cerr << "ecx: " << s.message() << "\n";
+      std::exit(2);
+    }
+  });
+  std::vector<std::string> args(argv, argv + argc);
+  std::reverse(args.begin() + 1, args.end());  // CLI11 parses a reversed vector
+  args.erase(args.begin());
+  try {
+    app.parse(std::move(args));
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  return exit_code;
+}

@@ -1,7 +1,8 @@
-// ecx-bench: the benchmarks and the correctness run behind `ecx bench ...` and `ecx eval`
-// (DESIGN.md §7). `ecx` runs this binary, which sits beside it, for every `bench`
-// subcommand but `bench serve` (which `ecx demo` needs) and for `eval`, with the same
-// command line; so building the services and the demo does not compile the benchmarks.
+// ecx-bench: the benchmarks, the correctness run and the test hosts' relay behind
+// `ecx bench ...`, `ecx eval` and `ecx relay` (DESIGN.md §7). `ecx` runs this binary, which
+// sits beside it, for every `bench` subcommand but `bench serve` (which `ecx demo` needs),
+// for `eval` and for `relay`, with the same command line; so building the services and the
+// demo does not compile them.
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <iostream>
@@ -13,6 +14,7 @@
 #include "load_bench.h"
 #include "peers_bench.h"
 #include "pool_bench.h"
+#include "relay.h"
 #include "serve_bench.h"
 #include "vllm_bench.h"
 
@@ -35,6 +37,7 @@ int main(int argc, char** argv) {
   ecx::bench::add_peers_command(*bench, &exit_code);
   ecx::bench::add_vllm_command(*bench, &exit_code);
   ecx::bench::add_eval_command(app, &exit_code);
+  ecx::relay::add_relay_command(app, &exit_code);
 
   app.parse_complete_callback([&] {
     ecx::Status s = ecx::set_log_level(log_level);

@@ -1,6 +1,6 @@
 // ecx: one command, one subcommand per job (DESIGN.md §7). The benchmarks (every `bench`
-// subcommand but `bench serve`, which the demo runs) and `eval` are built apart, as
-// ecx-bench beside this binary (bench/main.cc), and run there.
+// subcommand but `bench serve`, which the demo runs), `eval` and the test hosts' `relay`
+// are built apart, as ecx-bench beside this binary (bench/main.cc), and run there.
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -16,7 +16,6 @@
 #include "ecx/common/subprocess.h"
 #include "ecx/engine/model.h"
 #include "ecx/serve/services.h"
-#include "relay.h"
 #include "serve_bench.h"
 
 namespace {
@@ -333,15 +332,15 @@ void add_weights_command(CLI::App& app, std::string& out_path, int* exit_code) {
   });
 }
 
-// Whether the command line is one ecx-bench runs: `eval`, or `bench` with any subcommand
-// but `serve` (`bench --help` included, so that it lists them all).
+// Whether the command line is one ecx-bench runs: `eval`, `relay`, or `bench` with any
+// subcommand but `serve` (`bench --help` included, so that it lists them all).
 bool runs_in_ecx_bench(const std::vector<std::string>& args) {
   size_t i = 1;
   while (i < args.size() && args[i].rfind("--log-level", 0) == 0) {
     i += args[i].find('=') == std::string::npos ? 2 : 1;
   }
   if (i >= args.size()) return false;
-  if (args[i] == "eval") return true;
+  if (args[i] == "eval" || args[i] == "relay") return true;
   return args[i] == "bench" && !(i + 1 < args.size() && args[i + 1] == "serve");
 }
 
@@ -350,8 +349,8 @@ bool runs_in_ecx_bench(const std::vector<std::string>& args) {
 int exec_ecx_bench(char** argv) {
   const std::string bench = ecx::sibling_executable("ecx-bench");
   ::execv(bench.c_str(), argv);
-  std::cerr << "ecx: `ecx bench` and `ecx eval` run " << bench << ", which cannot start ("
-            << std::strerror(errno)
+  std::cerr << "ecx: `ecx bench`, `ecx eval` and `ecx relay` run " << bench
+            << ", which cannot start (" << std::strerror(errno)
             << "): build it with `scripts/build release` (or `cmake --build build --target "
                "ecx-bench`)\n";
   return 127;
@@ -374,7 +373,8 @@ int main(int argc, char** argv) {
   ecx::bench::add_serve_command(*bench, &exit_code);
   app.add_subcommand("eval", "Correctness: the same requests through every connector vs local");
 
-  ecx::relay::add_relay_command(app, &exit_code);
+  app.add_subcommand("relay",
+                     "Delaying TCP relay between test hosts (scripts/hosts; docs/HOSTS.md)");
 
   CLI::App* serve = app.add_subcommand("serve", "Run one service: encoder, pd or proxy");
   serve->require_subcommand(1);

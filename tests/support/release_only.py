@@ -1,19 +1,31 @@
-"""Which tests the release tree runs in scripts/test: those the sanitizer tree did not pass
+"""What the release tree runs in scripts/test: the tests the sanitizer tree did not pass
 (absent there, such as the multihost and install tests, or skipped under a sanitizer, such
-as the EMFILE test). Prints them as `ctest -I` wants them: 0,0,0,N1,N2,... (release
-numbers), one per line on stderr by name.
+as the EMFILE test), and the test binaries it must build for them.
 
     python3 tests/support/release_only.py BUILD SANITIZER_CTEST_OUTPUT
+        prints the tests as `ctest -I` wants them: 0,0,0,N1,N2,... (BUILD's numbers), and
+        their names, one per line, on stderr. A test binary BUILD did not build (its
+        `<binary>_NOT_BUILT` placeholder) is left out.
+    python3 tests/support/release_only.py --targets SANITIZER_BUILD SANITIZER_CTEST_OUTPUT
+        prints the test binaries (their ctest label: one per ecx_test binary) that hold the
+        tests the sanitizer tree ran but did not pass: what the release tree must build
+        besides ecx, ecx-bench and libecx.
 """
+import json
 import re
 import subprocess
 import sys
 
 
+def ctest(build: str, *args: str) -> str:
+    return subprocess.run(["ctest", *args], cwd=build, check=True, capture_output=True,
+                          text=True).stdout
+
+
 def numbered(build: str) -> dict[str, int]:
-    out = subprocess.run(["ctest", "-N"], cwd=build, check=True, capture_output=True,
-                         text=True).stdout
-    return {m.group(2): int(m.group(1)) for m in re.finditer(r"Test\s+#(\d+): (\S+)", out)}
+    return {m.group(2): int(m.group(1))
+            for m in re.finditer(r"Test\s+#(\d+): (\S+)", ctest(build, "-N"))
+            if not m.group(2).endswith("_NOT_BUILT")}
 
 
 def passed(ctest_output: str) -> set[str]:
@@ -22,13 +34,31 @@ def passed(ctest_output: str) -> set[str]:
     return {m.group(1) for m in re.finditer(r"Test\s+#\d+: (\S+) .*\s+Passed\s", text)}
 
 
+def binaries(build: str, names: set[str]) -> list[str]:
+    """The labels of the tests `names` in `build` that name a test binary (an executable of
+    the tree: ecx_test labels each test with its binary's name)."""
+    out = set()
+    for test in json.loads(ctest(build, "--show-only=json-v1"))["tests"]:
+        if test["name"].split()[0] not in names:
+            continue
+        command = test.get("command") or [""]
+        for prop in test.get("properties", []):
+            if prop["name"] == "LABELS":
+                out.update(label for label in prop["value"] if command[0].endswith("/" + label))
+    return sorted(out)
+
+
 def main() -> int:
-    build, log = sys.argv[1], sys.argv[2]
+    targets = sys.argv[1] == "--targets"
+    build, log = sys.argv[2:4] if targets else sys.argv[1:3]
     done = passed(log)
     if not done:
         print(f"release_only: no passed test in {log}", file=sys.stderr)
         return 1
     left = sorted((n, name) for name, n in numbered(build).items() if name not in done)
+    if targets:
+        print(" ".join(binaries(build, {name for _, name in left})))
+        return 0
     for _, name in left:
         print(f"  {name}", file=sys.stderr)
     print(",".join(["0", "0", "0"] + [str(n) for n, _ in left]))

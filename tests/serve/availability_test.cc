@@ -20,6 +20,7 @@
 #include "ecx/serve/services.h"
 #include "serve/http_server.h"
 #include "support/poll.h"
+#include "support/sanitizer.h"
 #include "support/service_process.h"
 
 namespace ecx::serve {
@@ -386,7 +387,7 @@ int64_t status_kib(pid_t pid, const std::string& field) {
 // makes of a request (its parsed form, the calls to E, the body for the PD) stays within
 // that, so large concurrent requests keep its peak memory within --max-buffered-bytes.
 TEST(ProxyWork, LargeConcurrentBodiesKeepTheProxyWithinItsBodyBudget) {
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#if ECX_TEST_SANITIZED
   GTEST_SKIP() << "a sanitizer's allocator keeps freed memory (quarantine) and ignores "
                   "mallopt: the release build measures memory";
 #endif

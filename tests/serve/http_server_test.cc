@@ -23,6 +23,7 @@
 #include "serve/http_server.h"
 #include "support/gate.h"
 #include "support/poll.h"
+#include "support/sanitizer.h"
 #include "support/service_metrics.h"
 
 namespace ecx::serve {
@@ -371,7 +372,7 @@ TEST(HttpServerTest, PastTheConnectionLimitHealthAnswersAndWorkGets503) {
 // the server retries every 50 ms instead of spinning, keeps serving the connections it
 // has, and accepts the waiting client once descriptors are free again.
 TEST(HttpServerTest, OutOfFileDescriptorsTheServerWaitsThenAcceptsTheClient) {
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#if ECX_TEST_SANITIZED
   // The sanitizer runtimes open descriptors of their own (UBSan's vptr check makes a pipe
   // to probe memory): with none left they report errors that are not there. The release
   // tree runs this test.

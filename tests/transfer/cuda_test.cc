@@ -41,7 +41,7 @@ AgentConfig cuda_config(const std::string& name, const std::string& library = "w
 // before them).
 class DeviceBuffer {
  public:
-  explicit DeviceBuffer(uint64_t length) : length_(length) {
+  explicit DeviceBuffer(uint64_t length) {
     auto p = cuda::device_alloc(length);
     if (p.ok()) data_ = static_cast<std::byte*>(*p);
     status_ = p.ok() ? cuda::fill(data_, 0, length) : p.status();
@@ -60,7 +60,6 @@ class DeviceBuffer {
 
  private:
   std::byte* data_ = nullptr;
-  uint64_t length_ = 0;
   Status status_;
 };
 

@@ -7,7 +7,7 @@
 include(CMakePackageConfigHelpers)
 
 set(ECX_LAYERS ecx_common ecx_http ecx_transfer ecx_cache ecx_connector ecx_engine
-               ecx_directory ecx_serve)
+               ecx_openai ecx_directory ecx_serve)
 set(ecx_objects)
 foreach(layer IN LISTS ECX_LAYERS)
   list(APPEND ecx_objects $<TARGET_OBJECTS:${layer}>)

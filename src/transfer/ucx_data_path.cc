@@ -3,7 +3,12 @@
 // Locking: UCX runs request and error callbacks inside ucp_worker_progress, holding the
 // worker's lock. So this file never calls UCX while holding mu_, and calls that purge
 // requests (closing an endpoint) run on the progress thread through UcxWorker::defer.
+// A post holds its endpoint's `use` across its UCX calls; the close takes it (outside
+// ucp_worker_progress) before the endpoint is freed.
 #include "transfer/ucx_data_path.h"
+
+#include <atomic>
+
 #include "ecx/common/log.h"
 #include "transfer/connection.h"
 #include "transfer/memory.h"
@@ -19,6 +24,15 @@ struct UcxDataPath::Endpoint {
   ucp_ep_h ep = nullptr;
   Mutex mu;
   std::map<uint32_t, ucp_rkey_h> rkeys ECX_GUARDED_BY(mu);
+  // Posting on `ep` and closing it exclude each other: the progress thread's forced close
+  // (a peer's failure, another batch's deadline) frees the ucp_ep, so a thread that was
+  // still posting a batch on it would use freed memory (a consumer died so, silently,
+  // when its producer was killed under load). A post holds `use` from its first use of
+  // `ep` to its last; the close marks it `closed` first.
+  Mutex use;
+  bool closed ECX_GUARDED_BY(use) = false;
+  // UCX reported the endpoint failed (its error handler), maybe before it was current.
+  std::atomic<bool> failed = false;
 
   ~Endpoint() {
     for (auto& [region, rkey] : rkeys) worker->api().rkey_destroy(rkey);
@@ -83,6 +97,7 @@ ucp_request_param_t request_param(UcxOp* op) {
 
 void on_endpoint_error(void* arg, ucp_ep_h ep, ucs_status_t status) {
   auto* endpoint = static_cast<Endpoint*>(arg);
+  endpoint->failed = true;
   if (auto path = endpoint->path.lock()) path->endpoint_failed(ep, status);
 }
 
@@ -103,6 +118,10 @@ void on_closed(void* request, ucs_status_t, void* user_data) {
 // report an error), and frees it (and its rkeys) once UCX is done with it.
 void close_endpoint(std::shared_ptr<Endpoint> endpoint) {
   auto worker = endpoint->worker;
+  {
+    MutexLock lock(&endpoint->use);  // a post under way on it ends first
+    endpoint->closed = true;
+  }
   worker->close_started();
   auto* closing = new Closing{std::move(endpoint)};
   ucp_request_param_t param{};
@@ -211,6 +230,12 @@ Status UcxDataPath::post(const std::shared_ptr<UcxBatch>& batch,
   }
   ECX_ASSIGN_OR_RETURN(auto keys, resolve(descriptors, write, deadline));
   ECX_ASSIGN_OR_RETURN(auto ep, endpoint());
+  MutexLock in_use(&ep->use);
+  if (ep->closed) {
+    return Unavailable("ucx endpoint to agent " + peer_ +
+                       " was closed while the batch was posted (the peer failed, or a batch "
+                       "on it was aborted)");
+  }
   std::vector<ucp_rkey_h> rkeys;
   for (size_t i = 0; i < descriptors.size(); ++i) {
     ECX_ASSIGN_OR_RETURN(ucp_rkey_h rkey, rkey_for(*ep, descriptors[i].remote_region, *keys[i]));
@@ -355,12 +380,17 @@ Result<std::shared_ptr<Endpoint>> UcxDataPath::endpoint() {
   std::shared_ptr<Endpoint> raced;
   {
     MutexLock lock(&mu_);
-    if (!ep_) {
-      ep_ = e;
-      return e;
-    }
-    raced = ep_;  // another thread made one first: use it, close ours
+    if (!ep_) ep_ = e;
+    raced = ep_;
   }
+  if (raced == e) {
+    // Its error handler may have run before it was current, where endpoint_failed
+    // ignores it, and UCX reports a failure once.
+    if (!e->failed) return e;
+    reset_endpoint(e);
+    return Unavailable("ucx endpoint to agent " + peer_ + " failed as it was made");
+  }
+  // Another thread made one first: use it, close ours.
   worker_->defer([e] { close_endpoint(e); });
   return raced;
 }

@@ -10,7 +10,39 @@ namespace ecx::transfer {
 namespace {
 // Requests in flight per connection before the worker reads replies.
 constexpr size_t kPipelineDepth = 32;
+// A batch smaller than this per connection stays on fewer connections: another stream's
+// frame costs more than it saves.
+constexpr uint64_t kMinStreamBytes = 256 << 10;
 }  // namespace
+
+// Cuts a batch into one job per connection of nearly equal bytes, each a run of slices of
+// at most `slice` bytes in the batch's order. Three 1600 KiB items over two streams are
+// 2400 KiB each, where slicing per item and dealing the slices out gave one stream twice
+// the bytes of the other: the batch ends with the slower stream.
+std::vector<TcpDataPool::Job> TcpDataPool::split(std::span<const TransferDescriptor> descriptors,
+                                                 uint64_t slice, size_t streams) {
+  uint64_t total = 0;
+  for (const auto& d : descriptors) total += d.length;
+  const uint64_t share = std::max(kMinStreamBytes, (total + streams - 1) / streams);
+  std::vector<Job> jobs(std::min<uint64_t>(streams, (total + share - 1) / share));
+  size_t next = 0;
+  uint64_t room = share;
+  for (const auto& d : descriptors) {
+    auto* base = static_cast<std::byte*>(d.local);
+    for (uint64_t done = 0; done < d.length;) {
+      if (room == 0 && next + 1 < jobs.size()) {
+        ++next;
+        room = share;
+      }
+      uint64_t n = std::min({slice, d.length - done, room == 0 ? slice : room});
+      jobs[next].slices.push_back(
+          {base + done, d.remote_region, d.remote_offset + done, n, d.capability});
+      room -= std::min(room, n);
+      done += n;
+    }
+  }
+  return jobs;
+}
 
 TcpDataPool::TcpDataPool(const AgentConfig& config, AgentMetadata self, AgentMetadata peer,
                          Dialer dial, std::string label, int streams)
@@ -44,18 +76,7 @@ std::shared_ptr<TransferState> TcpDataPool::submit(std::span<const TransferDescr
                                                    std::string description,
                                                    TransferFinalizer finalizer) {
   const uint64_t slice = config_.tcp_slice_bytes == 0 ? (4u << 20) : config_.tcp_slice_bytes;
-  std::vector<Job> jobs(workers_.size());
-  size_t next = 0;
-  for (const auto& d : descriptors) {
-    auto* base = static_cast<std::byte*>(d.local);
-    for (uint64_t done = 0; done < d.length; done += slice) {
-      uint64_t n = std::min(slice, d.length - done);
-      jobs[next % jobs.size()].slices.push_back(
-          {base + done, d.remote_region, d.remote_offset + done, n, d.capability});
-      ++next;
-    }
-  }
-  std::erase_if(jobs, [](const Job& j) { return j.slices.empty(); });
+  std::vector<Job> jobs = split(descriptors, slice, workers_.size());
   auto state =
       std::make_shared<TransferState>(std::move(description), static_cast<int>(jobs.size()));
   state->set_finalizer(std::move(finalizer));

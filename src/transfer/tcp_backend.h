@@ -1,8 +1,8 @@
 // Stream backend (tcp, and unix-socket WRITEs to same-host peers): a pool of data
-// connections to one peer, each driven by a worker thread. A batch is cut into slices
-// (AgentConfig::tcp_slice_bytes) spread over the connections; each worker pipelines its
-// slices (all requests out, then all replies in). Each request carries the descriptor's
-// capability; the serving agent checks it before any byte moves.
+// connections to one peer, each driven by a worker thread. A batch is cut into one run of
+// slices (at most AgentConfig::tcp_slice_bytes each) per connection, of nearly equal
+// bytes; each worker pipelines its slices (all requests out, then all replies in). Each request
+// carries the descriptor's capability; the serving agent checks it before any byte moves.
 #pragma once
 
 #include <cstdint>
@@ -66,6 +66,8 @@ class TcpDataPool final : public DataPath, public std::enable_shared_from_this<T
     TransferState* current = nullptr;
   };
 
+  static std::vector<Job> split(std::span<const TransferDescriptor> descriptors, uint64_t slice,
+                                size_t streams);
   void run(Worker* worker) ECX_EXCLUDES(mu_);
   Status run_job(Worker* worker, Job& job) ECX_EXCLUDES(mu_);
   Status ensure_connected(Worker* worker, Job& job) ECX_EXCLUDES(mu_);

@@ -79,6 +79,10 @@ json connector_extra(const ConnectorBenchOptions& o, const std::string& name,
     if (extra["mode"] == "pull-view") {  // pull with zero_copy: the consumer reads in place
       extra["mode"] = "pull";
       extra["zero_copy"] = true;
+    } else if (extra["mode"] == "pull-unchecked") {
+      // pull with no xxh3 of the loaded bytes: what the checksum costs
+      extra["mode"] = "pull";
+      extra["checksum"] = "off";
     }
   }
   if (kind == "disk") {

@@ -27,7 +27,8 @@ void add_ucx_options(CLI::App* t, TransferBenchOptions* options) {
 void add_connector_options(CLI::App* t, TransferBenchOptions* options) {
   t->add_option("--connectors", options->connectors.connectors,
                 "Also measure connectors per request: p2p:pull,p2p:pull-view (pull with "
-                "zero_copy),p2p:pull-2step,p2p:push,disk,store");
+                "zero_copy),p2p:pull-unchecked (pull with checksum off),p2p:pull-2step,"
+                "p2p:push,disk,store");
   t->add_option("--items", options->connectors.items, "Items per request (connectors)")
       ->capture_default_str();
   t->add_option("--item-size", options->item_size, "Item size (connectors)")->capture_default_str();

@@ -30,14 +30,14 @@ std::vector<TcpDataPool::Job> TcpDataPool::split(std::span<const TransferDescrip
   for (const auto& d : descriptors) {
     auto* base = static_cast<std::byte*>(d.local);
     for (uint64_t done = 0; done < d.length;) {
-      if (room == 0 && next + 1 < jobs.size()) {
+      if (room == 0) {  // bytes are left, so a job is (jobs * share >= total)
         ++next;
         room = share;
       }
-      uint64_t n = std::min({slice, d.length - done, room == 0 ? slice : room});
+      uint64_t n = std::min({slice, d.length - done, room});
       jobs[next].slices.push_back(
           {base + done, d.remote_region, d.remote_offset + done, n, d.capability});
-      room -= std::min(room, n);
+      room -= n;
       done += n;
     }
   }

@@ -91,11 +91,13 @@ def test_bad_config_and_params_raise_naming_the_key():
 
 
 @pytest.fixture()
-def producer_process():
+def producer_process(request):
+    """A producer in its own process; indirect parametrization adds to its extra config."""
     token = secrets.token_hex(16)
     engine = f"e-pkg-{os.getpid()}"
     config = {"connector": "p2p", "role": "producer",
-              "extra": {"engine_id": engine, "pool_bytes": "64MiB", "auth_token": token}}
+              "extra": {"engine_id": engine, "pool_bytes": "64MiB", "auth_token": token,
+                        **getattr(request, "param", {})}}
     proc = subprocess.Popen([sys.executable, str(HERE / "ecx_producer.py"), json.dumps(config)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "ready"
@@ -191,3 +193,81 @@ def test_zero_copy_load_hands_out_the_producers_block_read_only(producer_process
     assert stats["consumer_cache"]["entries"] == 0, "a view takes no block of PD's cache"
     consumer.request_finished("req-zc")
     assert consumer.stats()["views_held"] == 0
+
+
+def producer_pins(command) -> int:
+    return json.loads(command("stats"))["producer_pool"]["pins"]
+
+
+def settled(probe, want, seconds: float = 10.0):
+    """probe() once it returns `want` (releases travel asynchronously), else its last value."""
+    end = threading.Event()
+    for _ in range(int(seconds / 0.05)):
+        got = probe()
+        if got == want:
+            return got
+        end.wait(0.05)
+    return probe()
+
+
+@pytest.mark.parametrize("producer_process", [{"lease_ms": 600}], indirect=True)
+def test_vllms_encoder_cache_holds_zero_copy_items_in_place_until_it_frees_them(
+        producer_process):
+    """ECXConnector's worker (zero_copy, a CPU engine) puts into vLLM's encoder cache a
+    tensor over E's block itself (DLPack, read-only, no copy). Each item's view keeps its
+    own pin at E, renewed past E's lease, until vLLM drops the entry and every view of it."""
+    import torch
+
+    from ecx.vllm._common import InstanceConfig
+    from ecx.vllm._consumer import ConsumerWorker, WorkerLoad
+    from ecx.vllm._metrics import Counters
+
+    command, token = producer_process
+    config = InstanceConfig(name=f"pd-inplace-{os.getpid()}", role="consumer",
+                            extra={"auth_token": token, "zero_copy": True, "lease_ms": 600},
+                            policy="recompute", load_timeout_ms=30000, params_timeout_ms=2000,
+                            metrics_port=None, rendezvous_dir=None, tp_size=1)
+    conn = ecx.Connector(config.ecx_config("consumer", f"{config.name}-w0", keep_loaded=False,
+                                           pool_bytes="64MiB"))
+    counters = Counters()
+    worker = ConsumerWorker(config, conn, 0, counters)
+    shape = [400, 2048]
+    loads = []
+    for i in range(2):
+        key = f"pkg-inplace-{os.getpid()}-{i}"
+        params = command(f"save {key} BF16 {shape[0]},{shape[1]} {40 + i}")
+        assert "error" not in json.loads(params), params
+        loads.append(WorkerLoad(request_id="r", identifier=f"image-{i}", key=key, dtype="BF16",
+                                shape=shape, params=[params]))
+    cache: dict[str, torch.Tensor] = {}
+    worker.load(loads, cache, torch.device("cpu"), torch.bfloat16)
+    expected = [torch.from_numpy(payload(40 + i, shape[0] * shape[1] * 2)) for i in range(2)]
+    for i in range(2):
+        got = cache[f"image-{i}"]
+        assert got.dtype == torch.bfloat16 and list(got.shape) == shape
+        assert torch.equal(got.view(torch.uint8).flatten(), expected[i])
+        # No copy: the tensor is the view, E's block mapped into this process.
+        assert got.data_ptr() == conn.loaded_address(f"step-1/{i}", loads[i].key)
+    del got
+    taken = counters.take()
+    assert taken["worker_items_in_place"] == 2 and taken["worker_items"] == 0, taken
+    assert conn.stats()["views_held"] == 2
+    # Per item at E: the view's own pin and the params' pin, both held and renewed by the
+    # view's request (docs/CONNECTORS.md, "Zero-copy loads").
+    assert producer_pins(command) == 4
+    # Past several of E's leases the views still hold: the worker renews their pins.
+    threading.Event().wait(2.0)
+    assert conn.stats()["views_held"] == 2
+    assert conn.stats()["view_renewals_failed"] == 0
+    assert producer_pins(command) == 4
+    for i in range(2):
+        assert torch.equal(cache[f"image-{i}"].view(torch.uint8).flatten(), expected[i])
+    # vLLM frees one entry; a slice of it (as the model's gather makes) keeps it a while.
+    piece = cache.pop("image-0")[:10]
+    assert conn.stats()["views_held"] == 2
+    del piece
+    assert conn.stats()["views_held"] == 1
+    assert settled(lambda: producer_pins(command), 2) == 2
+    cache.clear()
+    assert conn.stats()["views_held"] == 0
+    assert settled(lambda: producer_pins(command), 0) == 0

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -108,8 +109,9 @@ def test_requests_with_one_and_several_images_match_the_single_instance(epd, ref
 @pytest.fixture(scope="module")
 def pd_zero_copy(epd, tiny_model, deployment_secret, tmp_path_factory):
     """A second PD, next to the first, whose ECXConnector reads E's blocks in place
-    (zero_copy): its scheduler holds views of E's blocks, and its worker reads each one
-    straight from E into vLLM's encoder cache."""
+    (zero_copy): its scheduler holds views of E's blocks, and vLLM's encoder cache in its
+    worker holds tensors over them. VLLM_SERVER_DEV_MODE: its /reset_encoder_cache lets
+    the test make vLLM free the entries."""
     logs = tmp_path_factory.mktemp("epd-zero-copy")
     port, metrics = free_port(), free_ports(2)
     pd = Engine("pd-zc", serve_argv(tiny_model, port, "--enable-logging-iteration-details",
@@ -117,7 +119,8 @@ def pd_zero_copy(epd, tiny_model, deployment_secret, tmp_path_factory):
                                         "ec_consumer", {"auth_token_file": deployment_secret,
                                                         "pool_bytes": "256MiB", "zero_copy": True,
                                                         "metrics_port": metrics})),
-                vllm_env(), port, logs / "pd-zc.log", metrics_port=metrics)
+                vllm_env(VLLM_SERVER_DEV_MODE="1"), port, logs / "pd-zc.log",
+                metrics_port=metrics)
     try:
         pd.start()
         pd.wait_ready()
@@ -139,6 +142,29 @@ def test_a_zero_copy_pd_reads_the_encoders_blocks_in_place(epd, pd_zero_copy, re
     # worker read them from E: the scheduler's cache was not on the bytes' way.
     assert metric(pd.metrics(pd.metrics_port), "ecx_vllm_items_viewed") > 0
     assert metric(pd.worker_metrics(0), "ecx_vllm_items_viewed") > 0
+    # vLLM's encoder cache holds the items in place, tensors over E's blocks: the worker's
+    # views (and so its pins at E) last past the requests, for as long as vLLM keeps them.
+    wait_until(lambda: metric(pd.metrics(), "vllm:ecx_worker_items_in_place_total") > 0, 30,
+               "PD counted items held in place")
+    assert metric(pd.metrics(), "vllm:ecx_worker_items_total") == 0  # nothing was copied
+    held = metric(pd.worker_metrics(0), "ecx_vllm_views_held")
+    assert held > 0
+    assert e_pins(e) >= held
+    # vLLM frees its entries: the views end with the last tensor over them, and E's pins
+    # come back.
+    request = urllib.request.Request(pd.url + "/reset_encoder_cache", method="POST")
+    with urllib.request.urlopen(request, timeout=30) as r:
+        assert r.status == 200
+    wait_until(lambda: metric(pd.worker_metrics(0), "ecx_vllm_views_held") == 0, 20,
+               "the worker's views end once vLLM freed its entries")
+    assert pins_settle(e) == 0
+    # Later requests load again and get the reference's texts.
+    for i in (0, 2):
+        status, body = pd_request(pd, i, encode_on(e, images_of(i)))
+        assert status == 200, body
+        assert text_of(body) == reference.text(i), f"request {i} after the reset"
+    request = urllib.request.Request(pd.url + "/reset_encoder_cache", method="POST")
+    urllib.request.urlopen(request, timeout=30).close()
     assert pins_settle(e) == 0
 
 

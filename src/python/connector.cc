@@ -292,13 +292,15 @@ void bind_consumer_worker(nb::class_<PyConnector>& c) {
 void bind_loaded(nb::class_<PyConnector>& c) {
   c.def(
        "loaded",
-       [](nb::handle self, const std::string& id, const std::string& h) {
+       [](nb::handle self, const std::string& id, const std::string& h, nb::handle owner) {
          auto ref = unwrap(nb::cast<PyConnector&>(self).get().loaded(id, hash_of(h)));
-         return read_only_view(ref.payload(), ref.payload_length(), self);
+         return read_only_view(ref.payload(), ref.payload_length(), owner.is_none() ? self : owner);
        },
-       nb::arg("request_id"), nb::arg("mm_hash"),
-       "The loaded bytes, read-only and without a copy: valid until "
-       "request_finished(request_id). With zero_copy, the producer's own block.")
+       nb::arg("request_id"), nb::arg("mm_hash"), nb::arg("owner") = nb::none(),
+       "The loaded bytes, read-only and without a copy (a NumPy array; torch.from_dlpack "
+       "takes it as is): valid until request_finished(request_id). With zero_copy, the "
+       "producer's own block. The array keeps `owner` alive (default: this connector): an "
+       "owner whose end calls request_finished ties the request to the array's last user.")
       .def(
           "loaded_address",
           [](PyConnector& c, const std::string& id, const std::string& h) {

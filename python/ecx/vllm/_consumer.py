@@ -12,7 +12,9 @@ would otherwise assert on an item with no pixels and take the engine down).
 Worker (where the model runs; in general another process): the scheduler's step metadata
 hands it, per loaded item, params for the block in the scheduler's cache (its own pin and
 capability per tensor-parallel rank); it reads them (same host: through shared memory) and
-puts the tensors into vLLM's encoder cache."""
+puts the tensors into vLLM's encoder cache. With zero_copy on a CPU engine, the tensor is
+the loaded bytes themselves (DLPack over E's sealed block, read-only), held by the worker's
+own pin at E until vLLM frees the entry."""
 from __future__ import annotations
 
 import json
@@ -301,8 +303,28 @@ def _read_only_tensor(view) -> torch.Tensor:
         return torch.from_numpy(view)
 
 
+class _Held:
+    """One worker load (one item) that vLLM's encoder cache holds in place: the storage of
+    the tensor over its bytes keeps this object alive (through DLPack), and its end, once
+    vLLM freed the entry and every view of it, ends the load's request. Until then ecx
+    renews the pin the view holds at its producer (every lease_ms / 3); it counts toward
+    this worker's pin quota there, and past that quota a load copies instead."""
+
+    def __init__(self, conn: ecx.Connector, request_id: str):
+        self._conn = conn  # kept alive with the view
+        self.request_id = request_id
+
+    def __del__(self):
+        try:
+            self._conn.request_finished(self.request_id)
+        except Exception:  # noqa: BLE001 (a finalizer must not raise)
+            logger.exception("ECXConnector: ending worker load %s failed", self.request_id)
+
+
 class ConsumerWorker:
-    """Puts the scheduler's loads into vLLM's encoder cache, through this process's agent."""
+    """Puts the scheduler's loads into vLLM's encoder cache, through this process's agent:
+    a copy in the model's device and dtype, or, with zero_copy on a CPU engine, a tensor
+    over the loaded bytes themselves (E's sealed block) for as long as vLLM keeps it."""
 
     def __init__(self, config: InstanceConfig, conn: ecx.Connector, rank: int,
                  counters: Counters):
@@ -311,6 +333,7 @@ class ConsumerWorker:
         self._rank = rank
         self._counters = counters
         self._steps = 0
+        self._zero_copy = bool(config.extra.get("zero_copy", False))
 
     def load(self, loads: list[WorkerLoad], encoder_cache: dict[str, torch.Tensor],
              device, dtype) -> None:
@@ -325,27 +348,58 @@ class ConsumerWorker:
             self._conn.discard(rid + "/cached", skipped)  # their pins end now, not at the lease
         if not wanted:
             return
-        names = {w.key: w.identifier for w in loads}
-        outcome = self._conn.load(rid, wanted, self._config.load_timeout_ms)
+        # In place: the model reads the bytes where they lie (host memory, in its dtype).
+        # Each such item is a request of its own, which ends when vLLM frees its entry.
+        in_place = self._zero_copy and torch.device(device).type == "cpu"
+        loaded = self._load_each(rid, wanted) if in_place else \
+            [(rid, item) for item in self._conn.load(
+                rid, wanted, self._config.load_timeout_ms)["items"]]
+        ended = set()
         try:
             moved = 0
-            for item in outcome["items"]:
+            for request_id, item in loaded:
                 key = item["mm_hash"]
+                w = next(x for x in loads if x.key == key)
                 if not item["ok"]:
                     self._counters.fail("worker_" + item["code"])
                     logger.error("ECXConnector: worker %d could not read item %s from its "
-                                 "scheduler: %s: %s", self._rank, names[key], item["code"],
+                                 "scheduler: %s: %s", self._rank, w.identifier, item["code"],
                                  item["message"])
                     continue
-                w = next(x for x in loads if x.key == key)
-                view = self._conn.loaded(rid, key)  # ecx memory, read-only, no copy
-                tensor = _read_only_tensor(view).view(TORCH_DTYPES[w.dtype]).reshape(w.shape)
+                want = TORCH_DTYPES[w.dtype]
+                if in_place and want == dtype:
+                    # DLPack over the read-only view, no copy: its storage holds the request.
+                    view = self._conn.loaded(request_id, key, _Held(self._conn, request_id))
+                    ended.add(request_id)  # by the tensor's end, not here
+                    encoder_cache[w.identifier] = torch.from_dlpack(view).view(want).reshape(
+                        w.shape)
+                    self._counters.add("worker_items_in_place")
+                    continue
+                view = self._conn.loaded(request_id, key)  # ecx memory, read-only, no copy
+                tensor = _read_only_tensor(view).view(want).reshape(w.shape)
                 # vLLM keeps its tensor after ecx reuses the block: a copy, on the model's
                 # device and in its dtype.
-                encoder_cache[names[key]] = tensor.to(device=device, dtype=dtype, copy=True)
+                encoder_cache[w.identifier] = tensor.to(device=device, dtype=dtype, copy=True)
                 moved += tensor.numel() * tensor.element_size()
                 self._counters.add("worker_items")
         finally:
-            self._conn.request_finished(rid)
+            for request_id in {r for r, _ in loaded} - ended:
+                self._conn.request_finished(request_id)
         self._counters.add("worker_bytes", moved)
         self._counters.observe("worker_copy_ms", (time.monotonic() - started) * 1e3)
+
+    def _load_each(self, rid: str, wanted: list) -> list[tuple[str, dict]]:
+        """One request per item ("<rid>/<i>"), all within the step's load timeout."""
+        deadline = time.monotonic() + self._config.load_timeout_ms / 1e3
+        out = []
+        try:
+            for i, item in enumerate(wanted):
+                left_ms = max(0, int((deadline - time.monotonic()) * 1e3))
+                request_id = f"{rid}/{i}"
+                outcome = self._conn.load(request_id, [item], left_ms)
+                out += [(request_id, o) for o in outcome["items"]]
+        except BaseException:
+            for request_id, _ in out:  # their views would otherwise be renewed for ever
+                self._conn.request_finished(request_id)
+            raise
+        return out

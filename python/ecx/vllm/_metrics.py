@@ -16,7 +16,7 @@ from vllm.distributed.ec_transfer.ec_connector.metrics import (
 from ._common import logger
 
 _COUNTS = ("loads", "load_bytes", "local_encodes", "saves", "save_bytes", "params_issued",
-           "worker_items", "worker_bytes")
+           "worker_items", "worker_items_in_place", "worker_bytes")
 _SERIES = ("load_ms", "worker_copy_ms")
 _MAX_SERIES = 10000  # observations kept per interval (vLLM reads them every step)
 
@@ -95,6 +95,7 @@ class ECXConnectorStats(ECConnectorStats):
             "avg_load_ms": round(sum(loads) / len(loads), 3) if loads else 0,
             "items_encoded_locally": d.get("local_encodes", 0),
             "avg_worker_copy_ms": round(sum(copies) / len(copies), 3) if copies else 0,
+            "items_in_place": d.get("worker_items_in_place", 0),
             "items_saved": d.get("saves", 0),
             "params_issued": d.get("params_issued", 0),
         }
@@ -124,6 +125,9 @@ class ECXPromMetrics(ECConnectorPromMetrics):
                           "ec_transfer_params items an encoder handed out."),
         "worker_items": ("vllm:ecx_worker_items_total",
                          "Items a worker copied into vLLM's encoder cache."),
+        "worker_items_in_place": ("vllm:ecx_worker_items_in_place_total",
+                                  "Items vLLM's encoder cache holds where they lie (zero_copy: "
+                                  "a read-only tensor over the encoder's block, no copy)."),
     }
     _HISTOGRAMS = {
         "load_ms": ("vllm:ecx_load_seconds",

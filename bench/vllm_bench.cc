@@ -27,7 +27,7 @@ struct VllmOptions {
   std::string json_path = "bench_vllm.json";
   std::string venv;  // default: .venv at the repository root
   bool quick = false;
-  std::string connectors = "single,example,cpu,mooncake,ecx";
+  std::string connectors = "single,example,cpu,mooncake,ecx,ecx-zc";
   std::string proxy;    // default (the script's): <venv>/share/vllm-examples/disagg_epd_proxy.py
   std::string model;    // default (the script's): tiny_vlm.py's model, built and cached
   int num_prompts = 0;  // 0: the workload's (16; --quick 4)

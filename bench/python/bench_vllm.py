@@ -15,6 +15,7 @@ temperature 0) against:
   mooncake  E + PD with ECMooncakeConnector (ec_buffer_device cpu, mooncake_protocol tcp;
             E pushes into PD's registered pool); the proxy names PD's control address;
   ecx       E + PD with ECXConnector;
+  ecx-zc    the same with zero_copy on PD: its encoder cache holds tensors over E's blocks;
 
 every E + PD behind vLLM's example EPD proxy (disagg_epd_proxy.py from vLLM's sdist; scripts/
 deps puts it at .venv/share/vllm-examples/; --proxy PATH). The model is the random Qwen2-VL of
@@ -70,9 +71,10 @@ def _sibling(name: str):
 timing = _sibling("bench_vllm_timing")
 rt = _sibling("bench_vllm_runtime")
 
-ROWS = ["single", "example", "cpu", "mooncake", "ecx"]
+ROWS = ["single", "example", "cpu", "mooncake", "ecx", "ecx-zc"]
 CONNECTOR_CLASS = {"single": None, "example": "ECExampleConnector", "cpu": "ECCPUConnector",
-                   "mooncake": "ECMooncakeConnector", "ecx": "ECXConnector"}
+                   "mooncake": "ECMooncakeConnector", "ecx": "ECXConnector",
+                   "ecx-zc": "ECXConnector"}
 
 # The seed workload (DESIGN.md §8: 100 prompts, 3 images of 560x560, 400 text tokens, 100
 # output tokens) scaled to what 2 CPU cores finish in minutes per configuration.
@@ -100,7 +102,7 @@ def ec_config(row: str, role: str, cfg: dict, timed: bool) -> dict:
            "ec_buffer_device": "cpu"}
     if timed:
         out["ec_connector_module_path"] = rt.TIMING_MODULE
-    elif row == "ecx":
+    elif row in ("ecx", "ecx-zc"):
         out["ec_connector_module_path"] = "ecx.vllm"
     if row == "example":
         out["ec_connector_extra_config"] = {"shared_storage_path": str(cfg["shared_dir"])}
@@ -110,10 +112,12 @@ def ec_config(row: str, role: str, cfg: dict, timed: bool) -> dict:
         port = cfg["mooncake_e_port"] if role == "ec_producer" else cfg["mooncake_pd_port"]
         out.update(ec_ip="127.0.0.1", ec_port=port, ec_buffer_size=POOL_BYTES)
         out["ec_connector_extra_config"] = {"mooncake_protocol": "tcp"}
-    elif row == "ecx":
+    elif row in ("ecx", "ecx-zc"):
         out["ec_connector_extra_config"] = {"auth_token_file": str(cfg["token_file"]),
                                             "pool_bytes": f"{POOL_BYTES >> 20}MiB",
                                             "failure_policy": "recompute"}
+        if row == "ecx-zc" and role == "ec_consumer":
+            out["ec_connector_extra_config"]["zero_copy"] = True
     return out
 
 
@@ -130,7 +134,8 @@ def row_env(row: str, role: str, cfg: dict) -> dict:
 
 
 def run_row(row: str, args, w: dict, model: Path, run_dir: Path, fixed: list[dict]) -> dict:
-    result = rt.empty_row(CONNECTOR_CLASS[row] or "single", row)
+    label = "ECXConnector zero_copy" if row == "ecx-zc" else CONNECTOR_CLASS[row] or "single"
+    result = rt.empty_row(label, row)
     d = run_dir / row
     d.mkdir(parents=True, exist_ok=True)
     result["logs"] = str(d)

@@ -271,3 +271,47 @@ def test_vllms_encoder_cache_holds_zero_copy_items_in_place_until_it_frees_them(
     cache.clear()
     assert conn.stats()["views_held"] == 0
     assert settled(lambda: producer_pins(command), 0) == 0
+
+
+@pytest.mark.parametrize("producer_process", [{"lease_ms": 600}], indirect=True)
+def test_an_in_place_item_whose_block_e_reused_leaves_vllms_encoder_cache(producer_process):
+    """A worker that renews too seldom (its lease_ms 100x E's): its pins at E lapse, and E
+    reuses the block for other items. Before the next step, the entry over that block
+    leaves vLLM's encoder cache (counted as view_lost): no step reads another item's
+    bytes as this one's."""
+    import torch
+
+    from ecx.vllm._common import InstanceConfig
+    from ecx.vllm._consumer import ConsumerWorker, WorkerLoad
+    from ecx.vllm._metrics import Counters
+
+    command, token = producer_process
+    config = InstanceConfig(name=f"pd-lapse-{os.getpid()}", role="consumer",
+                            extra={"auth_token": token, "zero_copy": True, "lease_ms": 60000},
+                            policy="recompute", load_timeout_ms=30000, params_timeout_ms=2000,
+                            metrics_port=None, rendezvous_dir=None, tp_size=1)
+    conn = ecx.Connector(config.ecx_config("consumer", f"{config.name}-w0", keep_loaded=False,
+                                           pool_bytes="64MiB"))
+    counters = Counters()
+    worker = ConsumerWorker(config, conn, 0, counters)
+    shape = [400, 2048]
+    key = f"pkg-lapse-{os.getpid()}"
+    params = command(f"save {key} BF16 {shape[0]},{shape[1]} 77")
+    assert "error" not in json.loads(params), params
+    cache: dict[str, torch.Tensor] = {}
+    worker.load([WorkerLoad(request_id="r", identifier="image", key=key, dtype="BF16",
+                            shape=shape, params=[params])], cache, torch.device("cpu"),
+                torch.bfloat16)
+    assert counters.take()["worker_items_in_place"] == 1
+    worker.check_in_place(cache)
+    assert "image" in cache  # intact: held, its header the item's
+    # E's lease passes with no renewal (the worker's comes every 20 s): the pins lapse.
+    assert settled(lambda: producer_pins(command), 0) == 0
+    # E needs the room: 48 other items through its 64 MiB pool reuse every free block.
+    for i in range(48):
+        out = command(f"save {key}-other-{i} BF16 {shape[0]},{shape[1]} {i}")
+        assert "error" not in json.loads(out), out
+    worker.check_in_place(cache)
+    assert "image" not in cache
+    assert counters.take()["failures"] == {"view_lost": 1}
+    assert settled(lambda: conn.stats()["views_held"], 0) == 0  # the request ended too

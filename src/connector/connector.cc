@@ -267,6 +267,30 @@ Result<cache::BlockRef> Connector::loaded(const std::string& request_id, const M
   return core_.consumer_cache()->find(mm_hash);
 }
 
+Status Connector::view_intact(const std::string& request_id, const MmHash& mm_hash) {
+  MutexLock lock(&mu_);
+  auto it = requests_.find(request_id);
+  if (it == requests_.end() || !it->second->done) {
+    return Status(StatusCode::kFailedPrecondition,
+                  "view_intact: request " + request_id + " has no finished load");
+  }
+  for (const FetchSlot& v : it->second->views) {
+    if (v.item->mm_hash != mm_hash) continue;
+    if (!v.status.ok()) return v.status;  // a renewal the producer refused
+    // A producer reuses a block only once no pin holds it, and rewrites its header first.
+    std::atomic_thread_fence(std::memory_order_acquire);
+    Status header = cache::verify_block(
+        v.block.block, v.block.block_length,
+        {mm_hash, v.item->meta, v.block.generation, "a view of " + mm_hash.str(),
+         /*verify_payload=*/false});
+    if (header.ok()) return header;
+    return Status(StatusCode::kEvicted,
+                  "the view of " + mm_hash.str() + " lost its block: " + header.message());
+  }
+  return Status(StatusCode::kFailedPrecondition,
+                "view_intact: request " + request_id + " holds " + mm_hash.str() + " as a copy");
+}
+
 void Connector::request_finished(const std::string& request_id) {
   std::shared_ptr<RequestState> state;
   bool wake_loader = false;

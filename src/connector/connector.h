@@ -48,6 +48,7 @@ class Connector final : public EcConnector {
   LoadOutcome load(const LoadRequest& request, Deadline deadline) override;
   std::vector<std::string> get_finished() override;
   Result<cache::BlockRef> loaded(const std::string& request_id, const MmHash& mm_hash) override;
+  Status view_intact(const std::string& request_id, const MmHash& mm_hash) override;
   Result<std::vector<EcTransferParams>> share_loaded(const std::string& request_id,
                                                      const MmHash& mm_hash,
                                                      size_t readers) override;

@@ -302,6 +302,15 @@ void bind_loaded(nb::class_<PyConnector>& c) {
        "producer's own block. The array keeps `owner` alive (default: this connector): an "
        "owner whose end calls request_finished ties the request to the array's last user.")
       .def(
+          "view_intact",
+          [](PyConnector& c, const std::string& id, const std::string& h) {
+            check(c.get().view_intact(id, hash_of(h)));
+          },
+          nb::arg("request_id"), nb::arg("mm_hash"),
+          "Raises ecx.Error unless the request still reads the item where it lies: "
+          "'evicted' once the view's pins or its block's header are lost (stop reading it), "
+          "'failed_precondition' for an item held as a copy.")
+      .def(
           "loaded_address",
           [](PyConnector& c, const std::string& id, const std::string& h) {
             auto ref = unwrap(c.get().loaded(id, hash_of(h)));

@@ -210,6 +210,13 @@ class EcConnector {
   // With zero_copy, an item read where it lies is a read-only view of its producer's
   // block (writing to it faults), held until request_finished.
   virtual Result<cache::BlockRef> loaded(const std::string& request_id, const MmHash& mm_hash) = 0;
+  // Whether request_id still reads mm_hash where it lies: Ok while the view's pins hold (no
+  // renewal was refused) and its block's header is still the item's; kEvicted once it is
+  // not (its bytes may be another item's: stop reading them). kFailedPrecondition when the
+  // request holds the item as a copy of its own, or has no such load.
+  virtual Status view_intact(const std::string& /*request_id*/, const MmHash& /*mm_hash*/) {
+    return Status(StatusCode::kFailedPrecondition, "view_intact: this connector has no views");
+  }
   // Lets `readers` other agents of this deployment READ a loaded item from this consumer's
   // cache (vLLM's scheduler hands its loads to its workers, which are other processes):
   // per reader, signed p2p params of the block, each with its own pin (lease_ms) and

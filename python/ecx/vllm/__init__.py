@@ -165,7 +165,8 @@ class ECXConnector(ECConnectorBase):
             self._exporter = None
         if self._producer_worker is not None:
             self._producer_worker.close()
-        self._conn = None  # ecx stops its threads and agent
+        self._conn = None  # ecx stops its threads and agent once nothing holds it (in-place
+        # entries vLLM still keeps hold it, and their pins, until vLLM frees them)
 
     # ---------------- worker side ----------------
 
@@ -185,8 +186,10 @@ class ECXConnector(ECConnectorBase):
     @_hook(None)
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs) -> None:
         meta = self._get_connector_metadata()
-        if self._consumer_worker is None or not isinstance(meta, ECXConnectorMetadata) or \
-                not meta.loads:
+        if self._consumer_worker is None:
+            return
+        self._consumer_worker.check_in_place(encoder_cache)
+        if not isinstance(meta, ECXConnectorMetadata) or not meta.loads:
             return
         device = kwargs.get("device") or _encoder_device(encoder_cache)
         self._consumer_worker.load(meta.loads, encoder_cache, device, self._model_dtype)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import time
 import warnings
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -334,6 +335,28 @@ class ConsumerWorker:
         self._counters = counters
         self._steps = 0
         self._zero_copy = bool(config.extra.get("zero_copy", False))
+        # vLLM's entries over views: identifier -> (request, ecx key, the tensor, weakly)
+        self._in_place: dict[str, tuple[str, str, weakref.ref]] = {}
+
+    def check_in_place(self, encoder_cache: dict[str, torch.Tensor]) -> None:
+        """Before every step: an entry whose view is no longer intact (a renewal its
+        producer refused, or its block's header is not the item's any more: the pins
+        lapsed and E reused the block) leaves vLLM's encoder cache, so that no step reads
+        another item's bytes. vLLM then fails what still needed it, loudly."""
+        for name, (request_id, key, ref) in list(self._in_place.items()):
+            tensor = ref()
+            if tensor is None or encoder_cache.get(name) is not tensor:
+                del self._in_place[name]  # vLLM freed or replaced it
+                continue
+            try:
+                self._conn.view_intact(request_id, key)
+            except ecx.Error as e:
+                del self._in_place[name]
+                encoder_cache.pop(name, None)
+                self._counters.fail("view_lost")
+                logger.error("ECXConnector: worker %d: item %s is no longer E's (%s: %s): "
+                             "dropped from vLLM's encoder cache", self._rank, name, e.code,
+                             e.message)
 
     def load(self, loads: list[WorkerLoad], encoder_cache: dict[str, torch.Tensor],
              device, dtype) -> None:
@@ -367,12 +390,13 @@ class ConsumerWorker:
                                  item["message"])
                     continue
                 want = TORCH_DTYPES[w.dtype]
-                if in_place and want == dtype:
+                if in_place and want == dtype and self._viewed(request_id, key):
                     # DLPack over the read-only view, no copy: its storage holds the request.
                     view = self._conn.loaded(request_id, key, _Held(self._conn, request_id))
                     ended.add(request_id)  # by the tensor's end, not here
-                    encoder_cache[w.identifier] = torch.from_dlpack(view).view(want).reshape(
-                        w.shape)
+                    tensor = torch.from_dlpack(view).view(want).reshape(w.shape)
+                    encoder_cache[w.identifier] = tensor
+                    self._in_place[w.identifier] = (request_id, key, weakref.ref(tensor))
                     self._counters.add("worker_items_in_place")
                     continue
                 view = self._conn.loaded(request_id, key)  # ecx memory, read-only, no copy
@@ -387,6 +411,16 @@ class ConsumerWorker:
                 self._conn.request_finished(request_id)
         self._counters.add("worker_bytes", moved)
         self._counters.observe("worker_copy_ms", (time.monotonic() - started) * 1e3)
+
+    def _viewed(self, request_id: str, key: str) -> bool:
+        """Whether the item is a view of E's block. One that was copied instead (past this
+        worker's pin quota at E, E on another host) is copied on into vLLM's tensor: the
+        worker's own cache holds only a step's loads."""
+        try:
+            self._conn.view_intact(request_id, key)
+            return True
+        except ecx.Error:
+            return False
 
     def _load_each(self, rid: str, wanted: list) -> list[tuple[str, dict]]:
         """One request per item ("<rid>/<i>"), all within the step's load timeout."""

@@ -160,6 +160,17 @@ Result<int64_t> timed_load(connector::EcConnector& consumer, const BenchRequest&
   return elapsed;
 }
 
+// Evicts this core's caches (ConnectorBenchOptions::cold_cache): writes a scratch buffer
+// of 8x the last-level cache (64 MiB where the size is unknown), a new value each time.
+void evict_caches() {
+  static std::vector<std::byte> scratch = [] {
+    long llc = ::sysconf(_SC_LEVEL3_CACHE_SIZE);
+    return std::vector<std::byte>(llc > 0 ? 8 * static_cast<size_t>(llc) : 64u << 20);
+  }();
+  static unsigned char value = 0;
+  std::memset(scratch.data(), ++value, scratch.size());
+}
+
 // Per-request load latencies in nanoseconds, after 3 untimed warm-up requests.
 Result<std::vector<int64_t>> time_requests(const ConnectorBenchOptions& o, Producer& producer,
                                            connector::EcConnector& consumer,
@@ -169,6 +180,7 @@ Result<std::vector<int64_t>> time_requests(const ConnectorBenchOptions& o, Produ
   std::vector<int64_t> samples;
   for (int r = 0; r < o.requests + warmup; ++r) {
     ECX_ASSIGN_OR_RETURN(BenchRequest req, save_request(producer, o.items, meta, tag, r));
+    if (o.cold_cache) evict_caches();
     ECX_ASSIGN_OR_RETURN(int64_t elapsed, timed_load(consumer, req, r));
     consumer.request_finished(req.load.request_id);
     if (r >= warmup) samples.push_back(elapsed);
@@ -223,6 +235,7 @@ ConnectorRow run_one(const ConnectorBenchOptions& o, const std::string& exe,
   ConnectorRow row;
   row.connector = name;
   row.security = security;
+  row.cold_cache = o.cold_cache;
   row.items = o.items;
   row.item_bytes = o.item_bytes;
   row.requests = o.requests;
@@ -325,6 +338,7 @@ json connector_rows_json(const std::vector<ConnectorRow>& rows) {
   for (const auto& r : rows) {
     json j = {{"connector", r.connector},
               {"security", r.security},
+              {"cold_cache", r.cold_cache},
               {"round", r.round},
               {"items", r.items},
               {"item_bytes", r.item_bytes},

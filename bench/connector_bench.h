@@ -22,6 +22,11 @@ struct ConnectorBenchOptions {
   // "off": neither. "on,off" measures both, alternated, `rounds` times in one run.
   std::string security = "on";
   int rounds = 1;
+  // Before each timed load the consumer writes a scratch buffer of 8x this machine's
+  // last-level cache, so every load starts with the same cold caches whatever the item
+  // size (without it, a small item's load finds the connector's code and data still
+  // cached, a large one's after the bench's own byte check evicted them).
+  bool cold_cache = false;
   // The producer in this network namespace (ip netns exec), its agent on `peer_host`,
   // the consumer's on `consumer_host` (transfer_bench.cc resolves both). Needs security
   // on: an agent without a secret listens on loopback only.
@@ -33,6 +38,7 @@ struct ConnectorBenchOptions {
 struct ConnectorRow {
   std::string connector;
   std::string security = "on";
+  bool cold_cache = false;
   int round = 0;
   int items = 0;
   uint64_t item_bytes = 0;

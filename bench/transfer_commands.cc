@@ -44,6 +44,9 @@ void add_connector_options(CLI::App* t, TransferBenchOptions* options) {
       ->capture_default_str();
   t->add_option("--connector-backend", options->connectors.backend, "p2p backend: auto, shm or tcp")
       ->capture_default_str();
+  t->add_flag("--cold-cache", options->connectors.cold_cache,
+              "Connectors: evict the caches before each timed load (8x the last-level cache "
+              "written), so every item size starts alike");
 }
 
 void add_transfer_command(CLI::App& bench, int* exit_code) {

@@ -210,6 +210,23 @@ def settled(probe, want, seconds: float = 10.0):
     return probe()
 
 
+def zero_copy_worker(name: str, token: str, lease_ms: int):
+    """ECXConnector's consumer worker as vLLM makes it (zero_copy), with its connector and
+    counters, in this process."""
+    from ecx.vllm._common import InstanceConfig
+    from ecx.vllm._consumer import ConsumerWorker
+    from ecx.vllm._metrics import Counters
+
+    config = InstanceConfig(name=f"{name}-{os.getpid()}", role="consumer",
+                            extra={"auth_token": token, "zero_copy": True, "lease_ms": lease_ms},
+                            policy="recompute", load_timeout_ms=30000, params_timeout_ms=2000,
+                            metrics_port=None, rendezvous_dir=None, tp_size=1)
+    conn = ecx.Connector(config.ecx_config("consumer", f"{config.name}-w0", keep_loaded=False,
+                                           pool_bytes="64MiB"))
+    counters = Counters()
+    return conn, counters, ConsumerWorker(config, conn, 0, counters)
+
+
 @pytest.mark.parametrize("producer_process", [{"lease_ms": 600}], indirect=True)
 def test_vllms_encoder_cache_holds_zero_copy_items_in_place_until_it_frees_them(
         producer_process):
@@ -218,19 +235,10 @@ def test_vllms_encoder_cache_holds_zero_copy_items_in_place_until_it_frees_them(
     own pin at E, renewed past E's lease, until vLLM drops the entry and every view of it."""
     import torch
 
-    from ecx.vllm._common import InstanceConfig
-    from ecx.vllm._consumer import ConsumerWorker, WorkerLoad
-    from ecx.vllm._metrics import Counters
+    from ecx.vllm._consumer import WorkerLoad
 
     command, token = producer_process
-    config = InstanceConfig(name=f"pd-inplace-{os.getpid()}", role="consumer",
-                            extra={"auth_token": token, "zero_copy": True, "lease_ms": 600},
-                            policy="recompute", load_timeout_ms=30000, params_timeout_ms=2000,
-                            metrics_port=None, rendezvous_dir=None, tp_size=1)
-    conn = ecx.Connector(config.ecx_config("consumer", f"{config.name}-w0", keep_loaded=False,
-                                           pool_bytes="64MiB"))
-    counters = Counters()
-    worker = ConsumerWorker(config, conn, 0, counters)
+    conn, counters, worker = zero_copy_worker("pd-inplace", token, lease_ms=600)
     shape = [400, 2048]
     loads = []
     for i in range(2):
@@ -281,19 +289,10 @@ def test_an_in_place_item_whose_block_e_reused_leaves_vllms_encoder_cache(produc
     bytes as this one's."""
     import torch
 
-    from ecx.vllm._common import InstanceConfig
-    from ecx.vllm._consumer import ConsumerWorker, WorkerLoad
-    from ecx.vllm._metrics import Counters
+    from ecx.vllm._consumer import WorkerLoad
 
     command, token = producer_process
-    config = InstanceConfig(name=f"pd-lapse-{os.getpid()}", role="consumer",
-                            extra={"auth_token": token, "zero_copy": True, "lease_ms": 60000},
-                            policy="recompute", load_timeout_ms=30000, params_timeout_ms=2000,
-                            metrics_port=None, rendezvous_dir=None, tp_size=1)
-    conn = ecx.Connector(config.ecx_config("consumer", f"{config.name}-w0", keep_loaded=False,
-                                           pool_bytes="64MiB"))
-    counters = Counters()
-    worker = ConsumerWorker(config, conn, 0, counters)
+    conn, counters, worker = zero_copy_worker("pd-lapse", token, lease_ms=60000)
     shape = [400, 2048]
     key = f"pkg-lapse-{os.getpid()}"
     params = command(f"save {key} BF16 {shape[0]},{shape[1]} 77")

@@ -44,12 +44,20 @@ EXAMPLE_PROXY = Path(os.environ.get("ECX_VLLM_EPD_PROXY") or Path(
 
 
 @pytest.fixture(scope="module")
-def epd(tiny_model, deployment_secret, reference, tmp_path_factory):
-    """E and PD with ECXConnector, started next to the reference, stopped at the end."""
+def engines(tiny_model, deployment_secret, reference, tmp_path_factory):
+    """E, PD and a second PD with zero_copy, started together next to the reference and
+    stopped at the end. (An engine's start is three processes, each importing torch, one
+    after another: started together, the engines keep both cores busy; the zero-copy PD
+    started alone later took 67 s of a 541 s pytest run.)
+
+    The zero-copy PD's ECXConnector reads E's blocks in place: its scheduler holds views
+    of E's blocks, and vLLM's encoder cache in its worker holds tensors over them.
+    VLLM_SERVER_DEV_MODE: its /reset_encoder_cache lets a test make vLLM free the
+    entries."""
     logs = tmp_path_factory.mktemp("epd-default")
     common = {"auth_token_file": deployment_secret, "pool_bytes": "256MiB"}
-    e_port, pd_port = free_port(), free_port()
-    e_metrics, pd_metrics = free_ports(2), free_ports(2)
+    e_port, pd_port, zc_port = free_port(), free_port(), free_port()
+    e_metrics, pd_metrics, zc_metrics = free_ports(2), free_ports(2), free_ports(2)
     # lease_ms of ten minutes: a pin that ends during a test was released, not expired.
     e = Engine("e", serve_argv(tiny_model, e_port, "--ec-transfer-config", ec_config(
         "ec_producer", {**common, "lease_ms": 600000, "metrics_port": e_metrics})),
@@ -58,19 +66,38 @@ def epd(tiny_model, deployment_secret, reference, tmp_path_factory):
                                  "--ec-transfer-config", ec_config(
                                      "ec_consumer", {**common, "metrics_port": pd_metrics})),
                 vllm_env(), pd_port, logs / "pd.log", metrics_port=pd_metrics)
-    engines = [e, pd]
+    pd_zc = Engine("pd-zc", serve_argv(tiny_model, zc_port, "--enable-logging-iteration-details",
+                                       "--ec-transfer-config", ec_config(
+                                           "ec_consumer", {**common, "zero_copy": True,
+                                                           "metrics_port": zc_metrics})),
+                   vllm_env(VLLM_SERVER_DEV_MODE="1"), zc_port, logs / "pd-zc.log",
+                   metrics_port=zc_metrics)
+    started = [e, pd, pd_zc]
     try:
-        for engine in engines:
+        for engine in started:
             engine.start()
-        for engine in engines:
+        for engine in started:
             engine.wait_ready()
-        # Nothing else starts while the tests run: three instances share two cores here.
+        # Nothing else starts while the tests run: four instances share two cores here.
         reference.engine.wait_ready()
         warm_up(e, pd, png(424242))
-        yield e, pd
+        yield e, pd, pd_zc
     finally:
-        for engine in engines:
+        for engine in started:
             engine.stop()
+
+
+@pytest.fixture(scope="module")
+def epd(engines):
+    """E and PD with ECXConnector (its defaults: PD copies what it loads)."""
+    e, pd, _ = engines
+    return e, pd
+
+
+@pytest.fixture(scope="module")
+def pd_zero_copy(engines):
+    """The PD with zero_copy, loading from the same E."""
+    return engines[2]
 
 
 def e_pins(e: Engine) -> float:
@@ -104,29 +131,6 @@ def test_requests_with_one_and_several_images_match_the_single_instance(epd, ref
     assert pd.encoder_iterations() == 0
     assert pins_settle(e) == 0
     assert metric(pd.metrics(), "vllm:ecx_local_encodes_total") == local
-
-
-@pytest.fixture(scope="module")
-def pd_zero_copy(epd, tiny_model, deployment_secret, tmp_path_factory):
-    """A second PD, next to the first, whose ECXConnector reads E's blocks in place
-    (zero_copy): its scheduler holds views of E's blocks, and vLLM's encoder cache in its
-    worker holds tensors over them. VLLM_SERVER_DEV_MODE: its /reset_encoder_cache lets
-    the test make vLLM free the entries."""
-    logs = tmp_path_factory.mktemp("epd-zero-copy")
-    port, metrics = free_port(), free_ports(2)
-    pd = Engine("pd-zc", serve_argv(tiny_model, port, "--enable-logging-iteration-details",
-                                    "--ec-transfer-config", ec_config(
-                                        "ec_consumer", {"auth_token_file": deployment_secret,
-                                                        "pool_bytes": "256MiB", "zero_copy": True,
-                                                        "metrics_port": metrics})),
-                vllm_env(VLLM_SERVER_DEV_MODE="1"), port, logs / "pd-zc.log",
-                metrics_port=metrics)
-    try:
-        pd.start()
-        pd.wait_ready()
-        yield pd
-    finally:
-        pd.stop()
 
 
 def test_a_zero_copy_pd_reads_the_encoders_blocks_in_place(epd, pd_zero_copy, reference):

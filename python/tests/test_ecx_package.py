@@ -254,8 +254,9 @@ def test_vllms_encoder_cache_holds_zero_copy_items_in_place_until_it_frees_them(
         got = cache[f"image-{i}"]
         assert got.dtype == torch.bfloat16 and list(got.shape) == shape
         assert torch.equal(got.view(torch.uint8).flatten(), expected[i])
-        # No copy: the tensor is the view, E's block mapped into this process.
-        assert got.data_ptr() == conn.loaded_address(f"step-1/{i}", loads[i].key)
+        # No copy: the tensor is the view, E's block mapped into this process. One request
+        # of the worker loaded both items (one lookup at E for the step).
+        assert got.data_ptr() == conn.loaded_address("step-1", loads[i].key)
     del got
     taken = counters.take()
     assert taken["worker_items_in_place"] == 2 and taken["worker_items"] == 0, taken
@@ -276,9 +277,58 @@ def test_vllms_encoder_cache_holds_zero_copy_items_in_place_until_it_frees_them(
     del piece
     assert conn.stats()["views_held"] == 1
     assert settled(lambda: producer_pins(command), 2) == 2
+    # The other item of that step's request is still held and renewed past E's lease.
+    threading.Event().wait(1.0)
+    assert conn.stats()["view_renewals_failed"] == 0
+    assert producer_pins(command) == 2
+    assert torch.equal(cache["image-1"].view(torch.uint8).flatten(), expected[1])
     cache.clear()
     assert conn.stats()["views_held"] == 0
     assert settled(lambda: producer_pins(command), 0) == 0
+
+
+class _CacheFullAfterOne(dict):
+    """An encoder cache that takes one entry, then raises (a step cut short)."""
+
+    def __setitem__(self, key, value):
+        if self:
+            raise RuntimeError("encoder cache full")
+        super().__setitem__(key, value)
+
+
+@pytest.mark.parametrize("producer_process", [{"lease_ms": 600}], indirect=True)
+def test_a_worker_step_cut_short_keeps_only_the_pins_of_the_entry_it_made(producer_process):
+    """A zero-copy worker step that raises midway (vLLM's cache refuses its second item)
+    keeps the entry it made, held and renewed, and gives back the pins of the item it was
+    putting in and of the one it never reached, without waiting for the entry's end."""
+    import torch
+
+    from ecx.vllm._consumer import WorkerLoad
+
+    command, token = producer_process
+    conn, counters, worker = zero_copy_worker("pd-cutshort", token, lease_ms=600)
+    shape = [64, 1024]
+    loads = []
+    for i in range(3):
+        key = f"pkg-cutshort-{os.getpid()}-{i}"
+        params = command(f"save {key} BF16 {shape[0]},{shape[1]} {60 + i}")
+        assert "error" not in json.loads(params), params
+        loads.append(WorkerLoad(request_id="r", identifier=f"image-{i}", key=key, dtype="BF16",
+                                shape=shape, params=[params]))
+    cache = _CacheFullAfterOne()
+    with pytest.raises(RuntimeError, match="encoder cache full"):
+        worker.load(loads, cache, torch.device("cpu"), torch.bfloat16)
+    assert list(cache) == ["image-0"]
+    assert settled(lambda: conn.stats()["views_held"], 1) == 1
+    # Item 0's view pin and params pin at E; items 1 and 2 gave theirs back.
+    assert settled(lambda: producer_pins(command), 2) == 2
+    threading.Event().wait(1.0)  # past E's lease: the entry's pins are renewed
+    assert conn.stats()["view_renewals_failed"] == 0 and producer_pins(command) == 2
+    expected = torch.from_numpy(payload(60, shape[0] * shape[1] * 2))
+    assert torch.equal(cache["image-0"].view(torch.uint8).flatten(), expected)
+    cache.clear()
+    assert settled(lambda: producer_pins(command), 0) == 0
+    assert conn.stats()["views_held"] == 0
 
 
 @pytest.mark.parametrize("producer_process", [{"lease_ms": 600}], indirect=True)

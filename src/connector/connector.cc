@@ -309,29 +309,76 @@ void Connector::request_finished(const std::string& request_id) {
   }
   // Views end here: what the cache keeps is copied while their pins still hold them.
   if (!state->views.empty()) {
-    if (core_.options().keep_loaded) keep_views(*state);
+    if (core_.options().keep_loaded) keep_views(state->views);
     {
       MutexLock lock(&mu_);
       wake_loader = release_views(state);
     }
     if (wake_loader) work_cv_.notify_one();
   }
-  for (uint64_t pin : state->pins) core_.consumer_cache()->unpin(pin).ignore_error();
-  if (!core_.options().keep_loaded) {
-    // Entries still pinned (another request, a reader of share_loaded) stay.
-    for (size_t i : state->items) {
-      core_.consumer_cache()->erase(state->request.items[i].mm_hash).ignore_error();
-    }
-  }
+  unpin_all(state->pins);
   driver_->on_request_finished(state->request);
+}
+
+// One item of a finished load ends before its request: its view (whose pins at the
+// producer are given back, batched with the other releases) or its consumer cache pins.
+// The request's other items stay held, and its end gives back what is left.
+Status Connector::item_finished(const std::string& request_id, const MmHash& mm_hash) {
+  std::shared_ptr<RequestState> state;
+  std::vector<FetchSlot> view;
+  std::vector<ItemPin> pins;
+  {
+    MutexLock lock(&mu_);
+    auto it = requests_.find(request_id);
+    if (it == requests_.end() || !it->second->done) {
+      return Status(StatusCode::kFailedPrecondition,
+                    "item_finished: request " + request_id + " has no finished load");
+    }
+    state = it->second;
+    auto& views = state->views;
+    auto v = std::find_if(views.begin(), views.end(),
+                          [&](const FetchSlot& s) { return s.item->mm_hash == mm_hash; });
+    if (v != views.end()) {  // no longer renewed from here
+      view.push_back(std::move(*v));
+      views.erase(v);
+      views_held_ -= 1;
+    }
+    auto held = std::stable_partition(state->pins.begin(), state->pins.end(),
+                                      [&](const ItemPin& p) { return !(p.mm_hash == mm_hash); });
+    pins.assign(held, state->pins.end());
+    state->pins.erase(held, state->pins.end());
+  }
+  if (view.empty() && pins.empty()) {
+    return Status(StatusCode::kFailedPrecondition,
+                  "item_finished: request " + request_id + " holds no " + mm_hash.str());
+  }
+  if (!view.empty()) {
+    // Copied (keep_loaded) while its pins still hold it, then released.
+    if (core_.options().keep_loaded) keep_views(view);
+    bool wake_loader = false;
+    {
+      MutexLock lock(&mu_);
+      wake_loader = queue_release({state, std::move(view), /*views=*/true});
+    }
+    if (wake_loader) work_cv_.notify_one();
+  }
+  unpin_all(pins);
+  return Status::Ok();
+}
+
+void Connector::unpin_all(const std::vector<ItemPin>& pins) {
+  for (const ItemPin& p : pins) core_.consumer_cache()->unpin(p.pin_id).ignore_error();
+  if (core_.options().keep_loaded) return;
+  // Entries still pinned (another request, a reader of share_loaded) stay.
+  for (const ItemPin& p : pins) core_.consumer_cache()->erase(p.mm_hash).ignore_error();
 }
 
 // A copy of each view in the consumer cache, for later requests (keep_loaded): off the
 // load's critical path, before the view's pin goes. An item already here, or with no room
 // for it, is not copied.
-void Connector::keep_views(const RequestState& state) {
+void Connector::keep_views(const std::vector<FetchSlot>& views) {
   cache::EncoderCachePool* cache = core_.consumer_cache();
-  for (const FetchSlot& v : state.views) {
+  for (const FetchSlot& v : views) {
     if (!v.status.ok()) continue;
     const MmHash& h = v.item->mm_hash;
     auto ref = cache->reserve(h, v.item->meta, Deadline::after_ms(0));

@@ -52,17 +52,23 @@ class Connector final : public EcConnector {
   Result<std::vector<EcTransferParams>> share_loaded(const std::string& request_id,
                                                      const MmHash& mm_hash,
                                                      size_t readers) override;
+  Status item_finished(const std::string& request_id, const MmHash& mm_hash) override;
   void request_finished(const std::string& request_id) override;
   void discard(const LoadRequest& request) override;
   ConnectorStats stats() const override;
   std::string agent_metadata() const override { return core_.agent_metadata_json(); }
 
  private:
+  // A consumer cache pin a request holds, and the item it holds.
+  struct ItemPin {
+    MmHash mm_hash;
+    uint64_t pin_id = 0;
+  };
   // Its outcome, done and abandoned are guarded by the connector's mu_.
   struct RequestState {
     LoadRequest request;
     std::vector<size_t> items;
-    std::vector<uint64_t> pins;  // consumer cache pins held for the request
+    std::vector<ItemPin> pins;  // consumer cache pins held for the request
     // zero_copy: the items it reads where they lie, held (renewed) until request_finished.
     std::vector<FetchSlot> views;
     LoadOutcome outcome;
@@ -83,7 +89,7 @@ class Connector final : public EcConnector {
     std::string holder;  // of the consumer cache pins
     std::vector<FetchSlot> slots;
     std::vector<FetchSlot*> to_view, to_fetch, to_encode;
-    std::vector<uint64_t> pins;
+    std::vector<ItemPin> pins;
     LoadOutcome outcome;
   };
 
@@ -121,7 +127,10 @@ class Connector final : public EcConnector {
   bool release_views(const std::shared_ptr<RequestState>& state) ECX_REQUIRES(mu_);
   // Another lease for every view held (a loader, every lease_ms / 3).
   void renew_views() ECX_EXCLUDES(mu_);
-  void keep_views(const RequestState& state);
+  // A copy of each view in the consumer cache (keep_loaded), before its pins go.
+  void keep_views(const std::vector<FetchSlot>& views);
+  // Gives back a request's consumer cache pins (and, unless keep_loaded, their entries).
+  void unpin_all(const std::vector<ItemPin>& pins);
   Result<std::vector<EcTransferParams>> share_view(const std::string& request_id,
                                                    const FetchSlot& view, size_t readers) const;
   int64_t renew_period_ms() const { return std::max<int64_t>(1, core_.options().lease_ms / 3); }

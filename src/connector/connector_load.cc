@@ -198,7 +198,7 @@ bool Connector::take_local_hit(LoadJob& job, FetchSlot& slot) {
     cache->unpin(pin->pin_id).ignore_error();
     return false;
   }
-  job.pins.push_back(pin->pin_id);
+  job.pins.push_back({item.mm_hash, pin->pin_id});
   slot.block = pin->ref;
   slot.status = Status::Ok();
   slot.done = true;
@@ -244,7 +244,7 @@ void Connector::reserve_for_fetch(LoadJob& job, FetchSlot& slot) {
     slot.done = true;
     return;
   }
-  job.pins.push_back(reserved->first.pin_id);
+  job.pins.push_back({item.mm_hash, reserved->first.pin_id});
   if (reserved->second) {  // another request brought it in meanwhile
     slot.status = Status::Ok();
     slot.done = true;
@@ -334,7 +334,7 @@ void Connector::count_loaded(LoadJob& job, const LoadItem& item) {
 // is already doing so).
 Status Connector::recompute(LoadJob& job, const LoadItem& item, double* recompute_ms) {
   ECX_ASSIGN_OR_RETURN(auto reserved, reserve_or_join(item, job.holder, job.deadline));
-  job.pins.push_back(reserved.first.pin_id);
+  job.pins.push_back({item.mm_hash, reserved.first.pin_id});
   if (reserved.second) return Status::Ok();
   const cache::BlockRef& ref = reserved.first.ref;
   auto t_encode = Clock::now();
@@ -421,7 +421,7 @@ void Connector::finish(LoadJob& job) {
   if (wake_loader) work_cv_.notify_one();
   done_cv_.notify_all();
   if (abandoned) {
-    for (uint64_t pin : state->pins) core_.consumer_cache()->unpin(pin).ignore_error();
+    for (const ItemPin& p : state->pins) core_.consumer_cache()->unpin(p.pin_id).ignore_error();
     driver_->on_request_finished(state->request);
   }
 }

@@ -239,6 +239,7 @@ void bind_producer(nb::class_<PyConnector>& c) {
 }
 
 void bind_loaded(nb::class_<PyConnector>& c);
+void bind_ending(nb::class_<PyConnector>& c);
 
 // The scheduler side of a consumer.
 void bind_consumer(nb::class_<PyConnector>& c) {
@@ -300,7 +301,8 @@ void bind_loaded(nb::class_<PyConnector>& c) {
        "The loaded bytes, read-only and without a copy (a NumPy array; torch.from_dlpack "
        "takes it as is): valid until request_finished(request_id). With zero_copy, the "
        "producer's own block. The array keeps `owner` alive (default: this connector): an "
-       "owner whose end calls request_finished ties the request to the array's last user.")
+       "owner whose end calls item_finished (or request_finished) ties the hold to the "
+       "array's last user.")
       .def(
           "view_intact",
           [](PyConnector& c, const std::string& id, const std::string& h) {
@@ -332,7 +334,21 @@ void bind_loaded(nb::class_<PyConnector>& c) {
           "agent_metadata",
           [](PyConnector& c) { return released([&] { return c.get().agent_metadata(); }); },
           "This connector's agent metadata (JSON): how a peer of the same deployment reaches "
-          "it.")
+          "it.");
+  bind_ending(c);
+}
+
+// A consumer's holds ending: per item, per request, or before any load.
+void bind_ending(nb::class_<PyConnector>& c) {
+  c.def(
+       "item_finished",
+       [](PyConnector& c, const std::string& id, const std::string& h) {
+         check(released([&] { return c.get().item_finished(id, hash_of(h)); }));
+       },
+       nb::arg("request_id"), nb::arg("mm_hash"),
+       "Ends the request's hold on one item (its view's pins at the producer, or its "
+       "cache pins) before request_finished; the others stay held. Raises ecx.Error "
+       "('failed_precondition') when the request does not hold it.")
       .def(
           "request_finished",
           [](PyConnector& c, const std::string& id) {

@@ -227,7 +227,52 @@ TEST_F(ZeroCopy, OverTcpTheLoadIsACopyIntoTheConsumersCache) {
   ConnectorStats s = consumer_->stats();
   EXPECT_EQ(s.views_held, 0u);
   EXPECT_EQ(s.consumer_cache->entries, 1u);
+  EXPECT_EQ(s.consumer_cache->pins, 1u);
+  // A copy ends on its own too: its cache pin goes, the request stays.
+  ASSERT_TRUE(consumer_->item_finished("r1", p->mm_hash).ok());
+  EXPECT_EQ(consumer_->stats().consumer_cache->pins, 0u);
   consumer_->request_finished("r1");
+}
+
+// What vLLM's worker does with zero_copy: one request loads a step's items (one lookup
+// per producer), and each item ends when vLLM frees its entry, the others still held and
+// renewed until theirs.
+TEST_F(ZeroCopy, OneItemOfARequestEndsAloneAndItsOthersStayHeldAndRenewed) {
+  start_producer({{"lease_ms", 300}});
+  make_consumer({{"lease_ms", 300}, {"keep_loaded", false}});  // renews every 100 ms
+  auto a = producer_->save(hash_of("a"), 21, kItem);
+  auto b = producer_->save(hash_of("b"), 22, kItem);
+  ASSERT_TRUE(a.ok() && b.ok());
+  LoadOutcome out = consumer_->load(
+      {.request_id = "r1", .items = {{a->mm_hash, a->meta, *a}, {b->mm_hash, b->meta, *b}}},
+      Deadline::after_ms(30000));
+  ASSERT_TRUE(out.status.ok()) << out.status.to_string();
+  EXPECT_EQ(consumer_->stats().views_held, 2u);
+
+  ASSERT_TRUE(consumer_->item_finished("r1", a->mm_hash).ok());
+  EXPECT_EQ(consumer_->stats().views_held, 1u);
+  EXPECT_FALSE(consumer_->view_intact("r1", a->mm_hash).ok()) << "a's view ended";
+  EXPECT_EQ(consumer_->item_finished("r1", a->mm_hash).code(), StatusCode::kFailedPrecondition)
+      << "ended once";
+  // a's two pins at the producer (the params' and the view's own) come back by RELEASE;
+  // b's stay, renewed past several leases.
+  uint64_t pins = 4;
+  for (Deadline until = Deadline::after_ms(20000); !until.expired() && pins != 2;) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    pins = producer_stats()["producer_pool"]["pins"].get<uint64_t>();
+  }
+  EXPECT_EQ(pins, 2u);
+  std::this_thread::sleep_for(std::chrono::milliseconds(1000));
+  EXPECT_TRUE(consumer_->view_intact("r1", b->mm_hash).ok());
+  expect_bytes("r1", b->mm_hash, 22);
+  EXPECT_EQ(consumer_->stats().view_renewals_failed, 0u);
+  EXPECT_EQ(producer_stats()["producer_pool"]["pins"].get<uint64_t>(), 2u);
+  EXPECT_EQ(producer_stats()["producer_pool"]["lease_expiries"].get<uint64_t>(), 0u);
+
+  consumer_->request_finished("r1");
+  EXPECT_EQ(consumer_->stats().views_held, 0u);
+  ASSERT_TRUE(producer_->command("wait-unpinned 20000").ok());
+  EXPECT_EQ(consumer_->item_finished("r1", b->mm_hash).code(), StatusCode::kFailedPrecondition);
 }
 
 }  // namespace

@@ -13,6 +13,7 @@
 //   wait_for_load(id, deadline)    the outcome of one request's loads
 //   get_finished()                 requests whose loads ended since the last call
 //   loaded(id, mm_hash)            the loaded bytes (valid until request_finished)
+//   item_finished(id, mm_hash)     release one item of it early
 //   request_finished(id)           release what the request held
 // When the two sides are different processes (vLLM's scheduler and its workers), they
 // talk through their agents: remote_saved_params (a producer's scheduler asks its worker
@@ -229,6 +230,16 @@ class EcConnector {
                                                              const MmHash& /*mm_hash*/,
                                                              size_t /*readers*/) {
     return Status(StatusCode::kFailedPrecondition, "share_loaded: not supported by this connector");
+  }
+  // Ends request_id's hold on one item before the request ends: its view's pins at the
+  // producer (copied into the consumer cache first, with keep_loaded), or its consumer
+  // cache pins. The request's other items stay held until request_finished. What holds
+  // items of one load for different lengths of time (vLLM's encoder cache, each entry
+  // freed on its own) loads them in one request and ends each with this.
+  // kFailedPrecondition for a request with no finished load, or one not holding mm_hash.
+  virtual Status item_finished(const std::string& /*request_id*/, const MmHash& /*mm_hash*/) {
+    return Status(StatusCode::kFailedPrecondition,
+                  "item_finished: this connector ends holds per request only");
   }
   virtual void request_finished(const std::string& request_id) = 0;
   // `request` will not be loaded (it failed before its load started): gives back what

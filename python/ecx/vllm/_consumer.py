@@ -304,22 +304,39 @@ def _read_only_tensor(view) -> torch.Tensor:
         return torch.from_numpy(view)
 
 
-class _Held:
-    """One worker load (one item) that vLLM's encoder cache holds in place: the storage of
-    the tensor over its bytes keeps this object alive (through DLPack), and its end, once
-    vLLM freed the entry and every view of it, ends the load's request. Until then ecx
-    renews the pin the view holds at its producer (every lease_ms / 3); it counts toward
-    this worker's pin quota there, and past that quota a load copies instead."""
+class _StepLoad:
+    """One step's worker load whose items vLLM's encoder cache holds in place: each held
+    item keeps it alive (through _Held), and its end, once vLLM freed the last of them,
+    ends the request. Until then ecx renews the pins the views hold at their producer
+    (every lease_ms / 3); they count toward this worker's pin quota there, and past that
+    quota a load copies instead."""
 
     def __init__(self, conn: ecx.Connector, request_id: str):
-        self._conn = conn  # kept alive with the view
+        self.conn = conn  # kept alive with the views
         self.request_id = request_id
 
     def __del__(self):
         try:
-            self._conn.request_finished(self.request_id)
+            self.conn.request_finished(self.request_id)
         except Exception:  # noqa: BLE001 (a finalizer must not raise)
             logger.exception("ECXConnector: ending worker load %s failed", self.request_id)
+
+
+class _Held:
+    """One item vLLM's encoder cache holds in place: the storage of the tensor over its
+    bytes keeps this object alive (through DLPack); its end, once vLLM freed the entry and
+    every view of it, gives back the item's pins at once (the step's other items stay)."""
+
+    def __init__(self, step: _StepLoad, key: str):
+        self._step = step
+        self._key = key
+
+    def __del__(self):
+        try:
+            self._step.conn.item_finished(self._step.request_id, self._key)
+        except Exception:  # noqa: BLE001 (a finalizer must not raise)
+            logger.exception("ECXConnector: ending item %s of worker load %s failed",
+                             self._key, self._step.request_id)
 
 
 class ConsumerWorker:
@@ -372,16 +389,19 @@ class ConsumerWorker:
         if not wanted:
             return
         # In place: the model reads the bytes where they lie (host memory, in its dtype).
-        # Each such item is a request of its own, which ends when vLLM frees its entry.
+        # One request loads the step's items (one lookup per producer); each item held in
+        # place ends when vLLM frees its entry, the request with the last of them.
         in_place = self._zero_copy and torch.device(device).type == "cpu"
-        loaded = self._load_each(rid, wanted) if in_place else \
-            [(rid, item) for item in self._conn.load(
-                rid, wanted, self._config.load_timeout_ms)["items"]]
-        ended = set()
+        outcome = self._conn.load(rid, wanted, self._config.load_timeout_ms)
+        step = _StepLoad(self._conn, rid) if in_place else None
+        held, ended = set(), set()  # (in place) keys vLLM's entries hold; keys ended here
         try:
-            moved = 0
-            for request_id, item in loaded:
+            moved, seen = 0, set()
+            for item in outcome["items"]:
                 key = item["mm_hash"]
+                if key in seen:  # one item twice in the step: one entry of vLLM's
+                    continue
+                seen.add(key)
                 w = next(x for x in loads if x.key == key)
                 if not item["ok"]:
                     self._counters.fail("worker_" + item["code"])
@@ -390,25 +410,33 @@ class ConsumerWorker:
                                  item["message"])
                     continue
                 want = TORCH_DTYPES[w.dtype]
-                if in_place and want == dtype and self._viewed(request_id, key):
-                    # DLPack over the read-only view, no copy: its storage holds the request.
-                    view = self._conn.loaded(request_id, key, _Held(self._conn, request_id))
-                    ended.add(request_id)  # by the tensor's end, not here
+                if step and want == dtype and self._viewed(rid, key):
+                    # DLPack over the read-only view, no copy: its storage holds the item,
+                    # and the item ends with the last user of that storage (even should
+                    # what follows raise).
+                    held.add(key)
+                    view = self._conn.loaded(rid, key, _Held(step, key))
                     tensor = torch.from_dlpack(view).view(want).reshape(w.shape)
                     encoder_cache[w.identifier] = tensor
-                    self._in_place[w.identifier] = (request_id, key, weakref.ref(tensor))
+                    self._in_place[w.identifier] = (rid, key, weakref.ref(tensor))
                     self._counters.add("worker_items_in_place")
                     continue
-                view = self._conn.loaded(request_id, key)  # ecx memory, read-only, no copy
+                view = self._conn.loaded(rid, key)  # ecx memory, read-only, no copy
                 tensor = _read_only_tensor(view).view(want).reshape(w.shape)
                 # vLLM keeps its tensor after ecx reuses the block: a copy, on the model's
                 # device and in its dtype.
                 encoder_cache[w.identifier] = tensor.to(device=device, dtype=dtype, copy=True)
                 moved += tensor.numel() * tensor.element_size()
                 self._counters.add("worker_items")
+                if step:  # copied: its pins end now, not with the step's last in-place item
+                    del view, tensor
+                    ended.add(key)
+                    self._conn.item_finished(rid, key)
         finally:
-            for request_id in {r for r, _ in loaded} - ended:
-                self._conn.request_finished(request_id)
+            if step is None:
+                self._conn.request_finished(rid)
+            else:  # the request ends with `step`: now, or with the last entry held in place
+                self._end_unheld(rid, outcome["items"], held | ended)
         self._counters.add("worker_bytes", moved)
         self._counters.observe("worker_copy_ms", (time.monotonic() - started) * 1e3)
 
@@ -422,18 +450,15 @@ class ConsumerWorker:
         except ecx.Error:
             return False
 
-    def _load_each(self, rid: str, wanted: list) -> list[tuple[str, dict]]:
-        """One request per item ("<rid>/<i>"), all within the step's load timeout."""
-        deadline = time.monotonic() + self._config.load_timeout_ms / 1e3
-        out = []
-        try:
-            for i, item in enumerate(wanted):
-                left_ms = max(0, int((deadline - time.monotonic()) * 1e3))
-                request_id = f"{rid}/{i}"
-                outcome = self._conn.load(request_id, [item], left_ms)
-                out += [(request_id, o) for o in outcome["items"]]
-        except BaseException:
-            for request_id, _ in out:  # their views would otherwise be renewed for ever
-                self._conn.request_finished(request_id)
-            raise
-        return out
+    def _end_unheld(self, request_id: str, items: list[dict], done: set[str]) -> None:
+        """A step cut short (an exception) ends the pins of the items it did not reach at
+        once: no entry of vLLM's holds them, and they would otherwise be renewed for as
+        long as the step's other entries live."""
+        for item in items:
+            if item["ok"] and item["mm_hash"] not in done:
+                done.add(item["mm_hash"])
+                try:
+                    self._conn.item_finished(request_id, item["mm_hash"])
+                except ecx.Error:
+                    logger.exception("ECXConnector: ending item %s of worker load %s failed",
+                                     item["mm_hash"], request_id)

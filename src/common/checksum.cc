@@ -19,6 +19,20 @@ namespace ecx {
 // baseline SSE2 code) and gives the same values on every machine.
 uint64_t checksum64(const void* data, size_t length) { return ECX_XXH3_64(data, length); }
 
+ChecksumStream::ChecksumStream() : state_(XXH3_createState()) {
+  XXH3_64bits_reset(static_cast<XXH3_state_t*>(state_));
+}
+
+ChecksumStream::~ChecksumStream() { XXH3_freeState(static_cast<XXH3_state_t*>(state_)); }
+
+void ChecksumStream::update(const void* data, size_t length) {
+  ECX_XXH3_64_UPDATE(static_cast<XXH3_state_t*>(state_), data, length);
+}
+
+uint64_t ChecksumStream::digest() const {
+  return XXH3_64bits_digest(static_cast<const XXH3_state_t*>(state_));
+}
+
 uint64_t copy_with_checksum(void* dst, const void* src, size_t length) {
   constexpr size_t kChunk = 64 * 1024;  // stays in L1/L2 between the copy and the hash
   if (length <= kChunk) {

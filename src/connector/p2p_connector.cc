@@ -778,24 +778,35 @@ Status P2pDriver::copy_from_view(FetchSlot& slot, const std::byte* block, const 
       {slot.item->mm_hash, slot.item->meta, loc.generation, describe(loc, producer), verify}, sum);
 }
 
-// One batched READ of every block.
+// One batched READ of every block. Where the payload is checked, the backend hashes it as
+// it lands when it can (tcp): commit_received then compares that digest, with no second
+// pass over the payload.
 void P2pDriver::read_batched(const std::string& producer, const std::vector<FetchSlot*>& moving,
                              const std::vector<BlockLocation>& where, Deadline deadline) {
+  const bool verify = options().verify_checksum(/*crossed=*/true);
   std::vector<transfer::TransferDescriptor> descs;
   for (size_t k = 0; k < moving.size(); ++k) {
     const BlockLocation& loc = where[k];
     descs.push_back({moving[k]->block.block, loc.region, loc.offset, loc.length, loc.capability});
+    const uint64_t payload = moving[k]->item->meta.byte_size();
+    if (verify && loc.length >= cache::kBlockHeaderBytes &&
+        payload <= loc.length - cache::kBlockHeaderBytes) {
+      descs.back().digest_from = cache::kBlockHeaderBytes;
+      descs.back().digest_length = payload;
+    }
   }
   auto handle = agent()->read(producer, descs, deadline);
   Status s = handle.ok() ? handle->wait(deadline) : handle.status();
   for (size_t k = 0; k < moving.size(); ++k) {
     FetchSlot* slot = moving[k];
-    slot->status =
-        s.ok() ? core_.consumer_cache()->commit_received(
-                     slot->item->mm_hash, slot->block.generation,
-                     {slot->item->mm_hash, slot->item->meta, where[k].generation,
-                      describe(where[k], producer), options().verify_checksum(/*crossed=*/true)})
-               : s;
+    std::optional<uint64_t> landed_sum;
+    if (s.ok() && verify && descs[k].digest_length != 0) landed_sum = handle->digest(k);
+    slot->status = s.ok() ? core_.consumer_cache()->commit_received(
+                                slot->item->mm_hash, slot->block.generation,
+                                {slot->item->mm_hash, slot->item->meta, where[k].generation,
+                                 describe(where[k], producer), verify},
+                                landed_sum)
+                          : s;
   }
 }
 

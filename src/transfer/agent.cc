@@ -539,6 +539,12 @@ Result<uint64_t> AgentImpl::check_descriptors(std::span<const TransferDescriptor
       return InvalidArgument(std::string(op) + ": descriptor " + std::to_string(i) +
                              " has a null buffer or zero length");
     }
+    if (d.digest_length != 0 &&
+        (d.digest_from > d.length || d.digest_length > d.length - d.digest_from)) {
+      stats_.rejected_descriptors++;
+      return InvalidArgument(std::string(op) + ": descriptor " + std::to_string(i) +
+                             " asks a digest of bytes outside its " + std::to_string(d.length));
+    }
     total += d.length;
   }
   return total;

@@ -13,6 +13,9 @@ constexpr size_t kPipelineDepth = 32;
 // A batch smaller than this per connection stays on fewer connections: another stream's
 // frame costs more than it saves.
 constexpr uint64_t kMinStreamBytes = 256 << 10;
+// A READ slice whose bytes are hashed as they land is received in pieces of this size,
+// each hashed at once, while it is still in the core's cache.
+constexpr uint64_t kDigestPieceBytes = 256 << 10;
 }  // namespace
 
 // Cuts a batch into one job per connection of nearly equal bytes, each a run of slices of
@@ -27,7 +30,8 @@ std::vector<TcpDataPool::Job> TcpDataPool::split(std::span<const TransferDescrip
   std::vector<Job> jobs(std::min<uint64_t>(streams, (total + share - 1) / share));
   size_t next = 0;
   uint64_t room = share;
-  for (const auto& d : descriptors) {
+  for (size_t k = 0; k < descriptors.size(); ++k) {
+    const TransferDescriptor& d = descriptors[k];
     auto* base = static_cast<std::byte*>(d.local);
     for (uint64_t done = 0; done < d.length;) {
       if (room == 0) {  // bytes are left, so a job is (jobs * share >= total)
@@ -36,7 +40,7 @@ std::vector<TcpDataPool::Job> TcpDataPool::split(std::span<const TransferDescrip
       }
       uint64_t n = std::min({slice, d.length - done, room});
       jobs[next].slices.push_back(
-          {base + done, d.remote_region, d.remote_offset + done, n, d.capability});
+          {base + done, d.remote_region, d.remote_offset + done, n, d.capability, k, done});
       room -= n;
       done += n;
     }
@@ -77,6 +81,7 @@ std::shared_ptr<TransferState> TcpDataPool::submit(std::span<const TransferDescr
                                                    TransferFinalizer finalizer) {
   const uint64_t slice = config_.tcp_slice_bytes == 0 ? (4u << 20) : config_.tcp_slice_bytes;
   std::vector<Job> jobs = split(descriptors, slice, workers_.size());
+  std::shared_ptr<ReadDigests> digests = write ? nullptr : ReadDigests::for_batch(descriptors);
   auto state =
       std::make_shared<TransferState>(std::move(description), static_cast<int>(jobs.size()));
   state->set_finalizer(std::move(finalizer));
@@ -95,6 +100,7 @@ std::shared_ptr<TransferState> TcpDataPool::submit(std::span<const TransferDescr
   // Spread jobs starting at a rotating worker so concurrent small batches share the pool.
   for (auto& job : jobs) {
     job.state = state;
+    job.digests = digests;
     job.write = write;
     job.deadline = deadline;
     workers_[next_worker_++ % workers_.size()]->jobs.push_back(std::move(job));
@@ -241,11 +247,24 @@ Status TcpDataPool::run_job(Worker* worker, Job& job) {
         return Internal(what + ": unexpected reply " + frame_type_name(r.type) + " of " +
                         std::to_string(r.length) + " bytes");
       }
-      ECX_RETURN_IF_ERROR(recv_all(fd, s.local, s.length, Deadline::never(), "receive READ data")
-                              .with_context(what));
+      ECX_RETURN_IF_ERROR(receive_slice(fd, s, job).with_context(what));
     }
   }
   return first_error;
+}
+
+// A READ slice's bytes, hashed piece by piece as they land when the batch asked for it.
+Status TcpDataPool::receive_slice(int fd, const Slice& s, Job& job) {
+  if (!job.digests || !job.digests->wants(s.descriptor)) {
+    return recv_all(fd, s.local, s.length, Deadline::never(), "receive READ data");
+  }
+  for (uint64_t done = 0; done < s.length;) {
+    uint64_t n = std::min(kDigestPieceBytes, s.length - done);
+    ECX_RETURN_IF_ERROR(recv_all(fd, s.local + done, n, Deadline::never(), "receive READ data"));
+    job.digests->landed(s.descriptor, s.at + done, n, *job.state);
+    done += n;
+  }
+  return Status::Ok();
 }
 
 namespace {

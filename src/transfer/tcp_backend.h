@@ -16,6 +16,7 @@
 #include "ecx/common/mutex.h"
 #include "ecx/transfer/agent.h"
 #include "transfer/data_path.h"
+#include "transfer/read_digests.h"
 #include "transfer/socket.h"
 #include "transfer/stats_counters.h"
 #include "transfer/transfer_state.h"
@@ -50,9 +51,12 @@ class TcpDataPool final : public DataPath, public std::enable_shared_from_this<T
     uint64_t offset;
     uint64_t length;
     Capability capability;
+    size_t descriptor;  // of the batch
+    uint64_t at;        // offset within that descriptor
   };
   struct Job {
     std::shared_ptr<TransferState> state;
+    std::shared_ptr<ReadDigests> digests;  // READ: those the batch asked for, or nullptr
     std::vector<Slice> slices;
     bool write = false;
     Deadline deadline = Deadline::never();
@@ -71,6 +75,7 @@ class TcpDataPool final : public DataPath, public std::enable_shared_from_this<T
   void run(Worker* worker) ECX_EXCLUDES(mu_);
   Status run_job(Worker* worker, Job& job) ECX_EXCLUDES(mu_);
   Status ensure_connected(Worker* worker, Job& job) ECX_EXCLUDES(mu_);
+  static Status receive_slice(int fd, const Slice& s, Job& job);
   void interrupt(TransferState* state) ECX_EXCLUDES(mu_);
 
   const AgentConfig config_;

@@ -35,6 +35,18 @@ void TransferState::part_done(const Status& status) {
   for (auto& cb : callbacks) cb(aggregate);
 }
 
+void TransferState::record_digest(size_t descriptor, uint64_t value) {
+  MutexLock lock(&mu_);
+  if (digests_.size() <= descriptor) digests_.resize(descriptor + 1);
+  digests_[descriptor] = value;
+}
+
+std::optional<uint64_t> TransferState::digest(size_t descriptor) const {
+  MutexLock lock(&mu_);
+  if (descriptor >= digests_.size()) return std::nullopt;
+  return digests_[descriptor];
+}
+
 void TransferState::set_finalizer(std::function<Status(const Status&)> finalizer) {
   MutexLock lock(&mu_);
   finalizer_ = std::move(finalizer);
@@ -108,6 +120,11 @@ void TransferHandle::cancel() {
 
 void TransferHandle::on_complete(std::function<void(const Status&)> callback) {
   if (state_) state_->on_complete(std::move(callback));
+}
+
+std::optional<uint64_t> TransferHandle::digest(size_t descriptor) const {
+  if (!state_ || !state_->done()) return std::nullopt;
+  return state_->digest(descriptor);
 }
 
 }  // namespace ecx::transfer

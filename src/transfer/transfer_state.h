@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -33,6 +34,10 @@ class TransferState {
   bool cancelled() const { return cancelled_.load(std::memory_order_acquire); }
   void on_complete(std::function<void(const Status&)> callback) ECX_EXCLUDES(mu_);
   const std::string& description() const { return description_; }
+  // A backend records descriptor k's digest (TransferDescriptor::digest_length) before
+  // the part that completed it is done; read once the transfer completed.
+  void record_digest(size_t descriptor, uint64_t value) ECX_EXCLUDES(mu_);
+  std::optional<uint64_t> digest(size_t descriptor) const ECX_EXCLUDES(mu_);
 
  private:
   const std::string description_;
@@ -45,6 +50,7 @@ class TransferState {
   std::function<Status(const Status&)> finalizer_ ECX_GUARDED_BY(mu_);
   std::function<void()> cancel_hook_ ECX_GUARDED_BY(mu_);
   std::vector<std::function<void(const Status&)>> callbacks_ ECX_GUARDED_BY(mu_);
+  std::vector<std::optional<uint64_t>> digests_ ECX_GUARDED_BY(mu_);
 };
 
 }  // namespace ecx::transfer

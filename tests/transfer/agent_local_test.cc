@@ -2,6 +2,7 @@
 // view. The same tests run over shm, tcp and ucx (over tcp and over shared memory).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <cstring>
 #include <mutex>
@@ -12,6 +13,7 @@
 #include "ecx/transfer/agent.h"
 #include "support/backend_cases.h"
 #include "support/peer_process.h"
+#include "transfer/read_digests.h"
 #include "transfer/wire.h"
 
 namespace ecx::transfer {
@@ -84,6 +86,39 @@ TEST_P(AgentLocalTest, BatchedReadLandsEveryItemInPlace) {
   EXPECT_EQ(consumer_->stats().bytes_read, local);
 }
 
+// A READ may ask for the checksum of each item's payload (past a header): tcp hashes the
+// bytes as they land, an item cut across its two streams included; the other backends
+// leave it to the caller (nullopt), never a wrong value.
+TEST_P(AgentLocalTest, AskedDigestsAreTheLandedBytesChecksums) {
+  constexpr uint64_t kHeader = 4096;
+  std::vector<TransferDescriptor> descs;
+  uint64_t local = 0;
+  for (uint64_t size : {1600ull << 10, 1600ull << 10, 1600ull << 10, (5ull << 20) + 3, 9000ull}) {
+    uint64_t remote = (local * 3 + 11) % (kRegionBytes - size);
+    descs.push_back({dst_.data() + local, src_.id, remote, size});
+    descs.back().digest_from = kHeader;
+    descs.back().digest_length = size - kHeader - 1;
+    local += size;
+  }
+  descs.push_back({dst_.data() + local, src_.id, 0, 4096});  // asks for none
+  auto h = consumer_->read("producer", descs, Deadline::after_ms(20000));
+  ASSERT_TRUE(h.ok()) << h.status().to_string();
+  ASSERT_TRUE(h->wait(Deadline::after_ms(20000)).ok());
+  for (size_t k = 0; k < descs.size(); ++k) {
+    const TransferDescriptor& d = descs[k];
+    ASSERT_EQ(std::memcmp(d.local, src_.data + d.remote_offset, d.length), 0) << k;
+    auto digest = h->digest(k);
+    if (d.digest_length == 0 || GetParam().backend != Backend::kTcp) {
+      EXPECT_FALSE(digest.has_value()) << k;
+      continue;
+    }
+    ASSERT_TRUE(digest.has_value()) << k;
+    EXPECT_EQ(*digest,
+              checksum64(static_cast<std::byte*>(d.local) + d.digest_from, d.digest_length))
+        << k;
+  }
+}
+
 TEST_P(AgentLocalTest, WriteArrivesBeforeItsNotification) {
   std::vector<std::byte> data(3 << 20);
   fill_pattern(data.data(), data.size(), 77);
@@ -128,6 +163,12 @@ TEST_P(AgentLocalTest, BadLocalDescriptorsAreRefusedBeforeSending) {
   EXPECT_EQ(read({}).code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(read({{nullptr, src_.id, 0, 8}}).code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(read({{dst_.data(), src_.id, 0, 0}}).code(), StatusCode::kInvalidArgument);
+  TransferDescriptor digest_past_end{dst_.data(), src_.id, 0, 4096};
+  digest_past_end.digest_from = 4000;
+  digest_past_end.digest_length = 97;
+  Status past = read({digest_past_end});
+  EXPECT_EQ(past.code(), StatusCode::kInvalidArgument) << past.to_string();
+  EXPECT_TRUE(contains(past, "digest")) << past.to_string();
   EXPECT_GE(consumer_->stats().rejected_descriptors, 2u);
   auto h = consumer_->read("nobody", std::vector<TransferDescriptor>{{dst_.data(), 1, 0, 1}});
   ASSERT_FALSE(h.ok());
@@ -229,6 +270,40 @@ TEST_P(AgentLocalTest, ProducerShutdownFailsTheConsumerCleanly) {
 INSTANTIATE_TEST_SUITE_P(Backends, AgentLocalTest,
                          ::testing::ValuesIn(ecx::testing::transfer_backends()),
                          [](const auto& info) { return info.param.name; });
+
+// Pieces of one range landing on several threads in any order hash to the checksum of the
+// whole range, recorded once (the piece before an early one hashes it too).
+TEST(ReadDigests, PiecesLandingInAnyOrderOnManyThreadsGiveTheRangesChecksum) {
+  std::vector<std::byte> bytes(3 << 20);
+  fill_pattern(bytes.data(), bytes.size(), 42);
+  constexpr uint64_t kPiece = 64 << 10;
+  for (int round = 0; round < 20; ++round) {
+    TransferDescriptor d{bytes.data(), 0, 0, bytes.size()};
+    d.digest_from = 100;
+    d.digest_length = bytes.size() - 200;
+    TransferState state("test", 1);
+    auto digests = ReadDigests::for_batch({&d, 1});
+    ASSERT_NE(digests, nullptr);
+    std::vector<uint64_t> starts;
+    for (uint64_t at = 0; at < bytes.size(); at += kPiece) starts.push_back(at);
+    std::shuffle(starts.begin(), starts.end(), std::mt19937_64(round));
+    std::vector<std::thread> threads;
+    for (int t = 0; t < 4; ++t) {
+      threads.emplace_back([&, t] {
+        for (size_t i = t; i < starts.size(); i += 4) {
+          uint64_t n = std::min<uint64_t>(kPiece, bytes.size() - starts[i]);
+          digests->landed(0, starts[i], n, state);
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    auto got = state.digest(0);
+    ASSERT_TRUE(got.has_value()) << round;
+    EXPECT_EQ(*got, checksum64(bytes.data() + 100, bytes.size() - 200)) << round;
+  }
+  TransferDescriptor none{bytes.data(), 0, 0, bytes.size()};
+  EXPECT_EQ(ReadDigests::for_batch({&none, 1}), nullptr);
+}
 
 TEST(AgentConnect, ConcurrentConnectsCoalesceIntoOneHandshake) {
   auto producer = std::move(Agent::create(local_config("producer")).value());

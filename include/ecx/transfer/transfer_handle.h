@@ -1,8 +1,10 @@
 // TransferHandle: the completion of one batched READ or WRITE.
 #pragma once
 
+#include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 
 #include "ecx/common/deadline.h"
 #include "ecx/common/status.h"
@@ -27,6 +29,10 @@ class TransferHandle {
   // Runs `callback` once with the final status: at once if already done, else on the
   // thread that completes the transfer. Keep it short; do not wait inside it.
   void on_complete(std::function<void(const Status&)> callback);
+  // After a successful wait: descriptor k's checksum64 over the range it asked for
+  // (TransferDescriptor::digest_length), where the backend computed it as the bytes
+  // landed (tcp); nullopt where it did not (hash the bytes yourself).
+  std::optional<uint64_t> digest(size_t descriptor) const;
 
   bool valid() const { return state_ != nullptr; }
 

@@ -59,6 +59,11 @@ struct TransferDescriptor {
   uint64_t remote_offset = 0;
   uint64_t length = 0;
   Capability capability;  // needed for regions with RegionAccess::require_grant
+  // READ only: the checksum64 (xxh3) of the landed bytes [digest_from, digest_from +
+  // digest_length), asked of the backend, which computes it as they arrive (while they
+  // are still in cache) where it can: TransferHandle::digest. 0: none asked.
+  uint64_t digest_from = 0;
+  uint64_t digest_length = 0;
 };
 
 // A message delivered to this agent, after any data its sender wrote before it.

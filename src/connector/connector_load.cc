@@ -77,11 +77,17 @@ void Connector::renew_views() {
   MutexLock lock(&mu_);
   for (size_t i = 0; i < views.size() && i < renewed.size(); ++i) {
     if (renewed[i].ok()) continue;
+    bool held = false;
+    for (FetchSlot& v : holding[i]->views) {
+      if (v.item != views[i].item) continue;
+      v.status = renewed[i];
+      held = true;
+    }
+    // One given back meanwhile (item_finished, request_finished) had its pin ended on
+    // purpose: no failure.
+    if (!held) continue;
     view_renewals_failed_++;
     spdlog::warn("connector {}: {}", name(), renewed[i].message());
-    for (FetchSlot& v : holding[i]->views) {
-      if (v.item == views[i].item) v.status = renewed[i];
-    }
   }
 }
 

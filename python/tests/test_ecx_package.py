@@ -227,6 +227,21 @@ def zero_copy_worker(name: str, token: str, lease_ms: int):
     return conn, counters, ConsumerWorker(config, conn, 0, counters)
 
 
+def saved_items(command, tag: str, shape: list[int], count: int, first_seed: int) -> list:
+    """`count` BF16 items the producer process saved (payload seeds first_seed, ...), as
+    the worker loads vLLM's scheduler hands ECXConnector's worker (identifiers image-i)."""
+    from ecx.vllm._consumer import WorkerLoad
+
+    loads = []
+    for i in range(count):
+        key = f"pkg-{tag}-{os.getpid()}-{i}"
+        params = command(f"save {key} BF16 {shape[0]},{shape[1]} {first_seed + i}")
+        assert "error" not in json.loads(params), params
+        loads.append(WorkerLoad(request_id="r", identifier=f"image-{i}", key=key, dtype="BF16",
+                                shape=shape, params=[params]))
+    return loads
+
+
 @pytest.mark.parametrize("producer_process", [{"lease_ms": 600}], indirect=True)
 def test_vllms_encoder_cache_holds_zero_copy_items_in_place_until_it_frees_them(
         producer_process):
@@ -235,18 +250,10 @@ def test_vllms_encoder_cache_holds_zero_copy_items_in_place_until_it_frees_them(
     own pin at E, renewed past E's lease, until vLLM drops the entry and every view of it."""
     import torch
 
-    from ecx.vllm._consumer import WorkerLoad
-
     command, token = producer_process
     conn, counters, worker = zero_copy_worker("pd-inplace", token, lease_ms=600)
     shape = [400, 2048]
-    loads = []
-    for i in range(2):
-        key = f"pkg-inplace-{os.getpid()}-{i}"
-        params = command(f"save {key} BF16 {shape[0]},{shape[1]} {40 + i}")
-        assert "error" not in json.loads(params), params
-        loads.append(WorkerLoad(request_id="r", identifier=f"image-{i}", key=key, dtype="BF16",
-                                shape=shape, params=[params]))
+    loads = saved_items(command, "inplace", shape, count=2, first_seed=40)
     cache: dict[str, torch.Tensor] = {}
     worker.load(loads, cache, torch.device("cpu"), torch.bfloat16)
     expected = [torch.from_numpy(payload(40 + i, shape[0] * shape[1] * 2)) for i in range(2)]
@@ -303,18 +310,10 @@ def test_a_worker_step_cut_short_keeps_only_the_pins_of_the_entry_it_made(produc
     putting in and of the one it never reached, without waiting for the entry's end."""
     import torch
 
-    from ecx.vllm._consumer import WorkerLoad
-
     command, token = producer_process
     conn, counters, worker = zero_copy_worker("pd-cutshort", token, lease_ms=600)
     shape = [64, 1024]
-    loads = []
-    for i in range(3):
-        key = f"pkg-cutshort-{os.getpid()}-{i}"
-        params = command(f"save {key} BF16 {shape[0]},{shape[1]} {60 + i}")
-        assert "error" not in json.loads(params), params
-        loads.append(WorkerLoad(request_id="r", identifier=f"image-{i}", key=key, dtype="BF16",
-                                shape=shape, params=[params]))
+    loads = saved_items(command, "cutshort", shape, count=3, first_seed=60)
     cache = _CacheFullAfterOne()
     with pytest.raises(RuntimeError, match="encoder cache full"):
         worker.load(loads, cache, torch.device("cpu"), torch.bfloat16)

@@ -374,9 +374,10 @@ Result<std::shared_ptr<Peer>> AgentImpl::open_with(BackendEngine& engine, const 
   auto on_death = [this, name = peer->name, id = peer->connection_id](const Status& reason) {
     on_peer_death(name, id, reason);
   };
-  ECX_ASSIGN_OR_RETURN(peer->control,
-                       ControlChannel::open(std::move(fd), over_unix, self, config_.auth_secret,
-                                            deadline, std::move(on_death)));
+  ECX_ASSIGN_OR_RETURN(
+      peer->control,
+      ControlChannel::open(std::move(fd), over_unix, self, config_.auth_secret, deadline,
+                           std::move(on_death), std::chrono::microseconds(config_.reply_spin_us)));
   if (peer->control->peer().name != meta.name) {
     return Unavailable("endpoint of agent '" + meta.name + "' is now served by agent '" +
                        peer->control->peer().name + "' (stale metadata)");

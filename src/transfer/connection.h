@@ -3,6 +3,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -68,11 +69,13 @@ class ControlChannel {
   using DeathHandler = std::function<void(const Status&)>;
 
   // Takes a connected socket, shakes hands and starts the reader thread. `on_death` runs
-  // once, on the reader thread, when the peer closes or the socket fails.
+  // once, on the reader thread, when the peer closes or the socket fails. A caller polls
+  // for its reply for `reply_spin` before it sleeps (AgentConfig::reply_spin_us).
   static Result<std::unique_ptr<ControlChannel>> open(UniqueFd fd, bool unix_socket,
                                                       const AgentMetadata& self,
                                                       const std::string& secret, Deadline deadline,
-                                                      DeathHandler on_death);
+                                                      DeathHandler on_death,
+                                                      std::chrono::microseconds reply_spin = {});
   ~ControlChannel();
 
   const AgentMetadata& peer() const { return peer_; }
@@ -104,8 +107,12 @@ class ControlChannel {
     UniqueFd fd;
   };
 
-  ControlChannel(UniqueFd fd, bool unix_socket, AgentMetadata peer, DeathHandler on_death);
+  ControlChannel(UniqueFd fd, bool unix_socket, AgentMetadata peer, DeathHandler on_death,
+                 std::chrono::microseconds reply_spin);
   void reader_loop() ECX_EXCLUDES(mu_);
+  // Polls until request `id` is answered, reply_spin_ has passed or the deadline comes;
+  // `seen` is replies_ before its frame was sent.
+  void poll_for_reply(uint64_t id, uint64_t seen, Deadline deadline) ECX_EXCLUDES(mu_);
   Result<Pending> request(uint16_t type, uint32_t region, const std::string& payload,
                           Deadline deadline, uint16_t flags = 0) ECX_EXCLUDES(mu_, send_mu_);
   // Whether a frame from the peer is a reply this channel can take.
@@ -117,6 +124,10 @@ class ControlChannel {
   DeathHandler on_death_;
   std::atomic<bool> alive_{true};
   std::atomic<uint64_t> next_id_{1};
+  const std::chrono::microseconds reply_spin_;
+  // Requests answered (or failed by the channel's death) so far: a polling caller looks
+  // under mu_ only when it moves.
+  std::atomic<uint64_t> replies_{0};
   Mutex send_mu_;  // serialises frames written to fd_
   mutable Mutex mu_;
   CondVar cv_;

@@ -236,6 +236,59 @@ TEST_P(AgentLocalTest, CallHonoursItsDeadline) {
   EXPECT_TRUE(cv.wait_for(lock, std::chrono::seconds(20), [&] { return returned; }));
 }
 
+// A caller polls for its reply before it sleeps (AgentConfig::reply_spin_us): the replies
+// of other callers on the same channel land meanwhile, in any order.
+TEST_P(AgentLocalTest, ConcurrentCallersEachGetTheirOwnReply) {
+  producer_->set_call_handler([](const Caller&, std::string_view req) -> Result<std::string> {
+    // Some replies wait a little, so that later calls are answered first.
+    std::this_thread::sleep_for(std::chrono::microseconds(req.size() % 3 == 0 ? 200 : 0));
+    return "re:" + std::string(req);
+  });
+  constexpr int kThreads = 4, kCalls = 60;
+  std::atomic<int> failures{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < kCalls; ++i) {
+        const std::string req = std::to_string(t) + "/" + std::to_string(i);
+        auto r = consumer_->call("producer", req, Deadline::after_ms(20000));
+        if (!r.ok() || *r != "re:" + req) failures++;
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(failures.load(), 0);
+}
+
+// However long a caller may poll, its deadline still ends the wait.
+TEST_P(AgentLocalTest, PollingForAReplyEndsAtTheCallsDeadline) {
+  AgentConfig config = GetParam().apply(local_config("patient-consumer"));
+  config.reply_spin_us = 60'000'000;
+  auto patient = Agent::create(config);
+  ASSERT_TRUE(patient.ok()) << patient.status().to_string();
+  ASSERT_TRUE((*patient)->connect(producer_->metadata(), {.backend = GetParam().backend}).ok());
+  std::mutex mu;
+  std::condition_variable cv;
+  bool release = false;  // guarded by mu
+  int returned = 0;      // guarded by mu
+  producer_->set_call_handler([&](const Caller&, std::string_view) -> Result<std::string> {
+    std::unique_lock lock(mu);
+    cv.wait_for(lock, std::chrono::seconds(20), [&] { return release; });
+    ++returned;
+    cv.notify_all();
+    return std::string("late");
+  });
+  const auto start = std::chrono::steady_clock::now();
+  auto r = (*patient)->call("producer", "slow", Deadline::after_ms(100));
+  const auto waited = std::chrono::steady_clock::now() - start;
+  EXPECT_EQ(r.status().code(), StatusCode::kDeadlineExceeded) << r.status().to_string();
+  EXPECT_LT(waited, std::chrono::seconds(10));  // the deadline, not the 60 s of polling
+  std::unique_lock lock(mu);
+  release = true;
+  cv.notify_all();
+  EXPECT_TRUE(cv.wait_for(lock, std::chrono::seconds(20), [&] { return returned == 1; }));
+}
+
 TEST_P(AgentLocalTest, ZeroCopyViewOnlyOverShm) {
   auto v = consumer_->view("producer", src_.id, 100, 1 << 20);
   if (GetParam().backend == Backend::kShm) {

@@ -47,7 +47,8 @@ const std::set<std::string> kKnownKeys = {"engine_id",
                                           "idle_timeout_ms",
                                           "require_grants",
                                           "checksum",
-                                          "zero_copy"};
+                                          "zero_copy",
+                                          "copy_threads"};
 
 // A size: a byte count, or a string such as "512MiB".
 Result<uint64_t> read_bytes(const JsonReader& r, const char* key, uint64_t fallback) {
@@ -114,6 +115,9 @@ Status read_specific(const JsonReader& r, ConnectorOptions& o) {
   ECX_ASSIGN_OR_RETURN(o.ucx.error_mode,
                        r.string("ucx_error_mode", Presence::kOptional, 16, o.ucx.error_mode));
   ECX_ASSIGN_OR_RETURN(o.zero_copy, r.boolean("zero_copy", Presence::kOptional, o.zero_copy));
+  ECX_ASSIGN_OR_RETURN(int64_t copy_threads,
+                       r.i64("copy_threads", 1, 16, Presence::kOptional, o.copy_threads));
+  o.copy_threads = static_cast<int>(copy_threads);
   ECX_ASSIGN_OR_RETURN(o.tcp_host, r.string("tcp_host", Presence::kOptional, 4096, o.tcp_host));
   ECX_ASSIGN_OR_RETURN(int64_t port, r.i64("tcp_port", 0, 65535));
   o.tcp_port = static_cast<uint16_t>(port);

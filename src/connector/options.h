@@ -60,6 +60,10 @@ struct ConnectorOptions {
   // returns a read-only view of the producer's sealed block. Items it cannot view (another
   // host, push) are copied as before. Viewed items are not kept after their request.
   bool zero_copy = false;
+  // Consumer, pull on one host: threads that copy one load's blocks out of the producer's
+  // memory, the loading thread included. Loads of 1 MiB or more are cut into 256 KiB
+  // pieces the threads share; 1: the loading thread copies alone.
+  int copy_threads = 2;
   transfer::Backend backend = transfer::Backend::kAuto;
   // "ucx": true (or backend "ucx") enables the agent's ucx backend; "ucx_tls",
   // "ucx_library" and "ucx_error_mode" set the rest of it (transfer::UcxConfig).

@@ -1,5 +1,7 @@
 #include "connector/p2p_connector.h"
 
+#include "connector/copy_crew.h"
+
 #include <atomic>
 #include <cstring>
 #include <map>
@@ -8,6 +10,7 @@
 #include <set>
 
 #include "connector/control_messages.h"
+#include "connector/copy_crew.h"
 #include "ecx/cache/block_header.h"
 #include "ecx/common/checksum.h"
 #include "ecx/common/copy.h"
@@ -48,7 +51,7 @@ std::string describe(const BlockLocation& loc, const std::string& producer) {
 
 class P2pDriver final : public ConnectorDriver {
  public:
-  explicit P2pDriver(ConnectorCore& core) : core_(core) {}
+  explicit P2pDriver(ConnectorCore& core) : core_(core), copy_crew_(core.options().copy_threads) {}
 
   Status start();
 
@@ -124,8 +127,13 @@ class P2pDriver final : public ConnectorDriver {
                   bool force_lookup);
   void read_through_view(const std::string& producer, std::vector<FetchSlot*>& moving,
                          std::vector<BlockLocation>& where);
-  Status copy_from_view(FetchSlot& slot, const std::byte* block, const BlockLocation& loc,
-                        const std::string& producer);
+  // A block this load copies out of a same-host producer's memory, through a view.
+  struct ViewedBlock {
+    FetchSlot* slot;
+    transfer::RemoteView view;
+    BlockLocation loc;
+  };
+  void copy_from_views(const std::string& producer, std::vector<ViewedBlock>& blocks);
   void read_batched(const std::string& producer, const std::vector<FetchSlot*>& moving,
                     const std::vector<BlockLocation>& where, Deadline deadline);
   void fetch_push(const std::string& producer, std::vector<FetchSlot*>& group, Deadline deadline);
@@ -150,6 +158,7 @@ class P2pDriver final : public ConnectorDriver {
   std::map<std::string, std::string> known_producers_ ECX_GUARDED_BY(producers_mu_);
   std::atomic<uint64_t> releases_sent_{0}, releases_received_{0}, renewals_received_{0};
   mutable std::atomic<uint64_t> params_rejected_{0};
+  CopyCrew copy_crew_;  // same-host copies, split over copy_threads
 };
 
 Status P2pDriver::start() {
@@ -735,6 +744,7 @@ void P2pDriver::read_through_view(const std::string& producer, std::vector<Fetch
                                   std::vector<BlockLocation>& where) {
   std::vector<FetchSlot*> to_read;
   std::vector<BlockLocation> to_read_where;
+  std::vector<ViewedBlock> viewed;
   for (size_t k = 0; k < moving.size(); ++k) {
     FetchSlot* slot = moving[k];
     const BlockLocation& loc = where[k];
@@ -744,38 +754,55 @@ void P2pDriver::read_through_view(const std::string& producer, std::vector<Fetch
       to_read_where.push_back(loc);
       continue;
     }
-    slot->status = view.ok() ? copy_from_view(*slot, view->data, loc, producer) : view.status();
+    if (view.ok()) {
+      viewed.push_back({slot, std::move(*view), loc});
+    } else {
+      slot->status = view.status();
+    }
   }
+  if (!viewed.empty()) copy_from_views(producer, viewed);
   moving.swap(to_read);
   where.swap(to_read_where);
 }
 
-// Copies one block out of the producer's memory and commits it. The header is read before
-// the payload and compared after it: the producer clears a block's magic before it can
-// be reused (and a reused block gets a new generation), so an unchanged header proves
-// the payload copied in between untorn, should our pin have ended meanwhile (lease). The
-// payload's xxh3 is checked besides when the checksum option says so (off by default
-// here: nothing crossed a wire).
-Status P2pDriver::copy_from_view(FetchSlot& slot, const std::byte* block, const BlockLocation& loc,
-                                 const std::string& producer) {
-  std::memcpy(slot.block.block, block, cache::kBlockHeaderBytes);
-  const uint64_t payload = loc.length - cache::kBlockHeaderBytes;
+// Copies blocks out of the producer's memory and commits them. Each header is read before
+// the payloads and compared after them: the producer clears a block's magic before it can
+// be reused (and a reused block gets a new generation), so an unchanged header proves the
+// payload copied in between untorn, should our pin have ended meanwhile (lease). The
+// payloads' xxh3 is checked besides when the checksum option says so (off by default here:
+// nothing crossed a wire); otherwise the payloads are copied by the copy crew, split over
+// copy_threads.
+void P2pDriver::copy_from_views(const std::string& producer, std::vector<ViewedBlock>& blocks) {
   const bool verify = options().verify_checksum(/*crossed=*/false);
-  std::optional<uint64_t> sum;
-  if (verify) {
-    sum = copy_with_checksum(slot.block.payload(), block + cache::kBlockHeaderBytes, payload);
-  } else {
-    // A large block of our cache is rarely in cache: streaming stores skip reading it.
-    copy_streaming(slot.block.payload(), block + cache::kBlockHeaderBytes, payload);
+  std::vector<std::optional<uint64_t>> sums(blocks.size());
+  std::vector<CopyCrew::Range> payloads;
+  for (size_t k = 0; k < blocks.size(); ++k) {
+    FetchSlot& slot = *blocks[k].slot;
+    const std::byte* block = blocks[k].view.data;
+    std::memcpy(slot.block.block, block, cache::kBlockHeaderBytes);
+    const uint64_t payload = blocks[k].loc.length - cache::kBlockHeaderBytes;
+    if (verify) {
+      sums[k] = copy_with_checksum(slot.block.payload(), block + cache::kBlockHeaderBytes, payload);
+    } else {
+      // A large block of our cache is rarely in cache: streaming stores skip reading it.
+      payloads.push_back({slot.block.payload(), block + cache::kBlockHeaderBytes, payload});
+    }
   }
-  std::atomic_thread_fence(std::memory_order_acquire);  // the payload's loads before these
-  if (std::memcmp(slot.block.block, block, cache::kBlockHeaderBytes) != 0) {
-    return Status(StatusCode::kEvicted, "block at " + describe(loc, producer) +
-                                            " was evicted and reused while it was read");
+  copy_crew_.copy(payloads);
+  std::atomic_thread_fence(std::memory_order_acquire);  // the payloads' loads before these
+  for (size_t k = 0; k < blocks.size(); ++k) {
+    FetchSlot& slot = *blocks[k].slot;
+    const BlockLocation& loc = blocks[k].loc;
+    if (std::memcmp(slot.block.block, blocks[k].view.data, cache::kBlockHeaderBytes) != 0) {
+      slot.status = Status(StatusCode::kEvicted, "block at " + describe(loc, producer) +
+                                                     " was evicted and reused while it was read");
+      continue;
+    }
+    slot.status = core_.consumer_cache()->commit_received(
+        slot.item->mm_hash, slot.block.generation,
+        {slot.item->mm_hash, slot.item->meta, loc.generation, describe(loc, producer), verify},
+        sums[k]);
   }
-  return core_.consumer_cache()->commit_received(
-      slot.item->mm_hash, slot.block.generation,
-      {slot.item->mm_hash, slot.item->meta, loc.generation, describe(loc, producer), verify}, sum);
 }
 
 // One batched READ of every block. Where the payload is checked, the backend hashes it as

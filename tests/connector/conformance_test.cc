@@ -497,6 +497,17 @@ TEST(ConnectorConfig, ParsesVllmStyleJsonAndNames) {
   auto t = create_connector(typo);
   ASSERT_FALSE(t.ok());
   EXPECT_NE(t.status().message().find("lese_ms"), std::string::npos);
+  // An option out of its range is refused by name.
+  for (int threads : {0, 17}) {
+    ConnectorConfig bad;
+    bad.connector = "p2p";
+    bad.extra = {{"copy_threads", threads}};
+    auto b = create_connector(bad);
+    ASSERT_FALSE(b.ok()) << threads;
+    EXPECT_EQ(b.status().code(), StatusCode::kOutOfRange);
+    EXPECT_NE(b.status().message().find("copy_threads"), std::string::npos)
+        << b.status().to_string();
+  }
 }
 
 }  // namespace

@@ -1,5 +1,8 @@
 #include "connector/copy_crew.h"
 
+#include <pthread.h>
+#include <sched.h>
+
 #include <algorithm>
 
 #include "ecx/common/copy.h"
@@ -59,6 +62,19 @@ void CopyCrew::start_helpers() {
   for (int i = 0; i < helpers_wanted_; ++i) helpers_.emplace_back([this] { helper_loop(); });
 }
 
+void CopyCrew::keep_helpers_off(int cpu) {
+  if (cpu < 0 || cpu == helpers_off_cpu_) return;
+  helpers_off_cpu_ = cpu;
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  if (::pthread_getaffinity_np(::pthread_self(), sizeof allowed, &allowed) != 0) return;
+  if (!CPU_ISSET(cpu, &allowed) || CPU_COUNT(&allowed) < 2) return;
+  CPU_CLR(cpu, &allowed);
+  for (auto& helper : helpers_) {
+    ::pthread_setaffinity_np(helper.native_handle(), sizeof allowed, &allowed);  // a hint
+  }
+}
+
 void CopyCrew::helper_loop() {
   uint64_t seen = 0;
   while (true) {
@@ -89,6 +105,7 @@ void CopyCrew::copy(std::span<const Range> ranges) {
     if (helpers_.empty()) start_helpers();
     current_ = batch;
     ++generation_;
+    keep_helpers_off(::sched_getcpu());
   }
   cv_.notify_all();
   run_pieces(*batch);

@@ -38,6 +38,7 @@ bool has_avx2() {
 }  // namespace
 
 void copy_streaming(void* dst, const void* src, size_t length) {
+  if (length == 0) return;  // nothing to copy: the pointers may be null
 #if defined(__x86_64__)
   if (length >= kStreamingCopyMin && has_avx2()) {
     auto* d = static_cast<std::byte*>(dst);

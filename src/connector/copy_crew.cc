@@ -98,6 +98,16 @@ void CopyCrew::copy(std::span<const Range> ranges) {
   };
   if (helpers_wanted_ == 0 || total < kSplitMin) return alone();
   if (!busy_.try_lock()) return alone();
+  try {
+    share(ranges);
+  } catch (...) {  // no helper could start, or no memory for the pieces: nothing is shared
+    busy_.unlock();
+    throw;
+  }
+  busy_.unlock();
+}
+
+void CopyCrew::share(std::span<const Range> ranges) {
   auto batch = std::make_shared<Batch>();
   batch->pieces = cut(ranges, kPieceBytes);
   {
@@ -115,7 +125,6 @@ void CopyCrew::copy(std::span<const Range> ranges) {
        done = batch->finished.load(std::memory_order_acquire)) {
     batch->finished.wait(done, std::memory_order_acquire);
   }
-  busy_.unlock();
 }
 
 }  // namespace ecx::connector

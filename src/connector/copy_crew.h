@@ -52,6 +52,8 @@ class CopyCrew {
   };
 
   static void run_pieces(Batch& batch);
+  // copy() with the helpers, once it holds them.
+  void share(std::span<const Range> ranges) ECX_REQUIRES(busy_) ECX_EXCLUDES(mu_);
   void start_helpers() ECX_REQUIRES(mu_);
   // Restricts the helpers to the caller's allowed cores but `cpu` (when it has others).
   void keep_helpers_off(int cpu) ECX_REQUIRES(mu_);

@@ -1,7 +1,5 @@
 #include "connector/p2p_connector.h"
 
-#include "connector/copy_crew.h"
-
 #include <atomic>
 #include <cstring>
 #include <map>
@@ -788,6 +786,7 @@ void P2pDriver::copy_from_views(const std::string& producer, std::vector<ViewedB
       payloads.push_back({slot.block.payload(), block + cache::kBlockHeaderBytes, payload});
     }
   }
+  std::atomic_thread_fence(std::memory_order_acquire);  // the headers' loads before the payloads'
   copy_crew_.copy(payloads);
   std::atomic_thread_fence(std::memory_order_acquire);  // the payloads' loads before these
   for (size_t k = 0; k < blocks.size(); ++k) {

@@ -1,5 +1,6 @@
 #include "ecx/transfer/agent.h"
 
+#include <algorithm>
 #include <atomic>
 #include <deque>
 #include <map>
@@ -376,8 +377,9 @@ Result<std::shared_ptr<Peer>> AgentImpl::open_with(BackendEngine& engine, const 
   };
   ECX_ASSIGN_OR_RETURN(
       peer->control,
-      ControlChannel::open(std::move(fd), over_unix, self, config_.auth_secret, deadline,
-                           std::move(on_death), std::chrono::microseconds(config_.reply_spin_us)));
+      ControlChannel::open(
+          std::move(fd), over_unix, self, config_.auth_secret, deadline, std::move(on_death),
+          std::chrono::microseconds(std::clamp<int64_t>(config_.reply_spin_us, 0, 10000))));
   if (peer->control->peer().name != meta.name) {
     return Unavailable("endpoint of agent '" + meta.name + "' is now served by agent '" +
                        peer->control->peer().name + "' (stale metadata)");

@@ -72,7 +72,7 @@ struct AgentConfig {
   // A caller waiting for a control reply (a CALL, a region query) polls for it this long
   // before it sleeps. A same-host reply lands in tens of microseconds, less than a sleep and
   // the wake-up after it cost on a busy or virtualised host (~35 us measured here); a caller
-  // polls on its own core, never past its deadline. 0: sleep at once.
+  // polls on its own core, never past its deadline. 0: sleep at once; at most 10000.
   int64_t reply_spin_us = 50;
   UcxConfig ucx;  // the ucx backend (off unless ucx.enable)
 };

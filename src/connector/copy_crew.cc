@@ -4,6 +4,7 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <cstdint>
 
 #include "ecx/common/copy.h"
 

@@ -44,7 +44,6 @@ class TcpDataPool final : public DataPath, public std::enable_shared_from_this<T
   void fail_all(const Status& reason) override ECX_EXCLUDES(mu_);
   Backend kind() const override { return Backend::kTcp; }
 
- private:
   struct Slice {
     std::byte* local;
     uint32_t region;
@@ -61,6 +60,11 @@ class TcpDataPool final : public DataPath, public std::enable_shared_from_this<T
     bool write = false;
     Deadline deadline = Deadline::never();
   };
+  // The batch's jobs, one per connection (split's comment in tcp_backend.cc).
+  static std::vector<Job> split(std::span<const TransferDescriptor> descriptors, uint64_t slice,
+                                size_t streams);
+
+ private:
   struct Worker {
     std::thread thread;
     UniqueFd fd;  // installed/closed under mu_; shut down by others
@@ -70,8 +74,6 @@ class TcpDataPool final : public DataPath, public std::enable_shared_from_this<T
     TransferState* current = nullptr;
   };
 
-  static std::vector<Job> split(std::span<const TransferDescriptor> descriptors, uint64_t slice,
-                                size_t streams);
   void run(Worker* worker) ECX_EXCLUDES(mu_);
   Status run_job(Worker* worker, Job& job) ECX_EXCLUDES(mu_);
   Status ensure_connected(Worker* worker, Job& job) ECX_EXCLUDES(mu_);

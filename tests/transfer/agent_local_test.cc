@@ -14,6 +14,7 @@
 #include "support/backend_cases.h"
 #include "support/peer_process.h"
 #include "transfer/read_digests.h"
+#include "transfer/tcp_backend.h"
 #include "transfer/wire.h"
 
 namespace ecx::transfer {
@@ -356,6 +357,50 @@ TEST(ReadDigests, PiecesLandingInAnyOrderOnManyThreadsGiveTheRangesChecksum) {
   }
   TransferDescriptor none{bytes.data(), 0, 0, bytes.size()};
   EXPECT_EQ(ReadDigests::for_batch({&none, 1}), nullptr);
+}
+
+// A batch over two tcp streams: equal bytes per stream, and an item cut between them comes
+// first on the stream that begins it and last on the one that ends it, so that its digest
+// never waits for its head (each stream hashes what it receives). Every byte of every
+// item is in exactly one slice.
+TEST(TcpDataPool, AnItemCutAcrossStreamsComesHeadFirstAndTailLast) {
+  constexpr uint64_t kItem = 1600 << 10;
+  std::vector<std::byte> dst(4 * kItem);
+  auto descriptors_of = [&](int items) {
+    std::vector<TransferDescriptor> descs;
+    for (int k = 0; k < items; ++k) descs.push_back({dst.data() + k * kItem, 7, k * kItem, kItem});
+    return descs;
+  };
+  auto order = [](const TcpDataPool::Job& job) {
+    std::vector<std::pair<size_t, uint64_t>> out;  // (item, offset within it)
+    for (const auto& s : job.slices) out.emplace_back(s.descriptor, s.at);
+    return out;
+  };
+  using Order = std::vector<std::pair<size_t, uint64_t>>;
+  auto three = descriptors_of(3);
+  auto jobs = TcpDataPool::split(three, 4 << 20, 2);
+  ASSERT_EQ(jobs.size(), 2u);
+  EXPECT_EQ(order(jobs[0]), (Order{{1, 0}, {0, 0}}));
+  EXPECT_EQ(order(jobs[1]), (Order{{2, 0}, {1, kItem / 2}}));
+  // Four items over three streams: the middle stream has a tail and a head.
+  auto four = descriptors_of(4);
+  jobs = TcpDataPool::split(four, 4 << 20, 3);
+  ASSERT_EQ(jobs.size(), 3u);
+  EXPECT_EQ(order(jobs[0]), (Order{{1, 0}, {0, 0}}));
+  const uint64_t share = (4 * kItem + 2) / 3;
+  EXPECT_EQ(order(jobs[1]), (Order{{2, 0}, {1, share - kItem}}));
+  EXPECT_EQ(order(jobs[2]), (Order{{3, 0}, {2, 2 * share - 2 * kItem}}));
+  for (const auto& [descs, streams] : {std::pair{three, size_t{2}}, std::pair{four, size_t{3}}}) {
+    std::vector<uint64_t> covered(descs.size(), 0);
+    for (const auto& job : TcpDataPool::split(descs, 4 << 20, streams)) {
+      for (const auto& s : job.slices) {
+        EXPECT_EQ(s.local, static_cast<std::byte*>(descs[s.descriptor].local) + s.at);
+        EXPECT_EQ(s.offset, descs[s.descriptor].remote_offset + s.at);
+        covered[s.descriptor] += s.length;
+      }
+    }
+    for (size_t k = 0; k < descs.size(); ++k) EXPECT_EQ(covered[k], kItem) << k;
+  }
 }
 
 TEST(AgentConnect, ConcurrentConnectsCoalesceIntoOneHandshake) {

@@ -32,11 +32,21 @@ std::vector<CopyCrew::Range> cut(std::span<const CopyCrew::Range> ranges, size_t
   return pieces;
 }
 
+// The cores this process may run on (its affinity: a container's cpuset, taskset), which
+// can be fewer than the machine's.
+int usable_cores() {
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  if (::sched_getaffinity(0, sizeof allowed, &allowed) == 0 && CPU_COUNT(&allowed) > 0) {
+    return CPU_COUNT(&allowed);
+  }
+  return std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+}
+
 }  // namespace
 
 CopyCrew::CopyCrew(int threads)
-    : helpers_wanted_(std::max(
-          0, std::min(threads, static_cast<int>(std::thread::hardware_concurrency())) - 1)) {}
+    : helpers_wanted_(std::max(0, std::min(threads, usable_cores()) - 1)) {}
 
 CopyCrew::~CopyCrew() {
   std::vector<std::thread> helpers;

@@ -33,7 +33,7 @@ class CopyCrew {
   // that wake late still find work and the crew ends together.
   static constexpr size_t kPieceBytes = 256 << 10;
 
-  // `threads`, at most one per core of this machine.
+  // `threads`, at most one per core this process may run on.
   explicit CopyCrew(int threads);
   ~CopyCrew();
   CopyCrew(const CopyCrew&) = delete;

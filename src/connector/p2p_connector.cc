@@ -156,7 +156,9 @@ class P2pDriver final : public ConnectorDriver {
   std::map<std::string, std::string> known_producers_ ECX_GUARDED_BY(producers_mu_);
   std::atomic<uint64_t> releases_sent_{0}, releases_received_{0}, renewals_received_{0};
   mutable std::atomic<uint64_t> params_rejected_{0};
-  CopyCrew copy_crew_;  // same-host copies, split over copy_threads
+  // Same-host copies, split over copy_threads. Its helpers go with the driver, which the
+  // connector drops only after its loaders are joined and no caller is left in a load.
+  CopyCrew copy_crew_;
 };
 
 Status P2pDriver::start() {

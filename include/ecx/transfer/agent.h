@@ -69,10 +69,12 @@ struct AgentConfig {
   // Longest one READ reply or one WRITE's data may take to move; a peer that stalls the
   // stream longer loses the connection (and the server thread is free again).
   int64_t data_timeout_ms = 30000;
-  // A caller waiting for a control reply (a CALL, a region query) polls for it this long
-  // before it sleeps. A same-host reply lands in tens of microseconds, less than a sleep and
-  // the wake-up after it cost on a busy or virtualised host (~35 us measured here); a caller
-  // polls on its own core, never past its deadline. 0: sleep at once; at most 10000.
+  // A caller waiting for a same-host peer's control reply (a CALL, a region query) polls
+  // for it this long before it sleeps. Such a reply lands in tens of microseconds, less
+  // than a sleep and the wake-up after it cost on a busy or virtualised host (~35 us
+  // measured here); a caller polls on its own core, never past its deadline. A peer on
+  // another host answers later than that: its callers sleep at once. 0: sleep at once; at
+  // most 10000.
   int64_t reply_spin_us = 50;
   UcxConfig ucx;  // the ucx backend (off unless ucx.enable)
 };

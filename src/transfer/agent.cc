@@ -380,8 +380,8 @@ Result<std::shared_ptr<Peer>> AgentImpl::open_with(BackendEngine& engine, const 
       ControlChannel::open(
           std::move(fd), over_unix, self, config_.auth_secret, deadline, std::move(on_death),
           // Another host's reply takes longer than a poll would last: the caller sleeps.
-          std::chrono::microseconds(
-              same_host ? std::clamp<int64_t>(config_.reply_spin_us, 0, 10000) : 0)));
+          std::chrono::microseconds(same_host ? std::clamp<int64_t>(config_.reply_spin_us, 0, 10000)
+                                              : 0)));
   if (peer->control->peer().name != meta.name) {
     return Unavailable("endpoint of agent '" + meta.name + "' is now served by agent '" +
                        peer->control->peer().name + "' (stale metadata)");

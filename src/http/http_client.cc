@@ -144,13 +144,14 @@ struct HttpClient::Impl {
   }
 
   const Options options;
+  // Before ioc: the calls its handlers still hold, destroyed with it, read it.
+  std::atomic<bool> stopped{false};
   net::io_context ioc;
   net::executor_work_guard<net::io_context::executor_type> work;
   std::vector<std::thread> threads;
   mutable Mutex mu;
   std::map<std::string, std::vector<std::unique_ptr<PooledConnection>>> idle ECX_GUARDED_BY(mu);
   std::map<std::string, std::shared_ptr<ssl::context>> tls_contexts ECX_GUARDED_BY(mu);
-  std::atomic<bool> stopped{false};
   std::atomic<uint64_t> connects{0};
   std::atomic<uint64_t> reuses{0};
 };
@@ -183,6 +184,18 @@ class Exchange : public std::enable_shared_from_this<Exchange> {
     msg_.keep_alive(true);
     msg_.body() = std::move(request_.body);
     msg_.prepare_payload();
+  }
+
+  // The call ends exactly once: one that is dropped before it ended (a step that saw it
+  // over, a resume() never called) ends here, cancelled.
+  // (Not once the client has stopped: its callers' callbacks may be gone by then.)
+  ~Exchange() {
+    if (done_ && !impl_.stopped) {
+      close();
+      result_.error = ClientError::kCancelled;
+      result_.message = "the call was dropped before it ended";
+      done_(std::move(result_));
+    }
   }
 
   void start() {
@@ -220,12 +233,18 @@ class Exchange : public std::enable_shared_from_this<Exchange> {
   }
 
  private:
-  // False once the call has ended (answered or failed), or its caller has gone (its end
-  // is then on its way): a step still in flight does nothing more.
-  bool live() const { return done_ && !(request_.cancel && request_.cancel->cancelled()); }
+  // True once the call has ended (answered or failed): a step still in flight does
+  // nothing more. A call whose caller has gone ends here, at its next step, whether or
+  // not the cancellation's callback has run yet.
+  bool over() {
+    if (done_ && request_.cancel && request_.cancel->cancelled()) {
+      fail(ClientError::kCancelled, "cancelled: the caller's client has gone", {});
+    }
+    return !done_;
+  }
 
   void connect() {
-    if (!live()) return;
+    if (over()) return;
     reused_ = false;
     impl_.connects++;
     auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline_ - Clock::now());
@@ -251,7 +270,7 @@ class Exchange : public std::enable_shared_from_this<Exchange> {
   }
 
   void on_connected(beast::error_code ec) {
-    if (!live()) return close();
+    if (over()) return;
     if (ec) return fail(ClientError::kConnect, "connect to " + where_, ec);
     conn_->tcp().socket().set_option(tcp::no_delay(true), ec);
     auto* tls = std::get_if<TlsStream>(&conn_->stream);
@@ -263,7 +282,7 @@ class Exchange : public std::enable_shared_from_this<Exchange> {
     if (not_a_name) SSL_set_tlsext_host_name(tls->native_handle(), host_.c_str());
     tls->async_handshake(
         ssl::stream_base::client, [self = shared_from_this()](beast::error_code e) {
-          if (!self->live()) return self->close();
+          if (self->over()) return;
           if (e) return self->fail(ClientError::kConnect, "tls handshake with " + self->where_, e);
           self->write();
         });
@@ -280,7 +299,7 @@ class Exchange : public std::enable_shared_from_this<Exchange> {
   }
 
   void write() {
-    if (!live()) return;
+    if (over()) return;
     conn_->tcp().expires_at(deadline_);
     on_stream([&](auto& stream) {
       bhttp::async_write(stream, msg_, [self = shared_from_this()](beast::error_code ec, size_t) {
@@ -321,7 +340,7 @@ class Exchange : public std::enable_shared_from_this<Exchange> {
   }
 
   void read_body() {
-    if (!live()) return;
+    if (over()) return;
     if (parser_->is_done()) return finish(true);
     auto& body = parser_->get().body();
     body.data = piece_.data();

@@ -377,6 +377,50 @@ TEST(HttpClientTest, ACancelledCallEndsAtOnceAndTheUpstreamSeesItsClientGo) {
   EXPECT_EQ(calls, 1);
 }
 
+// The caller goes while a streamed piece is being handed over, and its cancellation's
+// other callbacks are slow to run: the call still ends (once), cancelled. Before, the
+// step after the piece saw the cancellation and dropped the call unanswered, and the
+// client's own callback then found nothing to fail: a blocking call waited for ever.
+TEST(HttpClientTest, ACallCancelledWhileAPieceIsHandedOverStillEnds) {
+  Upstream up;
+  add_counting_stream(up, 100'000'000);
+  up.start();
+  HttpClient client(HttpClient::Options{});
+  ClientRequest request = post("/stream");
+  auto cancel = std::make_shared<Cancellation>();
+  request.cancel = cancel;
+  // Registered before the client's: runs first and holds the client's back a while.
+  cancel->on_cancel([] { std::this_thread::sleep_for(milliseconds(200)); });
+  std::thread canceller;
+  int pieces = 0;
+  ClientStreaming streaming;
+  streaming.on_body = [&](std::string_view, std::function<void()>) {
+    if (++pieces == 2) {
+      canceller = std::thread([cancel] { cancel->cancel(); });
+      // The piece's handler returns only once the caller has gone.
+      EXPECT_TRUE(ecx::testing::poll_until(Deadline::after_ms(10000),
+                                           [&] { return cancel->cancelled(); }));
+    }
+    return BodyFlow::kContinue;
+  };
+  std::atomic<int> ends{0};
+  std::promise<ClientResult> done;
+  auto result = done.get_future();
+  client.send(
+      "127.0.0.1", up.port, std::move(request),
+      [&](ClientResult r) {
+        if (ends++ == 0) done.set_value(std::move(r));
+      },
+      std::move(streaming));
+  bool ended = result.wait_for(std::chrono::seconds(20)) == std::future_status::ready;
+  if (canceller.joinable()) canceller.join();
+  ASSERT_TRUE(ended) << "the cancelled call never ended";
+  EXPECT_EQ(result.get().error, ClientError::kCancelled);
+  std::this_thread::sleep_for(milliseconds(300));  // a second end would come by now
+  EXPECT_EQ(ends, 1);
+  EXPECT_EQ(pieces, 2);
+}
+
 TEST(HttpClientTest, ManyCallsAtOnceShareAFewConnections) {
   Upstream up(/*idle_timeout_s=*/60, /*workers=*/4);
   up.server->work("POST", "/echo", [](const HttpRequest& req, HttpResponse& res) {

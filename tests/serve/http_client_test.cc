@@ -398,8 +398,8 @@ TEST(HttpClientTest, ACallCancelledWhileAPieceIsHandedOverStillEnds) {
     if (++pieces == 2) {
       canceller = std::thread([cancel] { cancel->cancel(); });
       // The piece's handler returns only once the caller has gone.
-      EXPECT_TRUE(ecx::testing::poll_until(Deadline::after_ms(10000),
-                                           [&] { return cancel->cancelled(); }));
+      EXPECT_TRUE(
+          ecx::testing::poll_until(Deadline::after_ms(10000), [&] { return cancel->cancelled(); }));
     }
     return BodyFlow::kContinue;
   };

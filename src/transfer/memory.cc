@@ -69,6 +69,23 @@ RegionInfo RegionEntry::info() const {
   return info;
 }
 
+namespace {
+
+// Writes each page of [data, data + length) once, keeping its bytes. The kernel's populate
+// only reads a shared mapping's pages in (MADV_POPULATE_WRITE too writes nothing to them),
+// and a hypervisor that backs its guest's memory lazily (free page reporting, a balloon:
+// this machine's) traps the first write to each page: ~0.4 us a 4 KiB page here, 100 us per
+// MiB of the first loads into a new arena, at the time of a copy (docs/BENCHMARKS.md §20).
+void touch_pages(std::byte* data, uint64_t length) {
+  const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  for (uint64_t at = 0; at < length; at += page) {
+    auto* byte = reinterpret_cast<volatile unsigned char*>(data + at);
+    *byte = *byte;
+  }
+}
+
+}  // namespace
+
 Result<std::shared_ptr<RegionEntry>> create_memfd_region(const std::string& label,
                                                          uint64_t length) {
   if (length == 0) return InvalidArgument("cannot allocate a region of 0 bytes");
@@ -80,6 +97,7 @@ Result<std::shared_ptr<RegionEntry>> create_memfd_region(const std::string& labe
   // Populated now: page faults on the transfer path would cost more than the copy.
   void* p = ::mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd.get(), 0);
   if (p == MAP_FAILED) return ErrnoError("mmap " + std::to_string(length) + " bytes", errno);
+  touch_pages(static_cast<std::byte*>(p), length);
   // Peers map it: its size must never change under them (a shrink would SIGBUS them),
   // and no one may map it writable from now on (this process keeps its mapping). A
   // reopened /proc/self/fd/N is sealed too: the seals belong to the file, not the fd.

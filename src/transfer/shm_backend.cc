@@ -18,6 +18,10 @@ namespace {
 
 // Granule of ShmDataPath::Mapping::populate.
 constexpr uint64_t kPopulateChunk = 2ull << 20;
+// What one madvise of Mapping::populate_all covers: 16 pages, ~6 us here. A whole chunk
+// per call held the address space's lock ~190 us at a time, and every mmap or munmap of
+// the process (a large allocation, a new thread's stack) waited for it.
+constexpr uint64_t kBackgroundStep = 64ull << 10;
 
 }  // namespace
 
@@ -36,6 +40,37 @@ void ShmDataPath::Mapping::populate(uint64_t offset, uint64_t bytes) {
     // Best effort: on a kernel without MADV_POPULATE_READ the pages fault in as read.
     ::madvise(data + start, std::min(kPopulateChunk, length - start), MADV_POPULATE_READ);
     word.fetch_or(bit, std::memory_order_relaxed);
+  }
+}
+
+void ShmDataPath::Mapping::populate_all(const std::atomic<bool>& stop) {
+  for (uint64_t start = 0; start < length; start += kPopulateChunk) {
+    const uint64_t end = std::min(start + kPopulateChunk, length);
+    for (uint64_t at = start; at < end; at += kBackgroundStep) {
+      if (stop.load(std::memory_order_relaxed)) return;
+      ::madvise(data + at, std::min(kBackgroundStep, end - at), MADV_POPULATE_READ);
+    }
+    populated[start / kPopulateChunk / 64].fetch_or(uint64_t{1} << (start / kPopulateChunk % 64),
+                                                    std::memory_order_relaxed);
+  }
+}
+
+ShmDataPath::~ShmDataPath() {
+  closing_ = true;
+  std::vector<std::thread> populators;
+  {
+    MutexLock lock(&mu_);
+    populators.swap(populators_);
+  }
+  for (auto& t : populators) t.join();
+}
+
+void ShmDataPath::fill_in_background(const std::vector<std::shared_ptr<Mapping>>& maps) {
+  for (const auto& m : maps) {
+    if (m->filling.load(std::memory_order_relaxed) || m->filling.exchange(true)) continue;
+    MutexLock lock(&mu_);
+    if (closing_) return;
+    populators_.emplace_back([m, this] { m->populate_all(closing_); });
   }
 }
 
@@ -60,7 +95,9 @@ Result<std::shared_ptr<ShmDataPath::Mapping>> ShmDataPath::mapping(uint32_t regi
       grant.memfd.get(), grant.length, "region " + std::to_string(region) + " of agent " + peer));
   // Read-only, always. Not populated here: a peer's arena can be gigabytes, and populating
   // it all would stall the first load after a connect. Each read populates the 2 MiB
-  // chunks it touches, once (Mapping::populate).
+  // chunks it touches, once (Mapping::populate); after the first, a thread populates the
+  // rest (fill_in_background). Each 4 KiB page costs ~0.4 us here, which the first loads
+  // into the peer's fresh blocks would otherwise pay (docs/BENCHMARKS.md §20).
   void* p = ::mmap(nullptr, grant.length, PROT_READ, MAP_SHARED, grant.memfd.get(), 0);
   if (p == MAP_FAILED) {
     return ErrnoError("map region " + std::to_string(region) + " of agent " + peer, errno);
@@ -108,6 +145,7 @@ Status ShmDataPath::read(std::span<const TransferDescriptor> descriptors, Deadli
     const auto& d = descriptors[i];
     std::memcpy(d.local, maps[i]->data + d.remote_offset, d.length);
   }
+  fill_in_background(maps);
   // The mapping outlives a dead peer, but a read that overlapped its death is not trusted.
   if (!control_->alive_now()) return control_->death_status();
   return Status::Ok();
@@ -135,6 +173,7 @@ Result<RemoteView> ShmDataPath::view(uint32_t region, uint64_t offset, uint64_t 
   v.data = maps[0]->data + offset;
   v.length = length;
   v.keepalive = maps[0];
+  fill_in_background(maps);
   return v;
 }
 

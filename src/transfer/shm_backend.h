@@ -10,6 +10,8 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "ecx/common/mutex.h"
 #include "ecx/transfer/agent.h"
@@ -29,6 +31,7 @@ class ShmDataPath final : public DataPath {
   ShmDataPath(std::shared_ptr<ControlChannel> control, StatsCounters* stats,
               std::shared_ptr<TcpDataPool> writes)
       : control_(std::move(control)), stats_(stats), writes_(std::move(writes)) {}
+  ~ShmDataPath() override;
 
   // READs are copied on the calling thread (validated in full before the first byte
   // moves); WRITEs go to the unix data stream.
@@ -52,9 +55,15 @@ class ShmDataPath final : public DataPath {
     // Fills the page tables of [offset, offset + length) (one madvise per chunk, once), so
     // that a read does not take a page fault per 4 KiB page on first touch.
     void populate(uint64_t offset, uint64_t length);
+    // Every chunk not filled yet, in turn, until `stop` is set; a few pages per madvise,
+    // so that the address space's lock is never held long.
+    void populate_all(const std::atomic<bool>& stop);
+    std::atomic<bool> filling{false};  // populate_all has a thread
   };
   Result<std::shared_ptr<Mapping>> mapping(uint32_t region, const Capability& capability,
                                            Deadline deadline) ECX_EXCLUDES(mu_);
+  // Starts populate_all on a thread of its own for each of `maps` that has none yet.
+  void fill_in_background(const std::vector<std::shared_ptr<Mapping>>& maps) ECX_EXCLUDES(mu_);
   // Resolves and range-checks each descriptor against the peer's mappings.
   Result<std::vector<std::shared_ptr<Mapping>>> resolve(
       std::span<const TransferDescriptor> descriptors, Deadline deadline);
@@ -64,6 +73,12 @@ class ShmDataPath final : public DataPath {
   const std::shared_ptr<TcpDataPool> writes_;
   Mutex mu_;
   std::map<uint32_t, std::shared_ptr<Mapping>> mappings_ ECX_GUARDED_BY(mu_);
+  // One per mapping, from the end of the first read or view through it: fills its page
+  // tables in the background, so that the first loads from a peer's arena do not each
+  // fill their own (a load still fills any chunk it needs that is not done yet). Stopped
+  // and joined by the destructor.
+  std::vector<std::thread> populators_ ECX_GUARDED_BY(mu_);
+  std::atomic<bool> closing_{false};
 };
 
 }  // namespace ecx::transfer

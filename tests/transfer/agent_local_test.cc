@@ -4,7 +4,9 @@
 
 #include <algorithm>
 #include <condition_variable>
+#include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <mutex>
 #include <random>
 #include <thread>
@@ -13,6 +15,7 @@
 #include "ecx/transfer/agent.h"
 #include "support/backend_cases.h"
 #include "support/peer_process.h"
+#include "support/poll.h"
 #include "transfer/read_digests.h"
 #include "transfer/tcp_backend.h"
 #include "transfer/wire.h"
@@ -417,6 +420,63 @@ TEST(AgentConnect, ConcurrentConnectsCoalesceIntoOneHandshake) {
   for (auto& t : threads) t.join();
   EXPECT_EQ(ok.load(), 8);
   EXPECT_EQ(consumer->stats().peers_connected, 1u);
+}
+
+// The resident bytes (pages in its page tables) of this process's mapping that holds
+// `address`, from /proc/self/smaps; 0 if none holds it.
+uint64_t mapped_bytes_at(const void* address) {
+  std::ifstream smaps("/proc/self/smaps");
+  const auto at = reinterpret_cast<uintptr_t>(address);
+  bool inside = false;
+  for (std::string line; std::getline(smaps, line);) {
+    uintptr_t start = 0, end = 0;
+    if (std::sscanf(line.c_str(), "%lx-%lx ", &start, &end) == 2) {
+      inside = start <= at && at < end;
+    } else if (inside && line.rfind("Rss:", 0) == 0) {
+      return std::stoull(line.substr(4)) << 10;  // "Rss:   N kB"
+    }
+  }
+  return 0;
+}
+
+// A first read or view maps the peer's whole arena and fills the page tables of the chunks
+// it touches; a thread then fills the rest, so that later loads of other blocks do not
+// each pay for theirs. Both agents gone while it runs: nothing waits or leaks.
+TEST(ShmMapping, APeersArenaIsFilledInTheBackgroundAfterTheFirstRead) {
+  constexpr uint64_t kArena = 64ull << 20;
+  for (bool through_view : {false, true}) {
+    SCOPED_TRACE(through_view ? "view" : "read");
+    auto producer = std::move(Agent::create(local_config("producer")).value());
+    auto consumer = std::move(Agent::create(local_config("consumer")).value());
+    auto arena = producer->allocate(kArena).value();
+    ASSERT_TRUE(consumer->connect(producer->metadata(), {.backend = Backend::kShm}).ok());
+    std::vector<std::byte> one(4096);
+    const std::byte* mapped = nullptr;
+    if (through_view) {
+      auto v = consumer->view("producer", arena.id, 0, one.size());
+      ASSERT_TRUE(v.ok()) << v.status().to_string();
+      mapped = v->data;
+    } else {
+      // A read leaves no address behind: the mapping is the one that comes and fills.
+      std::vector<TransferDescriptor> first{{one.data(), arena.id, 0, one.size()}};
+      auto h = consumer->read("producer", first, Deadline::after_ms(20000));
+      ASSERT_TRUE(h.ok() && h->wait(Deadline::after_ms(20000)).ok());
+      auto v = consumer->view("producer", arena.id, 0, one.size());
+      ASSERT_TRUE(v.ok()) << v.status().to_string();
+      mapped = v->data;
+    }
+    EXPECT_TRUE(ecx::testing::poll_until(Deadline::after_ms(30000),
+                                         [&] { return mapped_bytes_at(mapped) == kArena; }))
+        << mapped_bytes_at(mapped) << " of " << kArena << " bytes mapped";
+  }
+  // Gone while a fill runs: the destructor stops it.
+  auto producer = std::move(Agent::create(local_config("producer")).value());
+  auto consumer = std::move(Agent::create(local_config("consumer")).value());
+  auto big = producer->allocate(256ull << 20).value();
+  ASSERT_TRUE(consumer->connect(producer->metadata(), {.backend = Backend::kShm}).ok());
+  ASSERT_TRUE(consumer->view("producer", big.id, 0, 4096).ok());
+  consumer.reset();
+  producer.reset();
 }
 
 TEST(AgentConnect, AutoPicksShmOnTheSameHostAndTcpWhenForced) {

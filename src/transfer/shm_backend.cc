@@ -45,32 +45,55 @@ void ShmDataPath::Mapping::populate(uint64_t offset, uint64_t bytes) {
 
 void ShmDataPath::Mapping::populate_all(const std::atomic<bool>& stop) {
   for (uint64_t start = 0; start < length; start += kPopulateChunk) {
+    const uint64_t chunk = start / kPopulateChunk;
+    const uint64_t bit = uint64_t{1} << (chunk % 64);
+    std::atomic<uint64_t>& word = populated[chunk / 64];
+    if (word.load(std::memory_order_relaxed) & bit) continue;  // a load's, already
     const uint64_t end = std::min(start + kPopulateChunk, length);
     for (uint64_t at = start; at < end; at += kBackgroundStep) {
       if (stop.load(std::memory_order_relaxed)) return;
       ::madvise(data + at, std::min(kBackgroundStep, end - at), MADV_POPULATE_READ);
     }
-    populated[start / kPopulateChunk / 64].fetch_or(uint64_t{1} << (start / kPopulateChunk % 64),
-                                                    std::memory_order_relaxed);
+    word.fetch_or(bit, std::memory_order_relaxed);
   }
 }
 
 ShmDataPath::~ShmDataPath() {
   closing_ = true;
-  std::vector<std::thread> populators;
+  std::thread filler;
   {
     MutexLock lock(&mu_);
-    populators.swap(populators_);
+    filler.swap(filler_);
   }
-  for (auto& t : populators) t.join();
+  if (filler.joinable()) filler.join();
 }
 
 void ShmDataPath::fill_in_background(const std::vector<std::shared_ptr<Mapping>>& maps) {
   for (const auto& m : maps) {
-    if (m->filling.load(std::memory_order_relaxed) || m->filling.exchange(true)) continue;
+    if (m->queued.load(std::memory_order_relaxed) || m->queued.exchange(true)) continue;
     MutexLock lock(&mu_);
     if (closing_) return;
-    populators_.emplace_back([m, this] { m->populate_all(closing_); });
+    to_fill_.push_back(m);
+    if (filler_running_) continue;
+    if (filler_.joinable()) filler_.join();  // it found nothing left and has ended
+    filler_running_ = true;
+    filler_ = std::thread([this] { fill_queued(); });
+  }
+}
+
+void ShmDataPath::fill_queued() {
+  while (true) {
+    std::shared_ptr<Mapping> m;
+    {
+      MutexLock lock(&mu_);
+      if (to_fill_.empty() || closing_) {
+        filler_running_ = false;
+        return;
+      }
+      m = std::move(to_fill_.front());
+      to_fill_.pop_front();
+    }
+    m->populate_all(closing_);
   }
 }
 

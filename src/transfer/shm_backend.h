@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
 #include <span>
@@ -58,12 +59,14 @@ class ShmDataPath final : public DataPath {
     // Every chunk not filled yet, in turn, until `stop` is set; a few pages per madvise,
     // so that the address space's lock is never held long.
     void populate_all(const std::atomic<bool>& stop);
-    std::atomic<bool> filling{false};  // populate_all has a thread
+    std::atomic<bool> queued{false};  // given to the filler once
   };
   Result<std::shared_ptr<Mapping>> mapping(uint32_t region, const Capability& capability,
                                            Deadline deadline) ECX_EXCLUDES(mu_);
-  // Starts populate_all on a thread of its own for each of `maps` that has none yet.
+  // Queues each of `maps` not queued yet for the filler, which starts if it is not running.
   void fill_in_background(const std::vector<std::shared_ptr<Mapping>>& maps) ECX_EXCLUDES(mu_);
+  // The filler's thread: populate_all of each queued mapping, until none is left.
+  void fill_queued() ECX_EXCLUDES(mu_);
   // Resolves and range-checks each descriptor against the peer's mappings.
   Result<std::vector<std::shared_ptr<Mapping>>> resolve(
       std::span<const TransferDescriptor> descriptors, Deadline deadline);
@@ -73,11 +76,13 @@ class ShmDataPath final : public DataPath {
   const std::shared_ptr<TcpDataPool> writes_;
   Mutex mu_;
   std::map<uint32_t, std::shared_ptr<Mapping>> mappings_ ECX_GUARDED_BY(mu_);
-  // One per mapping, from the end of the first read or view through it: fills its page
-  // tables in the background, so that the first loads from a peer's arena do not each
-  // fill their own (a load still fills any chunk it needs that is not done yet). Stopped
-  // and joined by the destructor.
-  std::vector<std::thread> populators_ ECX_GUARDED_BY(mu_);
+  // The filler: one thread at a time, while mappings wait in to_fill_. Each mapping goes
+  // there at the end of the first read or view through it, so that the first loads from
+  // a peer's arena do not each fill the page tables of theirs (a load still fills any
+  // chunk it needs that is not done yet). Stopped and joined by the destructor.
+  std::deque<std::shared_ptr<Mapping>> to_fill_ ECX_GUARDED_BY(mu_);
+  std::thread filler_ ECX_GUARDED_BY(mu_);
+  bool filler_running_ ECX_GUARDED_BY(mu_) = false;
   std::atomic<bool> closing_{false};
 };
 

@@ -469,6 +469,21 @@ TEST(ShmMapping, APeersArenaIsFilledInTheBackgroundAfterTheFirstRead) {
                                          [&] { return mapped_bytes_at(mapped) == kArena; }))
         << mapped_bytes_at(mapped) << " of " << kArena << " bytes mapped";
   }
+  // Two arenas of one peer: the filler takes one after the other.
+  {
+    auto producer = std::move(Agent::create(local_config("producer")).value());
+    auto consumer = std::move(Agent::create(local_config("consumer")).value());
+    auto a = producer->allocate(kArena).value();
+    auto b = producer->allocate(kArena).value();
+    ASSERT_TRUE(consumer->connect(producer->metadata(), {.backend = Backend::kShm}).ok());
+    auto va = consumer->view("producer", a.id, 0, 4096);
+    auto vb = consumer->view("producer", b.id, kArena - 4096, 4096);
+    ASSERT_TRUE(va.ok() && vb.ok());
+    EXPECT_TRUE(ecx::testing::poll_until(
+        Deadline::after_ms(30000),
+        [&] { return mapped_bytes_at(va->data) == kArena && mapped_bytes_at(vb->data) == kArena; }))
+        << mapped_bytes_at(va->data) << " and " << mapped_bytes_at(vb->data);
+  }
   // Gone while a fill runs: the destructor stops it.
   auto producer = std::move(Agent::create(local_config("producer")).value());
   auto consumer = std::move(Agent::create(local_config("consumer")).value());

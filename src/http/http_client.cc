@@ -309,6 +309,7 @@ class Exchange : public std::enable_shared_from_this<Exchange> {
   }
 
   void on_written(beast::error_code ec) {
+    if (over()) return;  // ended meanwhile (its caller gone): its handler came late
     if (ec) {
       // A pooled connection the upstream had closed: it read none of it. Once more, new.
       if (reused_ && !retried_ && ec != beast::error::timeout) {
@@ -330,6 +331,7 @@ class Exchange : public std::enable_shared_from_this<Exchange> {
   }
 
   void on_header(beast::error_code ec) {
+    if (over()) return;  // ended meanwhile (its caller gone): its handler came late
     // (A length over the limit fails here, once the headers are in.)
     if (parser_->is_header_done()) result_.status = static_cast<int>(parser_->get().result_int());
     if (ec) return fail(classify(ec), "answer from " + where_, ec);
@@ -355,6 +357,7 @@ class Exchange : public std::enable_shared_from_this<Exchange> {
   }
 
   void on_body(beast::error_code ec) {
+    if (over()) return;  // ended meanwhile (its caller gone): its handler came late
     if (ec == bhttp::error::need_buffer) ec = {};
     if (ec) return fail(classify(ec), "answer from " + where_, ec);
     size_t got = piece_.size() - parser_->get().body().size;
@@ -511,6 +514,9 @@ ClientResult HttpClient::call(const std::string& host, int port, ClientRequest r
       return gave_up;
     }
   }
+  // No streaming callback runs after this: a handler already queued behind the call's
+  // end would otherwise reach the caller's, whose state is gone.
+  waiter->abandoned = true;
   return std::move(*waiter->result);
 }
 

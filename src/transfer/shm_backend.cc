@@ -5,6 +5,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <system_error>
 
 #include "transfer/memory.h"
 
@@ -76,8 +77,14 @@ void ShmDataPath::fill_in_background(const std::vector<std::shared_ptr<Mapping>>
     to_fill_.push_back(m);
     if (filler_running_) continue;
     if (filler_.joinable()) filler_.join();  // it found nothing left and has ended
-    filler_running_ = true;
-    filler_ = std::thread([this] { fill_queued(); });
+    try {
+      filler_ = std::thread([this] { fill_queued(); });
+      filler_running_ = true;
+    } catch (const std::system_error&) {
+      // No thread to be had (a process at its limit): loads fill their own chunks, as
+      // without a filler, and the next new mapping tries again.
+      to_fill_.clear();
+    }
   }
 }
 
@@ -168,9 +175,9 @@ Status ShmDataPath::read(std::span<const TransferDescriptor> descriptors, Deadli
     const auto& d = descriptors[i];
     std::memcpy(d.local, maps[i]->data + d.remote_offset, d.length);
   }
-  fill_in_background(maps);
   // The mapping outlives a dead peer, but a read that overlapped its death is not trusted.
   if (!control_->alive_now()) return control_->death_status();
+  fill_in_background(maps);
   return Status::Ok();
 }
 
@@ -196,7 +203,7 @@ Result<RemoteView> ShmDataPath::view(uint32_t region, uint64_t offset, uint64_t 
   v.data = maps[0]->data + offset;
   v.length = length;
   v.keepalive = maps[0];
-  fill_in_background(maps);
+  if (control_->alive_now()) fill_in_background(maps);  // a dead peer's arena: never
   return v;
 }
 

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <mutex>
 #include <random>
 #include <thread>
@@ -422,21 +423,27 @@ TEST(AgentConnect, ConcurrentConnectsCoalesceIntoOneHandshake) {
   EXPECT_EQ(consumer->stats().peers_connected, 1u);
 }
 
-// The resident bytes (pages in its page tables) of this process's mapping that holds
-// `address`, from /proc/self/smaps; 0 if none holds it.
-uint64_t mapped_bytes_at(const void* address) {
+// The resident bytes (pages in its page tables) of this process's first mapping that
+// `pick` takes (given its start, end and permissions), from /proc/self/smaps; 0 if none.
+uint64_t mapped_bytes(const std::function<bool(uintptr_t, uintptr_t, const std::string&)>& pick) {
   std::ifstream smaps("/proc/self/smaps");
-  const auto at = reinterpret_cast<uintptr_t>(address);
   bool inside = false;
   for (std::string line; std::getline(smaps, line);) {
     uintptr_t start = 0, end = 0;
-    if (std::sscanf(line.c_str(), "%lx-%lx ", &start, &end) == 2) {
-      inside = start <= at && at < end;
+    char perms[8] = {};
+    if (std::sscanf(line.c_str(), "%lx-%lx %7s ", &start, &end, perms) == 3) {
+      inside = pick(start, end, perms);
     } else if (inside && line.rfind("Rss:", 0) == 0) {
       return std::stoull(line.substr(4)) << 10;  // "Rss:   N kB"
     }
   }
   return 0;
+}
+
+uint64_t mapped_bytes_at(const void* address) {
+  const auto at = reinterpret_cast<uintptr_t>(address);
+  return mapped_bytes(
+      [at](uintptr_t start, uintptr_t end, const std::string&) { return start <= at && at < end; });
 }
 
 // A first read or view maps the peer's whole arena and fills the page tables of the chunks
@@ -451,23 +458,27 @@ TEST(ShmMapping, APeersArenaIsFilledInTheBackgroundAfterTheFirstRead) {
     auto arena = producer->allocate(kArena).value();
     ASSERT_TRUE(consumer->connect(producer->metadata(), {.backend = Backend::kShm}).ok());
     std::vector<std::byte> one(4096);
-    const std::byte* mapped = nullptr;
     if (through_view) {
       auto v = consumer->view("producer", arena.id, 0, one.size());
       ASSERT_TRUE(v.ok()) << v.status().to_string();
-      mapped = v->data;
-    } else {
-      // A read leaves no address behind: the mapping is the one that comes and fills.
-      std::vector<TransferDescriptor> first{{one.data(), arena.id, 0, one.size()}};
-      auto h = consumer->read("producer", first, Deadline::after_ms(20000));
-      ASSERT_TRUE(h.ok() && h->wait(Deadline::after_ms(20000)).ok());
-      auto v = consumer->view("producer", arena.id, 0, one.size());
-      ASSERT_TRUE(v.ok()) << v.status().to_string();
-      mapped = v->data;
+      EXPECT_TRUE(ecx::testing::poll_until(Deadline::after_ms(30000),
+                                           [&] { return mapped_bytes_at(v->data) == kArena; }))
+          << mapped_bytes_at(v->data) << " of " << kArena << " bytes mapped";
+      continue;
     }
+    std::vector<TransferDescriptor> first{{one.data(), arena.id, 0, one.size()}};
+    auto h = consumer->read("producer", first, Deadline::after_ms(20000));
+    ASSERT_TRUE(h.ok() && h->wait(Deadline::after_ms(20000)).ok());
+    // A read leaves no address behind: the consumer's mapping is the read-only shared
+    // one of the arena's size (the producer's own is writable).
+    auto consumers_mapping = [&] {
+      return mapped_bytes([&](uintptr_t start, uintptr_t end, const std::string& perms) {
+        return perms == "r--s" && end - start == kArena;
+      });
+    };
     EXPECT_TRUE(ecx::testing::poll_until(Deadline::after_ms(30000),
-                                         [&] { return mapped_bytes_at(mapped) == kArena; }))
-        << mapped_bytes_at(mapped) << " of " << kArena << " bytes mapped";
+                                         [&] { return consumers_mapping() == kArena; }))
+        << consumers_mapping() << " of " << kArena << " bytes mapped";
   }
   // Two arenas of one peer: the filler takes one after the other.
   {

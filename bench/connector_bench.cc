@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -224,6 +225,7 @@ Status measure(const ConnectorBenchOptions& o, const std::string& exe, const jso
   row.p50_us = s.p50_us;
   row.p99_us = s.p99_us;
   row.mean_us = s.mean_us;
+  for (int64_t ns : samples) row.samples_us.push_back(std::round(ns / 100.0) / 10.0);  // 0.1 us
   row.gbps = gbps(o.item_bytes * o.items * static_cast<uint64_t>(o.requests), s.total_seconds);
   row.control_rtts_per_item = control_rtts(row.connector, o.items);
   row.bytes_used_per_payload_byte = producer_pool_overhead(producer);
@@ -348,7 +350,8 @@ json connector_rows_json(const std::vector<ConnectorRow>& rows) {
               {"mean_us", r.mean_us},
               {"gbps", r.gbps},
               {"control_rtts_per_item", r.control_rtts_per_item},
-              {"bytes_used_per_payload_byte", r.bytes_used_per_payload_byte}};
+              {"bytes_used_per_payload_byte", r.bytes_used_per_payload_byte},
+              {"samples_us", r.samples_us}};
     if (!r.error.empty()) j["error"] = r.error;
     out.push_back(j);
   }

@@ -46,6 +46,7 @@ struct ConnectorRow {
   double p50_us = 0, p99_us = 0, mean_us = 0, gbps = 0;
   double control_rtts_per_item = 0;
   double bytes_used_per_payload_byte = 0;  // producer pool (p2p), 0 where there is none
+  std::vector<double> samples_us;          // each timed load, in order (JSON only)
   std::string error;                       // set when the row could not be measured
 };
 

@@ -1,5 +1,6 @@
 #include "transfer/shm_backend.h"
 
+#include <sched.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 
@@ -54,6 +55,12 @@ void ShmDataPath::Mapping::populate_all(const std::atomic<bool>& stop) {
     for (uint64_t at = start; at < end; at += kBackgroundStep) {
       if (stop.load(std::memory_order_relaxed)) return;
       ::madvise(data + at, std::min(kBackgroundStep, end - at), MADV_POPULATE_READ);
+      // Gives way to a thread waiting for this core. Run without a break, the filler
+      // kept a vCPU for 1-3 ms while a thread woken there waited and the other vCPU
+      // idled (perf sched): a 64 KiB zero-copy load, whose lookup is a round trip between
+      // two processes, took that long in the first loads after a connect (BENCHMARKS.md
+      // §21). SCHED_IDLE for the filler did not prevent it.
+      ::sched_yield();
     }
     word.fetch_or(bit, std::memory_order_relaxed);
   }

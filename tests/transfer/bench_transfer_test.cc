@@ -5,6 +5,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -12,6 +13,7 @@
 #include <nlohmann/json.hpp>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 #include "ecx/common/subprocess.h"
 
@@ -24,21 +26,26 @@ bool ucx_perftest_installed() {
   return ::access("/usr/bin/ucx_perftest", X_OK) == 0;  // Debian's ucx-utils
 }
 
-// One run of the bench: its exit status (128 + signal when killed; -1 when it could not
-// start or did not end) and what it printed.
-std::pair<int, std::string> run_bench(const std::filesystem::path& json_path) {
-  auto bench = Subprocess::spawn({ECX_BINARY, "bench", "transfer", "--backends", "ucx", "--modes",
-                                  "pull", "--sizes", "64KiB", "--batch", "1", "--iters", "3",
-                                  "--json", json_path.string()});
-  if (!bench.ok()) return {-1, bench.status().to_string()};
+// One run of `ecx ARGS...`: its exit status (128 + signal when killed; -1 when it could
+// not start or did not end) and what it printed.
+std::pair<int, std::string> run_ecx(std::vector<std::string> args, int64_t read_ms) {
+  args.insert(args.begin(), ECX_BINARY);
+  auto process = Subprocess::spawn(args);
+  if (!process.ok()) return {-1, process.status().to_string()};
   std::string output;
   while (true) {
-    auto line = bench->read_line(Deadline::after_ms(120000));
+    auto line = process->read_line(Deadline::after_ms(read_ms));
     if (!line.ok()) break;
     output += *line + "\n";
   }
-  auto status = bench->wait(Deadline::after_ms(60000));
+  auto status = process->wait(Deadline::after_ms(60000));
   return {status.ok() ? *status : -1, output};
+}
+
+std::pair<int, std::string> run_bench(const std::filesystem::path& json_path) {
+  return run_ecx({"bench", "transfer", "--backends", "ucx", "--modes", "pull", "--sizes", "64KiB",
+                  "--batch", "1", "--iters", "3", "--json", json_path.string()},
+                 120000);
 }
 
 // UCX 1.13's tcp transport (Debian's) now and then fails one of its own assertions while
@@ -108,17 +115,11 @@ TEST(BenchTransferTest, UcxRowsOverTcpAndSharedMemoryAreVerifiedAgainstUcxPerfte
 TEST(BenchPeersTest, RowsKeepTheirFieldsAndAPeerThatCannotRunSaysWhy) {
   auto json_path = std::filesystem::path(::testing::TempDir()) /
                    ("bench_peers_" + std::to_string(::getpid()) + ".json");
-  auto bench =
-      Subprocess::spawn({ECX_BINARY, "bench", "peers", "--systems", "ecx,memcpy,nixl", "--venv",
-                         "/nonexistent-venv", "--iters", "3", "--json", json_path.string()});
-  ASSERT_TRUE(bench.ok()) << bench.status().to_string();
-  std::string output;
-  while (true) {
-    auto line = bench->read_line(Deadline::after_ms(300000));
-    if (!line.ok()) break;
-    output += *line + "\n";
-  }
-  ASSERT_EQ(*bench->wait(Deadline::after_ms(60000)), 0) << output;
+  auto [status, output] =
+      run_ecx({"bench", "peers", "--systems", "ecx,memcpy,nixl", "--venv", "/nonexistent-venv",
+               "--iters", "3", "--json", json_path.string()},
+              300000);
+  ASSERT_EQ(status, 0) << output;
   std::ifstream in(json_path);
   json j = json::parse(in, nullptr, false);
   ASSERT_TRUE(j.is_object() && j["results"].is_array()) << output;
@@ -147,6 +148,39 @@ TEST(BenchPeersTest, RowsKeepTheirFieldsAndAPeerThatCannotRunSaysWhy) {
   EXPECT_EQ(rows["memcpy"], 3);
   EXPECT_EQ(rows["nixl"], 3);
   EXPECT_EQ(rows.count("mooncake"), 0u);
+  std::filesystem::remove(json_path);
+  std::filesystem::remove(std::filesystem::path(json_path).replace_extension(".png"));
+}
+
+// `ecx bench transfer --connectors`: each connector row carries every timed load in order
+// (samples_us), and its p50 and p99 are those of these loads.
+TEST(BenchTransferTest, ConnectorRowsCarryEachTimedLoad) {
+  auto json_path = std::filesystem::path(::testing::TempDir()) /
+                   ("bench_connectors_" + std::to_string(::getpid()) + ".json");
+  const int requests = 7;
+  std::vector<std::string> args = {"bench",   "transfer", "--backends", "shm", "--modes", "pull",
+                                   "--sizes", "64KiB",    "--batch",    "1",   "--iters", "3"};
+  args.insert(args.end(), {"--connectors", "p2p:pull,p2p:pull-view", "--items", "2", "--item-size",
+                           "64KiB", "--requests", std::to_string(requests)});
+  args.insert(args.end(), {"--json", json_path.string()});
+  auto [status, output] = run_ecx(args, 120000);
+  ASSERT_EQ(status, 0) << output;
+  std::ifstream in(json_path);
+  json j = json::parse(in, nullptr, false);
+  ASSERT_TRUE(j.is_object() && j["connectors"].is_array()) << output;
+  ASSERT_EQ(j["connectors"].size(), 2u) << j.dump();
+  for (const auto& row : j["connectors"]) {
+    ASSERT_FALSE(row.contains("error")) << row.dump();
+    ASSERT_TRUE(row["samples_us"].is_array()) << row.dump();
+    std::vector<double> samples = row["samples_us"].get<std::vector<double>>();
+    ASSERT_EQ(samples.size(), static_cast<size_t>(requests)) << row.dump();
+    for (double us : samples) EXPECT_GT(us, 0.0) << row.dump();
+    std::sort(samples.begin(), samples.end());
+    // Nearest rank, as the row's own: the 4th of 7 and the 7th; the samples are rounded
+    // to 0.1 us.
+    EXPECT_NEAR(samples[3], row["p50_us"].get<double>(), 0.051) << row.dump();
+    EXPECT_NEAR(samples[6], row["p99_us"].get<double>(), 0.051) << row.dump();
+  }
   std::filesystem::remove(json_path);
   std::filesystem::remove(std::filesystem::path(json_path).replace_extension(".png"));
 }

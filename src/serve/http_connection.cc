@@ -165,6 +165,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // Sends head's status and headers, then the chunks of the returned stream until it
   // finishes. From a worker or an async reply.
   std::shared_ptr<ChunkStream> open_stream(const HttpResponse& head, const std::string& type);
+  ServerState& state() { return state_; }
 
  private:
   // A request: its headers, then (within the body budget) its body.
@@ -500,15 +501,27 @@ void Connection::refuse_work(const HttpRequest& req) {
 
 // How an async route answers on this connection; the slot it holds is freed once it has
 // answered (or ended its stream).
+//
+// It is answered from any thread, often another service's (the proxy's HTTP client's).
+// Once the answer is written the server may be idle, stop, and free its state and its I/O
+// context, and that can happen before the answering thread runs its next instruction:
+// the connection it still holds, or even the strand executor its post made, would then
+// be destroyed by that thread into freed memory (ASan saw it in the proxy's SIGTERM test).
+// So the reply counts as a request in flight of its own, from when it is made until the
+// end of the call that answers (respond, or end_stream): the server waits for it, and the
+// answering thread touches nothing of the server's after that.
 class ConnectionReply final : public AsyncReply {
  public:
   // (Keeps only what the request's log line needs: the handler may take its body.)
   ConnectionReply(std::shared_ptr<Connection> conn, SlotQueue::Done done, const HttpRequest& req)
       : conn_(std::move(conn)),
+        state_(conn_->state()),
         done_(std::move(done)),
         method_(req.method),
         path_(req.path),
-        bytes_in_(req.body.size()) {}
+        bytes_in_(req.body.size()) {
+    state_.begin_request();
+  }
   ~ConnectionReply() override {
     if (stream_) {
       end_stream();
@@ -517,14 +530,12 @@ class ConnectionReply final : public AsyncReply {
     }
   }
 
-  // Once answered, the reply lets go of the connection at once: the answer posted to its
-  // strand keeps it alive, and the server, once idle, may tear down its I/O context while
-  // whoever answered still holds this reply.
   void respond(HttpResponse res) override {
     if (answered_.exchange(true)) return;
     conn_->post_send(std::move(res), method_, path_, bytes_in_);
     conn_.reset();
     done_();
+    state_.end_request();  // the last touch of the server's: it may be gone after
   }
   AsyncStreamWriter& start_stream(const HttpResponse& head, const std::string& type) override {
     answered_ = true;
@@ -536,10 +547,12 @@ class ConnectionReply final : public AsyncReply {
     stream_->finish();  // while conn_ keeps the connection alive: it posts the end
     conn_.reset();
     done_();
+    state_.end_request();  // as in respond()
   }
 
  private:
   std::shared_ptr<Connection> conn_;
+  ServerState& state_;
   SlotQueue::Done done_;
   const std::string method_, path_;
   const size_t bytes_in_;

@@ -3,16 +3,20 @@
 // that leaves mid-stream is noticed, stop() still answers what it admitted, connections
 // past --max-connections get /health but 503 for work, running out of file descriptors
 // pauses accepting instead of spinning, bad requests get JSON 4xx, and idle keep-alive
-// connections do not block a new request. Work handlers wait on the test's gates, so
-// nothing here depends on timing.
+// connections do not block a new request, and an async answer from another thread leaves
+// that thread nothing of a server that stops right after. Work handlers wait on the test's
+// gates, so nothing here depends on timing.
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <httplib.h>
 #include <netinet/in.h>
+#include <pthread.h>
+#include <sched.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <functional>
 #include <future>
@@ -585,6 +589,73 @@ TEST(HttpServerTest, OneClientCannotTakeEveryConnection) {
   EXPECT_EQ(served->status, 200) << served->body;
   for (int fd : held) ::close(fd);
 }
+
+// An async route answered from a thread of another service (an HTTP client's, in the
+// proxy): once the answer is written the server may stop and free everything, before that
+// thread runs again. It must hold nothing of the server's by then. To open that window
+// every time, the test's threads share one core, the answering thread runs at SCHED_IDLE
+// and a busy thread keeps the core: the answering thread is set aside as soon as its post
+// wakes the server's I/O thread, and runs again only once the server is gone. (Before the
+// fix the reply dropped the connection after its post, and ASan saw that thread destroy it
+// into the freed server: heap-use-after-free, as the proxy's SIGTERM test once hit.)
+class AnsweredFromAnotherThread : public ::testing::TestWithParam<bool> {};
+
+TEST_P(AnsweredFromAnotherThread, LeavesNothingOfTheServerToThatThread) {
+  const bool streamed = GetParam();
+  cpu_set_t before;
+  ASSERT_EQ(::sched_getaffinity(0, sizeof before, &before), 0);
+  int core = 0;
+  while (!CPU_ISSET(core, &before)) ++core;
+  cpu_set_t one;
+  CPU_ZERO(&one);
+  CPU_SET(core, &one);
+  ASSERT_EQ(::sched_setaffinity(0, sizeof one, &one), 0);  // the threads made below too
+
+  std::promise<std::shared_ptr<AsyncReply>> handed;
+  auto reply_future = handed.get_future();
+  std::atomic<bool> answered{false};
+  std::thread answerer([&] {
+    sched_param idle{};
+    ::pthread_setschedparam(::pthread_self(), SCHED_IDLE, &idle);
+    if (reply_future.wait_for(std::chrono::seconds(60)) != std::future_status::ready) return;
+    std::shared_ptr<AsyncReply> reply = reply_future.get();
+    HttpResponse head;
+    if (streamed) {
+      reply->start_stream(head, "text/plain").push("streamed");
+      reply->end_stream();
+    } else {
+      head.set_content("answered", "text/plain");
+      reply->respond(std::move(head));
+    }
+    answered = true;
+  });
+  std::atomic<bool> spin{true};
+  std::thread busy([&] {
+    const Deadline limit = Deadline::after_ms(60000);
+    while (spin.load() && !limit.expired()) {
+    }
+  });
+
+  auto t = std::make_unique<TestServer>(/*workers=*/1, /*max_queued=*/10);
+  t->server->async_work("POST", "/async",
+                        [&](std::shared_ptr<HttpRequest>, std::shared_ptr<AsyncReply> reply) {
+                          handed.set_value(std::move(reply));
+                        });
+  t->start();
+  auto res = t->client().Post("/async", "{}", "application/json");
+  t.reset();  // stops the server (it waits for the answer to be written) and frees it
+  spin = false;
+  busy.join();
+  answerer.join();
+  ASSERT_EQ(::sched_setaffinity(0, sizeof before, &before), 0);
+  ASSERT_TRUE(res) << httplib::to_string(res.error());
+  EXPECT_EQ(res->status, 200);
+  EXPECT_EQ(res->body, streamed ? "streamed" : "answered");
+  EXPECT_TRUE(answered.load());
+}
+
+INSTANTIATE_TEST_SUITE_P(HttpServerTest, AnsweredFromAnotherThread, ::testing::Bool(),
+                         [](const auto& info) { return info.param ? "Stream" : "Answer"; });
 
 }  // namespace
 }  // namespace ecx::serve

@@ -88,6 +88,18 @@ void ServerState::begin_request() {
   ++in_flight_;
 }
 
+bool ServerState::try_begin_request() {
+  MutexLock lock(&mu_);
+  if (stopping) return false;
+  ++in_flight_;
+  return true;
+}
+
+void ServerState::begin_stopping() {
+  MutexLock lock(&mu_);
+  stopping = true;
+}
+
 void ServerState::end_request() {
   MutexLock lock(&mu_);
   if (--in_flight_ == 0) idle_cv_.notify_all();
@@ -423,12 +435,11 @@ void Connection::route(HttpRequest req) {
 }
 
 void Connection::queue_work(const HttpHandler& handler, HttpRequest req) {
-  if (state_.stopping) {
+  if (!state_.try_begin_request()) {  // stopping
     keep_alive_ = false;
     return send(error_response(503, "unavailable", state_.role + " is shutting down"), req.method,
                 req.path, req.body.size(), false);
   }
-  state_.begin_request();
   auto gone = std::make_shared<ecx::http::Cancellation>();
   req.client_gone = gone;
   auto shared = std::make_shared<HttpRequest>(std::move(req));
@@ -538,7 +549,12 @@ class ConnectionReply final : public AsyncReply {
     state_.end_request();  // the last touch of the server's: it may be gone after
   }
   AsyncStreamWriter& start_stream(const HttpResponse& head, const std::string& type) override {
-    answered_ = true;
+    if (answered_.exchange(true)) {
+      // Answered already (or streaming): a stream that takes nothing, and no second end.
+      refused_ = std::make_shared<ChunkStream>(1, std::chrono::seconds(1));
+      refused_->mark_gone();
+      return *refused_;
+    }
     stream_ = conn_->open_stream(head, type);
     return *stream_;
   }
@@ -557,17 +573,17 @@ class ConnectionReply final : public AsyncReply {
   const std::string method_, path_;
   const size_t bytes_in_;
   std::shared_ptr<ChunkStream> stream_;
+  std::shared_ptr<ChunkStream> refused_;  // start_stream's after an answer
   std::atomic<bool> answered_{false};
   std::atomic<bool> ended_{false};
 };
 
 void Connection::queue_async(const AsyncHandler& handler, HttpRequest req) {
-  if (state_.stopping) {
+  if (!state_.try_begin_request()) {  // stopping
     keep_alive_ = false;
     return send(error_response(503, "unavailable", state_.role + " is shutting down"), req.method,
                 req.path, req.body.size(), false);
   }
-  state_.begin_request();
   auto gone = std::make_shared<ecx::http::Cancellation>();
   req.client_gone = gone;
   auto shared = std::make_shared<HttpRequest>(std::move(req));

@@ -77,6 +77,11 @@ struct ServerState {
 
   // Admitted work routes not yet answered (queued, running or streaming).
   void begin_request() ECX_EXCLUDES(mu_);
+  // begin_request(), unless the server is stopping (false): checked and counted at once,
+  // so that a request admitted as stop() begins is one that stop() waits for.
+  bool try_begin_request() ECX_EXCLUDES(mu_);
+  // Sets `stopping`; from then on try_begin_request() admits nothing.
+  void begin_stopping() ECX_EXCLUDES(mu_);
   void end_request() ECX_EXCLUDES(mu_);
   // Until none is in flight or `deadline`; false on the deadline.
   bool wait_idle(Deadline deadline) ECX_EXCLUDES(mu_);

@@ -87,7 +87,10 @@ HttpServer::HttpServer(const CommonServiceConfig& config, std::string role, int 
   port_ = config.port;
 }
 
-HttpServer::~HttpServer() { stop(); }
+HttpServer::~HttpServer() {
+  stop();
+  if (leak_state_) static_cast<void>(state_.release());
+}
 
 void HttpServer::fast(const std::string& method, const std::string& path, HttpHandler handler) {
   state_->routes[{method, path}] = HttpRoute{true, std::move(handler), {}};
@@ -398,7 +401,7 @@ void HttpServer::stop() {
   if (!running_) return;
   ServerState& s = *state_;
   // Stop accepting; answer what was admitted (queued, running, streaming); then go.
-  s.stopping = true;
+  s.begin_stopping();
   net::post(running_->ioc, [acceptor = &running_->acceptor] {
     boost::system::error_code ignored;
     acceptor->close(ignored);
@@ -413,6 +416,7 @@ void HttpServer::stop() {
     // another thread): it stays, stopped, until the process exits.
     spdlog::warn("{}: requests still in flight after 10 minutes; stopping anyway", s.role);
     static_cast<void>(running_.release());
+    leak_state_ = true;  // their answers, whenever they come, still count in it
     return;
   }
   running_.reset();

@@ -90,6 +90,9 @@ class HttpServer {
  private:
   struct Running;
   std::unique_ptr<ServerState> state_;
+  // stop() gave up waiting for answers still in flight: the state stays, as the I/O
+  // context does, until the process exits.
+  bool leak_state_ = false;
   std::unique_ptr<Running> running_;  // while serving
   uint64_t max_queued_ = 0;
   uint64_t max_connections_ = 0;  // as configured; start() applies the open-files limit

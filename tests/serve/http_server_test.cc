@@ -590,6 +590,34 @@ TEST(HttpServerTest, OneClientCannotTakeEveryConnection) {
   for (int fd : held) ::close(fd);
 }
 
+// A reply answered once is answered: a stream started after it takes nothing (its client
+// is gone for it), ending it is nothing, and the server still stops at once (its count of
+// requests in flight was ended once, not twice).
+TEST(HttpServerTest, AStreamStartedAfterTheAnswerTakesNothing) {
+  auto t = std::make_unique<TestServer>(/*workers=*/1, /*max_queued=*/10);
+  std::atomic<int> pushed{-1};
+  std::atomic<bool> gone{false};
+  t->server->async_work(
+      "POST", "/async", [&](std::shared_ptr<HttpRequest>, std::shared_ptr<AsyncReply> reply) {
+        HttpResponse res;
+        res.set_content("first", "text/plain");
+        reply->respond(std::move(res));
+        AsyncStreamWriter& late = reply->start_stream(HttpResponse{}, "text/plain");
+        pushed = late.push("second") ? 1 : 0;
+        gone = late.client_gone();
+        reply->end_stream();
+      });
+  t->start();
+  auto res = t->client().Post("/async", "{}", "application/json");
+  ASSERT_TRUE(res) << httplib::to_string(res.error());
+  EXPECT_EQ(res->status, 200);
+  EXPECT_EQ(res->body, "first");
+  EXPECT_EQ(pushed.load(), 0);
+  EXPECT_TRUE(gone.load());
+  auto stopped = std::async(std::launch::async, [&] { t.reset(); });
+  EXPECT_EQ(stopped.wait_for(std::chrono::seconds(60)), std::future_status::ready);
+}
+
 // An async route answered from a thread of another service (an HTTP client's, in the
 // proxy): once the answer is written the server may stop and free everything, before that
 // thread runs again. It must hold nothing of the server's by then. To open that window

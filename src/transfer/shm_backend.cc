@@ -35,22 +35,18 @@ void ShmDataPath::Mapping::populate(uint64_t offset, uint64_t bytes) {
   if (bytes == 0) return;
   for (uint64_t chunk = offset / kPopulateChunk; chunk <= (offset + bytes - 1) / kPopulateChunk;
        ++chunk) {
-    const uint64_t bit = uint64_t{1} << (chunk % 64);
-    std::atomic<uint64_t>& word = populated[chunk / 64];
-    if (word.load(std::memory_order_relaxed) & bit) continue;
+    if (filled(chunk)) continue;
     const uint64_t start = chunk * kPopulateChunk;
     // Best effort: on a kernel without MADV_POPULATE_READ the pages fault in as read.
     ::madvise(data + start, std::min(kPopulateChunk, length - start), MADV_POPULATE_READ);
-    word.fetch_or(bit, std::memory_order_relaxed);
+    mark_filled(chunk);
   }
 }
 
 void ShmDataPath::Mapping::populate_all(const std::atomic<bool>& stop) {
   for (uint64_t start = 0; start < length; start += kPopulateChunk) {
     const uint64_t chunk = start / kPopulateChunk;
-    const uint64_t bit = uint64_t{1} << (chunk % 64);
-    std::atomic<uint64_t>& word = populated[chunk / 64];
-    if (word.load(std::memory_order_relaxed) & bit) continue;  // a load's, already
+    if (filled(chunk)) continue;  // a load's, already
     const uint64_t end = std::min(start + kPopulateChunk, length);
     for (uint64_t at = start; at < end; at += kBackgroundStep) {
       if (stop.load(std::memory_order_relaxed)) return;
@@ -62,7 +58,7 @@ void ShmDataPath::Mapping::populate_all(const std::atomic<bool>& stop) {
       // §21). SCHED_IDLE for the filler did not prevent it.
       ::sched_yield();
     }
-    word.fetch_or(bit, std::memory_order_relaxed);
+    mark_filled(chunk);
   }
 }
 

@@ -59,6 +59,12 @@ class ShmDataPath final : public DataPath {
     // Every chunk not filled yet, in turn, until `stop` is set; a few pages per madvise,
     // so that the address space's lock is never held long.
     void populate_all(const std::atomic<bool>& stop);
+    bool filled(uint64_t chunk) const {
+      return (populated[chunk / 64].load(std::memory_order_relaxed) >> (chunk % 64)) & 1;
+    }
+    void mark_filled(uint64_t chunk) {
+      populated[chunk / 64].fetch_or(uint64_t{1} << (chunk % 64), std::memory_order_relaxed);
+    }
     std::atomic<bool> queued{false};  // given to the filler once
   };
   Result<std::shared_ptr<Mapping>> mapping(uint32_t region, const Capability& capability,

@@ -31,6 +31,10 @@ import json
 import os
 import sys
 
+# The model families (each a tiny random member of an architecture vLLM serves):
+QWEN_FAMILIES = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe")
+FAMILIES = QWEN_FAMILIES + ("llava", "gemma3", "idefics3")
+
 GEOMETRIES = {
     "tiny": dict(
         hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -45,6 +49,7 @@ GEOMETRIES = {
 }
 
 PATCH_SIZE = 14
+QWEN3_PATCH_SIZE = 16  # Qwen3-VL's (its images are resized to multiples of 32 px)
 MERGE_SIZE = 2
 TEMPORAL_PATCH_SIZE = 2
 
@@ -154,66 +159,75 @@ def _train_tokenizer():
     return qtok
 
 
-def build(out_dir: str, geometry: str = "tiny", seed: int = 0) -> str:
-    """Writes the model directory out_dir (created, or overwritten file by file) and
-    returns it."""
-    import torch
-    from transformers import (
-        GenerationConfig,
-        Qwen2VLConfig,
-        Qwen2VLForConditionalGeneration,
-        Qwen2VLImageProcessor,
-        Qwen2VLProcessor,
-        Qwen2VLVideoProcessor,
-    )
-
-    g = GEOMETRIES[geometry]
-    tokenizer = _train_tokenizer()
-    tid = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    vocab_size = (len(tokenizer) + 63) // 64 * 64
-
+def _qwen_text_config(g: dict, tid: dict, vocab_size: int, interleaved: bool = False) -> dict:
+    """The language model of the Qwen VL families at geometry g."""
     head_dim = g["hidden_size"] // g["num_heads"]
-    # Qwen2-VL's multimodal RoPE splits head_dim/2 frequencies 1:1.5:1.5 (t, h, w), as
-    # its [16, 24, 24] does for head_dim 128.
-    t_sec = head_dim // 8
+    # Multimodal RoPE splits head_dim/2 frequencies 1:1.5:1.5 (t, h, w), as Qwen2-VL's
+    # [16, 24, 24] does for head_dim 128 (Qwen3-VL interleaves them, [24, 20, 20]).
+    t_sec = head_dim // 8 if not interleaved else head_dim * 3 // 16
     h_sec = (head_dim // 2 - t_sec) // 2
-    mrope_section = [t_sec, h_sec, head_dim // 2 - t_sec - h_sec]
-    text_config = dict(
+    rope = {"rope_type": "default", "rope_theta": 1000000.0,
+            "mrope_section": [t_sec, h_sec, head_dim // 2 - t_sec - h_sec]}
+    if interleaved:
+        rope["mrope_interleaved"] = True
+    return dict(
         vocab_size=vocab_size,
         hidden_size=g["hidden_size"],
         intermediate_size=g["intermediate_size"],
         num_hidden_layers=g["num_layers"],
         num_attention_heads=g["num_heads"],
         num_key_value_heads=g["num_kv_heads"],
+        head_dim=head_dim,
         hidden_act="silu",
         max_position_embeddings=g["max_position_embeddings"],
         rms_norm_eps=1e-6,
-        use_sliding_window=False,
-        max_window_layers=g["num_layers"],
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
-                         "mrope_section": mrope_section},
+        rope_parameters=rope,
         bos_token_id=tid["<|endoftext|>"],
         eos_token_id=tid["<|im_end|>"],
         pad_token_id=tid["<|endoftext|>"],
         tie_word_embeddings=False,
         dtype="bfloat16",
     )
-    vision_config = dict(
-        depth=g["vision_depth"],
-        embed_dim=g["vision_embed_dim"],
-        hidden_size=g["hidden_size"],  # the merger's output: the LM's width
-        hidden_act="quick_gelu",
-        mlp_ratio=g["vision_mlp_ratio"],
-        num_heads=g["vision_heads"],
-        in_channels=3,
-        patch_size=PATCH_SIZE,
-        spatial_merge_size=MERGE_SIZE,
-        temporal_patch_size=TEMPORAL_PATCH_SIZE,
-        dtype="bfloat16",
-    )
-    config = Qwen2VLConfig(
-        text_config=text_config,
-        vision_config=vision_config,
+
+
+def _qwen_config(family: str, g: dict, tid: dict, vocab_size: int):
+    """The transformers config and model class of a Qwen VL family at geometry g."""
+    import transformers as tf
+
+    vision = dict(depth=g["vision_depth"], hidden_act="quick_gelu", num_heads=g["vision_heads"],
+                  in_channels=3, patch_size=PATCH_SIZE, spatial_merge_size=MERGE_SIZE,
+                  temporal_patch_size=TEMPORAL_PATCH_SIZE, dtype="bfloat16")
+    text = _qwen_text_config(g, tid, vocab_size, interleaved=family.startswith("qwen3"))
+    if family == "qwen2-vl":
+        vision.update(embed_dim=g["vision_embed_dim"], mlp_ratio=g["vision_mlp_ratio"],
+                      hidden_size=g["hidden_size"])  # the merger's output: the LM's width
+        text.pop("head_dim")
+        text.update(use_sliding_window=False, max_window_layers=g["num_layers"])
+        config_class, model_class = tf.Qwen2VLConfig, tf.Qwen2VLForConditionalGeneration
+    elif family == "qwen2.5-vl":
+        vision.update(hidden_size=g["vision_embed_dim"], hidden_act="silu",
+                      intermediate_size=g["vision_embed_dim"] * g["vision_mlp_ratio"],
+                      out_hidden_size=g["hidden_size"], window_size=2 * PATCH_SIZE * MERGE_SIZE,
+                      fullatt_block_indexes=[g["vision_depth"] - 1], tokens_per_second=2)
+        text.pop("head_dim")
+        text.update(use_sliding_window=False, max_window_layers=g["num_layers"])
+        config_class, model_class = tf.Qwen2_5_VLConfig, tf.Qwen2_5_VLForConditionalGeneration
+    else:  # qwen3-vl, qwen3-vl-moe: 16 px patches; DeepStack features from every block
+        vision.update(hidden_size=g["vision_embed_dim"], hidden_act="gelu_pytorch_tanh",
+                      intermediate_size=g["vision_embed_dim"] * g["vision_mlp_ratio"],
+                      out_hidden_size=g["hidden_size"], patch_size=QWEN3_PATCH_SIZE,
+                      num_position_embeddings=64,
+                      deepstack_visual_indexes=list(range(g["vision_depth"])))
+        if family == "qwen3-vl":
+            config_class, model_class = tf.Qwen3VLConfig, tf.Qwen3VLForConditionalGeneration
+        else:
+            text.update(num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
+                        moe_intermediate_size=g["intermediate_size"] // 2, norm_topk_prob=True)
+            config_class = tf.Qwen3VLMoeConfig
+            model_class = tf.Qwen3VLMoeForConditionalGeneration
+    config = config_class(
+        text_config=text,
+        vision_config=vision,
         image_token_id=tid["<|image_pad|>"],
         video_token_id=tid["<|video_pad|>"],
         vision_start_token_id=tid["<|vision_start|>"],
@@ -224,47 +238,81 @@ def build(out_dir: str, geometry: str = "tiny", seed: int = 0) -> str:
         pad_token_id=tid["<|endoftext|>"],
         dtype="bfloat16",
     )
-    config.architectures = ["Qwen2VLForConditionalGeneration"]
+    config.architectures = [model_class.__name__]
+    return config, model_class
 
-    # Initialised in float32 with a fixed seed on the CPU generator, then stored as bf16.
+
+def _qwen_processor(family: str, g: dict, tokenizer):
+    """The image and video processors (every image costs the same tokens: min = max
+    pixels), and the processor that holds them."""
+    import transformers as tf
+
+    patch = QWEN3_PATCH_SIZE if family.startswith("qwen3") else PATCH_SIZE
+    side = g["image_side"] // PATCH_SIZE * patch
+    pixels = side * side
+    common = dict(patch_size=patch, temporal_patch_size=TEMPORAL_PATCH_SIZE, merge_size=MERGE_SIZE)
+    image = tf.Qwen2VLImageProcessor(min_pixels=pixels, max_pixels=pixels, **common)
+    if family.startswith("qwen3"):
+        video = tf.Qwen3VLVideoProcessor(size={"shortest_edge": pixels, "longest_edge": pixels},
+                                         **common)
+        processor_class = tf.Qwen3VLProcessor
+    else:
+        video = tf.Qwen2VLVideoProcessor(min_pixels=pixels, max_pixels=pixels, **common)
+        processor_class = tf.Qwen2VLProcessor if family == "qwen2-vl" else tf.Qwen2_5_VLProcessor
+    processor = processor_class(image_processor=image, tokenizer=tokenizer,
+                                video_processor=video, chat_template=CHAT_TEMPLATE)
+    return processor, image, video
+
+
+def _save_model(model_class, config, seed: int, out_dir: str) -> None:
+    """Initialised in float32 with a fixed seed on the CPU generator, then stored as bf16."""
+    import torch
+
     torch.manual_seed(seed)
     with torch.device("cpu"):
-        model = Qwen2VLForConditionalGeneration._from_config(config, dtype=torch.float32)
+        model = model_class._from_config(config, dtype=torch.float32)
     model = model.to(torch.bfloat16).eval()
-    for c in (model.config, model.config.text_config, model.config.vision_config):
-        c.dtype = "bfloat16"
-
+    for c in (model.config, *(getattr(model.config, n, None) for n in model.config.sub_configs)):
+        if c is not None:
+            c.dtype = "bfloat16"
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
+
+
+def build(out_dir: str, geometry: str = "tiny", seed: int = 0, family: str = "qwen2-vl") -> str:
+    """Writes the model directory out_dir (created, or overwritten file by file) and
+    returns it."""
+    from transformers import GenerationConfig
+
+    if family not in QWEN_FAMILIES:
+        import tiny_vlm_families  # the other families (same folder)
+        return tiny_vlm_families.build(out_dir, geometry, seed, family)
+    g = GEOMETRIES[geometry]
+    tokenizer = _train_tokenizer()
+    tid = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    vocab_size = (len(tokenizer) + 63) // 64 * 64
+    config, model_class = _qwen_config(family, g, tid, vocab_size)
+    _save_model(model_class, config, seed, out_dir)
     GenerationConfig(
         bos_token_id=tid["<|endoftext|>"],
         eos_token_id=[tid["<|im_end|>"], tid["<|endoftext|>"]],
         pad_token_id=tid["<|endoftext|>"],
         do_sample=False,
     ).save_pretrained(out_dir)
-
-    pixels = g["image_side"] * g["image_side"]
-    image_processor = Qwen2VLImageProcessor(
-        min_pixels=pixels, max_pixels=pixels, patch_size=PATCH_SIZE,
-        temporal_patch_size=TEMPORAL_PATCH_SIZE, merge_size=MERGE_SIZE,
-    )
-    video_processor = Qwen2VLVideoProcessor(
-        min_pixels=pixels, max_pixels=pixels, patch_size=PATCH_SIZE,
-        temporal_patch_size=TEMPORAL_PATCH_SIZE, merge_size=MERGE_SIZE,
-    )
-    processor = Qwen2VLProcessor(
-        image_processor=image_processor, tokenizer=tokenizer,
-        video_processor=video_processor, chat_template=CHAT_TEMPLATE,
-    )
+    processor, image_processor, video_processor = _qwen_processor(family, g, tokenizer)
     processor.save_pretrained(out_dir)  # processor_config.json (both processors nested)
-    # And the per-processor files real Qwen2-VL checkpoints ship, for readers that look
-    # only there (vLLM finds the video processor class in video_preprocessor_config.json).
+    # And the per-processor files real checkpoints ship, for readers that look only there
+    # (vLLM finds the video processor class in video_preprocessor_config.json).
     image_processor.save_pretrained(out_dir)  # preprocessor_config.json
     video_processor.save_pretrained(out_dir)  # video_preprocessor_config.json
     tokenizer.save_pretrained(out_dir)  # tokenizer.json, tokenizer_config.json, chat_template.jinja
+    finish(out_dir)
+    return out_dir
+
+
+def finish(out_dir: str) -> None:
     for name in os.listdir(out_dir):  # safetensors leaves its file 0600; all files alike
         os.chmod(os.path.join(out_dir, name), 0o644)
-    return out_dir
 
 
 def main(argv=None) -> int:
@@ -272,10 +320,11 @@ def main(argv=None) -> int:
     p.add_argument("out_dir")
     p.add_argument("--geometry", choices=sorted(GEOMETRIES), default="tiny")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--family", choices=FAMILIES, default="qwen2-vl")
     a = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    build(a.out_dir, a.geometry, a.seed)
+    build(a.out_dir, a.geometry, a.seed, a.family)
     print(a.out_dir)
     return 0
 

@@ -82,3 +82,37 @@ def test_a_hook_that_fails_inside_returns_its_default_and_counts(tmp_path):
     stats = scheduler.get_ec_connector_stats()
     assert stats is not None and stats.data["failures"]["internal"] >= 2
     scheduler.shutdown()
+
+
+def test_an_encoder_output_ecx_cannot_carry_is_refused_naming_the_model():
+    import torch
+
+    from ecx.vllm._outputs import EncoderOutput, describe
+
+    # Carried as the model made it: any width (Qwen3-VL's DeepStack: 3 x the LM's).
+    assert describe("m", "image", [torch.zeros(16, 768, dtype=torch.bfloat16)]) == \
+        EncoderOutput("BF16", 768)
+    assert describe("m", "video", torch.zeros(2, 40, 96, dtype=torch.float16)[0]) == \
+        EncoderOutput("F16", 96)
+    for outputs, why in (([torch.zeros(2, 4, 8)], "shape [2, 4, 8]"),
+                         ([torch.zeros(4, 8, dtype=torch.float64)], "torch.float64"),
+                         ([(torch.zeros(4, 8),)], "tuple")):
+        with pytest.raises(ValueError) as err:
+            describe("org/tiny-model", "audio", outputs)
+        assert "org/tiny-model's audio encoder output" in str(err.value)
+        assert why in str(err.value)
+
+
+def test_encoder_outputs_left_by_another_start_are_not_used(tmp_path):
+    from ecx.vllm._common import Rendezvous
+    from ecx.vllm._outputs import EncoderOutput, lookup
+
+    rendezvous = Rendezvous(str(tmp_path))
+    rendezvous.publish_document("pd-1/encoder-outputs", {
+        "instance_id": "start-1", "outputs": {"image": {"dtype": "BF16", "width": 768}}})
+    assert lookup("pd-1", "start-1", rendezvous) == {"image": EncoderOutput("BF16", 768)}
+    with pytest.raises(ValueError) as err:
+        lookup("pd-1", "start-2", rendezvous)
+    assert "not those of this start" in str(err.value)
+    with pytest.raises(ValueError):
+        lookup("pd-2", "start-1", rendezvous)

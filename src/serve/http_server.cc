@@ -28,6 +28,9 @@ namespace ecx::serve {
 
 namespace net = boost::asio;
 using tcp = net::ip::tcp;
+// The listening socket runs on a strand of its own: its accept chain (each accept, the
+// retry timer) and stop()'s close, which come from different I/O threads, never overlap.
+using Acceptor = net::basic_socket_acceptor<tcp, net::strand<net::io_context::executor_type>>;
 using nlohmann::json;
 
 std::string HttpRequest::header(std::string_view name) const {
@@ -239,12 +242,12 @@ bool out_of_resources(const boost::system::error_code& ec) {
 // Accepts connections until the acceptor closes; each gets its own strand.
 class AcceptLoop : public std::enable_shared_from_this<AcceptLoop> {
  public:
-  AcceptLoop(tcp::acceptor& acceptor, ServerState& state)
+  AcceptLoop(Acceptor& acceptor, ServerState& state)
       : acceptor_(acceptor), state_(state), retry_(acceptor.get_executor()) {}
 
   void next() {
     acceptor_.async_accept(
-        net::make_strand(acceptor_.get_executor()),
+        net::make_strand(acceptor_.get_executor().get_inner_executor()),
         [self = shared_from_this()](boost::system::error_code ec, tcp::socket socket) {
           self->on_accept(ec, std::move(socket));
         });
@@ -273,7 +276,7 @@ class AcceptLoop : public std::enable_shared_from_this<AcceptLoop> {
     });
   }
 
-  tcp::acceptor& acceptor_;
+  Acceptor& acceptor_;  // on its strand, where each of this loop's handlers runs
   ServerState& state_;
   // The accept chain has one handler at a time: these are touched by it alone.
   net::steady_timer retry_;
@@ -299,7 +302,7 @@ int64_t connection_limit(uint64_t configured, const std::string& role) {
 }
 
 // Binds host:port (0 = any free port) with a deep backlog. Returns the port, or 0.
-int bind_listener(tcp::acceptor& acceptor, const std::string& host, int port) {
+int bind_listener(Acceptor& acceptor, const std::string& host, int port) {
   boost::system::error_code ec;
   net::io_context resolve_ctx;
   tcp::resolver resolver(resolve_ctx);
@@ -341,13 +344,14 @@ int wait_for_signal() {
 
 // The I/O side while serving.
 struct HttpServer::Running {
-  explicit Running(int threads) : ioc(threads), work(net::make_work_guard(ioc)), acceptor(ioc) {}
+  explicit Running(int threads)
+      : ioc(threads), work(net::make_work_guard(ioc)), acceptor(net::make_strand(ioc)) {}
   net::io_context ioc;
   // Keeps the I/O threads running while no socket operation is pending (every connection
   // waiting on a worker, the acceptor closed by stop()): a worker's answer is posted to
   // them. Released by stop() once everything admitted has been answered.
   net::executor_work_guard<net::io_context::executor_type> work;
-  tcp::acceptor acceptor;
+  Acceptor acceptor;  // touched on its strand only, once the I/O threads run
   std::vector<std::thread> io;
 };
 
@@ -402,7 +406,7 @@ void HttpServer::stop() {
   ServerState& s = *state_;
   // Stop accepting; answer what was admitted (queued, running, streaming); then go.
   s.begin_stopping();
-  net::post(running_->ioc, [acceptor = &running_->acceptor] {
+  net::post(running_->acceptor.get_executor(), [acceptor = &running_->acceptor] {
     boost::system::error_code ignored;
     acceptor->close(ignored);
   });

@@ -19,8 +19,12 @@ they talk through vLLM's step metadata and through their ecx agents:
                            items (one call) and returns them as ec_transfer_params: each
                            item's location, pin and capability, signed, with vLLM's item
                            metadata
+  both          worker     start_worker_services: encodes a dummy item per modality
+                           once the model is loaded: each modality's output width and
+                           dtype, for the scheduler's checks (a model whose output ECX
+                           cannot carry stops vLLM's start)
   consumer (PD) scheduler  ensure_cache_available: checks each item (name, signature,
-                           shape) and starts one batched READ per encoder into its own
+                           shape: the measured width, the tokens vLLM placed) and starts one batched READ per encoder into its own
                            cache; the request waits until the load ended
                            has_cache_item / update_state_after_alloc / build_connector_meta:
                            the loaded items a step uses, shared with the workers
@@ -62,6 +66,7 @@ from ._common import (
 )
 from ._consumer import ConsumerScheduler, ConsumerWorker, WorkerLoad
 from ._metrics import Counters, ECXConnectorStats, ECXPromMetrics, Exporter, merge_stats
+from ._outputs import measure_and_publish
 from ._producer import ProducerScheduler, ProducerWorker
 
 
@@ -135,8 +140,8 @@ class ECXConnector(ECConnectorBase):
             self._producer_scheduler = ProducerScheduler(
                 c, self._conn, Rendezvous(c.rendezvous_dir), self._counters, vllm_config)
         if c.is_consumer:
-            self._consumer_scheduler = ConsumerScheduler(c, self._conn, self._counters,
-                                                         vllm_config)
+            self._consumer_scheduler = ConsumerScheduler(
+                c, self._conn, self._counters, vllm_config, Rendezvous(c.rendezvous_dir))
         self._export("scheduler", 0)
 
     def _start_worker(self) -> None:
@@ -152,6 +157,14 @@ class ECXConnector(ECConnectorBase):
         if c.is_consumer:
             self._consumer_worker = ConsumerWorker(c, self._conn, rank, self._counters)
         self._export(f"worker{rank}", 1 + rank)
+        self._rank = rank
+
+    def start_worker_services(self) -> None:
+        """Right after vLLM loaded the model, in each worker: what its encoder puts in
+        vLLM's cache, measured per modality for the scheduler's checks (_outputs.py). A
+        model whose outputs ECX cannot carry stops vLLM's start here, naming the model."""
+        c = self._config
+        measure_and_publish(c.name, self._rank, Rendezvous(c.rendezvous_dir))
 
     def _export(self, process: str, offset: int) -> None:
         if self._config.metrics_port is not None:

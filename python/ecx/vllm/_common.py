@@ -191,32 +191,42 @@ class Rendezvous:
                 "set ec_connector_extra_config 'rendezvous_dir' to another folder")
         self.folder = base
 
-    def _path(self, agent: str) -> Path:
-        return self.folder / (hashlib.sha256(agent.encode()).hexdigest()[:32] + ".agent.json")
+    def _path(self, name: str) -> Path:
+        return self.folder / (hashlib.sha256(name.encode()).hexdigest()[:32] + ".agent.json")
 
-    def publish(self, agent: str, metadata: str) -> None:
-        path = self._path(agent)
+    def publish_document(self, name: str, doc: dict) -> None:
+        """Leaves `doc` under `name` (replacing what was there, atomically)."""
+        path = self._path(name)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "w") as f:
-            json.dump({"agent": agent, "metadata": metadata}, f)
+            json.dump({"name": name, "document": doc}, f)
         os.replace(tmp, path)
 
-    def lookup(self, agent: str) -> str:
-        """The metadata `agent` published; ValueError if there is none."""
+    def lookup_document(self, name: str):
+        """The document left under `name`; ValueError if there is none."""
         try:
-            fd = os.open(self._path(agent), os.O_RDONLY | os.O_NOFOLLOW)
+            fd = os.open(self._path(name), os.O_RDONLY | os.O_NOFOLLOW)
             with os.fdopen(fd) as f:
                 doc = json.load(f)
         except (OSError, ValueError) as e:
-            raise ValueError(f"no agent metadata of {agent} in {self.folder}: {e}") from e
-        if not isinstance(doc, dict) or doc.get("agent") != agent or \
-                not isinstance(doc.get("metadata"), str):
+            raise ValueError(f"no {name} in {self.folder}: {e}") from e
+        if not isinstance(doc, dict) or doc.get("name") != name or "document" not in doc:
+            raise ValueError(f"the rendezvous file of {name} in {self.folder} is not its own")
+        return doc["document"]
+
+    def publish(self, agent: str, metadata: str) -> None:
+        self.publish_document(agent, {"metadata": metadata})
+
+    def lookup(self, agent: str) -> str:
+        """The metadata `agent` published; ValueError if there is none."""
+        doc = self.lookup_document(agent)
+        if not isinstance(doc, dict) or not isinstance(doc.get("metadata"), str):
             raise ValueError(f"the rendezvous file of {agent} in {self.folder} is not its own")
         return doc["metadata"]
 
-    def withdraw(self, agent: str) -> None:
+    def withdraw(self, name: str) -> None:
         try:
-            self._path(agent).unlink()
+            self._path(name).unlink()
         except OSError:
             pass

@@ -27,8 +27,18 @@ import torch
 
 import ecx
 
-from ._common import PARAMS_FIELDS, TORCH_DTYPES, InstanceConfig, ecx_key, is_counter_name, logger
+from . import _outputs as outputs
+from ._common import (
+    PARAMS_FIELDS,
+    TORCH_DTYPES,
+    InstanceConfig,
+    Rendezvous,
+    ecx_key,
+    is_counter_name,
+    logger,
+)
 from ._metrics import Counters
+from ._outputs import EncoderOutput
 
 
 @dataclass
@@ -59,7 +69,7 @@ class _Load:
 
 class ConsumerScheduler:
     def __init__(self, config: InstanceConfig, conn: ecx.Connector, counters: Counters,
-                 vllm_config):
+                 vllm_config, rendezvous: Rendezvous):
         self._config = config
         self._conn = conn
         self._counters = counters
@@ -68,8 +78,12 @@ class ConsumerScheduler:
         self._meta: dict[str, tuple[str, list[int]]] = {}  # ecx key -> (dtype, shape) held
         self._step: list[tuple[str, str, str]] = []  # (holder, mm_hash, key) this step
         self._unavailable: set[str] = set()
-        self._hidden = vllm_config.model_config.get_inputs_embeds_size()
         self._model_config = vllm_config.model_config
+        self._instance_id = vllm_config.instance_id
+        self._rendezvous = rendezvous
+        # What this model's encoder puts in vLLM's cache per modality, as worker 0 measured
+        # it at start (read on first use: a scheduler made alone, as in tests, has none).
+        self._outputs: dict[str, EncoderOutput] | None = None
         self._resolver = None  # vLLM's PlaceholderMetadataResolver, made on first use
 
     # ---- ensure_cache_available ----
@@ -112,7 +126,7 @@ class ConsumerScheduler:
             entry = entries.get(name)
             if entry is not None:
                 used.add(name)
-            cause, detail, item = self._check(name, entry, feature.mm_position)
+            cause, detail, item = self._check(name, entry, feature)
             if cause is None and feature.mm_position.offset + feature.mm_position.length \
                     <= num_computed_tokens:
                 release.append(item)  # its tokens are in the prefix cache: nothing to load
@@ -150,7 +164,7 @@ class ConsumerScheduler:
         load.started = True
         return load
 
-    def _check(self, name: str, entry, pos):
+    def _check(self, name: str, entry, feature):
         """(None, None, item) for an item to load, item = (key, dtype, shape, params); else
         (cause, message, item or None): item when its params were readable (so the pin they
         hold at the encoder can be given back)."""
@@ -167,12 +181,32 @@ class ConsumerScheduler:
         except (ecx.Error, KeyError, TypeError, ValueError) as e:
             return ("malformed_params", f"ec_transfer_params unreadable: {e}", None)
         item = (ecx_key(name), dtype, shape, params)
-        want = pos.get_num_embeds() if hasattr(pos, "get_num_embeds") else pos.length
-        if len(shape) != 2 or shape[0] != want or shape[1] != self._hidden or \
-                dtype not in TORCH_DTYPES:
-            return ("shape", f"ec_transfer_params describe {dtype}{shape}, but this model "
-                    f"expects [{want}, {self._hidden}] for the item", item)
+        expected = self._expected(feature)
+        if isinstance(expected, str):
+            return "shape", expected, item
+        if [dtype, shape] != expected:
+            return ("shape", f"ec_transfer_params describe {dtype}{shape}, but this model's "
+                    f"{feature.modality} encoder gives {expected[0]}{expected[1]} for the item",
+                    item)
         return None, None, item
+
+    def _expected(self, feature):
+        """[dtype, shape] of what this model's encoder puts in vLLM's cache for the item
+        (its tokens by vLLM's placeholders, its width and dtype as measured at start), or
+        why that is not known."""
+        if self._outputs is None:
+            try:
+                self._outputs = outputs.lookup(self._config.name, self._instance_id,
+                                               self._rendezvous)
+            except ValueError as e:
+                return f"this PD's encoder outputs are not known ({e})"
+        output = self._outputs.get(feature.modality)
+        if output is None:
+            return (f"this model's encoder takes no {feature.modality} items (it takes "
+                    f"{', '.join(sorted(self._outputs)) or 'none'})")
+        pos = feature.mm_position
+        tokens = pos.get_num_embeds() if hasattr(pos, "get_num_embeds") else pos.length
+        return [output.dtype, [tokens, output.width]]
 
     def _release_unused(self, rid: str, entries: dict, used: set[str], release: list) -> None:
         """Params that match no item of the request are counted and logged; their pins at

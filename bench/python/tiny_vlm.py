@@ -109,9 +109,13 @@ def main(argv):\n    return 0\n
 """
 
 
-def _train_tokenizer():
+def train_tokenizer(special_tokens=SPECIAL_TOKENS, eos="<|im_end|>", pad="<|endoftext|>",
+                    bos=None, chat_template=CHAT_TEMPLATE, named=None, plain=()):
     """A Qwen2-style byte-level BPE (Qwen2's pre-tokenizer regex) trained on TRAINING_TEXT,
-    as a transformers Qwen2Tokenizer with Qwen2-VL's special tokens after the vocabulary."""
+    as a transformers Qwen2Tokenizer with `special_tokens` after the vocabulary (by default
+    Qwen2-VL's, its eos, pad and chat template); `named`: the special tokens a family's
+    processor finds by attribute (image_token, ...); `plain`: ordinary tokens added after
+    them (matched whole, as a family's own vocabulary has them)."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import Qwen2Tokenizer
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
@@ -150,12 +154,18 @@ def _train_tokenizer():
     )
     # Added in this order first, so their ids follow the vocabulary in Qwen2-VL's order;
     # then named as eos/pad (Qwen2-VL-Instruct: eos <|im_end|>, pad <|endoftext|>, no bos).
-    qtok.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS})
-    qtok.eos_token = "<|im_end|>"
-    qtok.pad_token = "<|endoftext|>"
-    qtok.chat_template = CHAT_TEMPLATE
-    ids = qtok.convert_tokens_to_ids(SPECIAL_TOKENS)
-    assert ids == list(range(len(vocab), len(vocab) + len(SPECIAL_TOKENS))), ids
+    qtok.add_special_tokens({"additional_special_tokens": list(special_tokens)})
+    qtok.eos_token = eos
+    qtok.pad_token = pad
+    if bos is not None:
+        qtok.bos_token = bos
+    if named:  # saved in tokenizer_config.json as extra_special_tokens
+        qtok._set_model_specific_special_tokens(special_tokens=dict(named))
+    qtok.chat_template = chat_template
+    ids = qtok.convert_tokens_to_ids(list(special_tokens))
+    assert ids == list(range(len(vocab), len(vocab) + len(special_tokens))), ids
+    if plain:
+        qtok.add_tokens(list(plain))
     return qtok
 
 
@@ -264,8 +274,10 @@ def _qwen_processor(family: str, g: dict, tokenizer):
     return processor, image, video
 
 
-def _save_model(model_class, config, seed: int, out_dir: str) -> None:
-    """Initialised in float32 with a fixed seed on the CPU generator, then stored as bf16."""
+def save_model(model_class, config, seed: int, out_dir: str, as_released=None) -> None:
+    """Initialised in float32 with a fixed seed on the CPU generator, then stored as bf16.
+    as_released: rewrites the stored {name: tensor} into the layout the family's released
+    checkpoints have (what vLLM reads), where transformers stores another."""
     import torch
 
     torch.manual_seed(seed)
@@ -277,6 +289,21 @@ def _save_model(model_class, config, seed: int, out_dir: str) -> None:
             c.dtype = "bfloat16"
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
+    if as_released is not None:
+        from safetensors.torch import load_file, save_file
+
+        path = os.path.join(out_dir, "model.safetensors")
+        save_file(as_released(load_file(path)), path, metadata={"format": "pt"})
+
+
+def experts_as_released(tensors: dict) -> dict:
+    """Fused MoE experts as the released checkpoints store them ([experts, hidden, 2 x
+    intermediate] and [experts, intermediate, hidden]), not transposed as transformers
+    keeps them."""
+    for name in tensors:
+        if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            tensors[name] = tensors[name].transpose(1, 2).contiguous()
+    return tensors
 
 
 def build(out_dir: str, geometry: str = "tiny", seed: int = 0, family: str = "qwen2-vl") -> str:
@@ -288,11 +315,12 @@ def build(out_dir: str, geometry: str = "tiny", seed: int = 0, family: str = "qw
         import tiny_vlm_families  # the other families (same folder)
         return tiny_vlm_families.build(out_dir, geometry, seed, family)
     g = GEOMETRIES[geometry]
-    tokenizer = _train_tokenizer()
+    tokenizer = train_tokenizer()
     tid = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     vocab_size = (len(tokenizer) + 63) // 64 * 64
     config, model_class = _qwen_config(family, g, tid, vocab_size)
-    _save_model(model_class, config, seed, out_dir)
+    save_model(model_class, config, seed, out_dir,
+               as_released=experts_as_released if family.endswith("moe") else None)
     GenerationConfig(
         bos_token_id=tid["<|endoftext|>"],
         eos_token_id=[tid["<|im_end|>"], tid["<|endoftext|>"]],

@@ -92,7 +92,8 @@ def test_an_encoder_output_ecx_cannot_carry_is_refused_naming_the_model():
     # Carried as the model made it: any width (Qwen3-VL's DeepStack: 3 x the LM's).
     assert describe("m", "image", [torch.zeros(16, 768, dtype=torch.bfloat16)]) == \
         EncoderOutput("BF16", 768)
-    assert describe("m", "video", torch.zeros(2, 40, 96, dtype=torch.float16)[0]) == \
+    # A batch as one tensor, items along its first dimension (LLaVA's).
+    assert describe("m", "video", torch.zeros(2, 40, 96, dtype=torch.float16)) == \
         EncoderOutput("F16", 96)
     for outputs, why in (([torch.zeros(2, 4, 8)], "shape [2, 4, 8]"),
                          ([torch.zeros(4, 8, dtype=torch.float64)], "torch.float64"),

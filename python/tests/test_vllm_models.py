@@ -30,6 +30,7 @@ from vllm_engines import (
     free_ports,
     messages,
     metric,
+    mp4,
     png,
     post,
     serve_argv,
@@ -42,20 +43,23 @@ BENCH_PY = Path(__file__).resolve().parents[2] / "bench" / "python"
 # ECX_TEST_FAMILIES=a,b: only those (while working on one).
 FAMILIES = [f for f in os.environ.get("ECX_TEST_FAMILIES", "").split(",") if f] or [
     "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe", "llava", "gemma3", "idefics3"]
-IMAGES = [png(seed) for seed in range(101, 106)]
-REQUESTS = [([0], "What is in the picture?"), ([1, 2], "Compare the two images."),
-            ([3, 4, 3], "Three images, one of them twice.")]
+# Families that take video too: a video is one item, all its frames' tokens.
+VIDEO_FAMILIES = {"qwen3-vl"}
+MEDIA = [png(seed) for seed in range(101, 106)] + [mp4(107), mp4(108, frames=24)]
+IMAGE_REQUESTS = [([0], "What is in the picture?"), ([1, 2], "Compare the two images."),
+                  ([3, 4, 3], "Three images, one of them twice.")]
+VIDEO_REQUESTS = [([5], "What happens in the video?"), ([6, 0], "A video and an image.")]
 MAX_TOKENS = 8
 
 
-def body(index: int, **extra) -> dict:
-    images, text = REQUESTS[index]
-    return {"model": "tiny-vlm", "messages": messages(text, [IMAGES[i] for i in images]),
+def requests_of(family: str) -> list[tuple[list[int], str]]:
+    return IMAGE_REQUESTS + (VIDEO_REQUESTS if family in VIDEO_FAMILIES else [])
+
+
+def body(request: tuple[list[int], str], **extra) -> dict:
+    media, text = request
+    return {"model": "tiny-vlm", "messages": messages(text, [MEDIA[i] for i in media]),
             "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, **extra}
-
-
-def distinct_items(index: int) -> int:
-    return len(set(REQUESTS[index][0]))
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -106,13 +110,15 @@ def test_the_pd_loads_every_item_and_answers_as_a_single_instance(pair):
     family, e, pd = pair
     pd.mark_log()
     texts, items = [], 0
-    for i, (images, _) in enumerate(REQUESTS):
-        params = encode_on(e, [IMAGES[j] for j in images])
-        assert len(params) == distinct_items(i), f"{family}: E's params {list(params)}"
-        status, answer = post(pd.url + "/v1/chat/completions", body(i, ec_transfer_params=params))
+    for i, request in enumerate(requests_of(family)):
+        distinct = len(set(request[0]))
+        params = encode_on(e, [MEDIA[j] for j in request[0]])
+        assert len(params) == distinct, f"{family}: E's params {list(params)}"
+        status, answer = post(pd.url + "/v1/chat/completions",
+                              body(request, ec_transfer_params=params))
         assert status == 200, f"{family}, request {i}: {answer}"
         texts.append(text_of(answer))
-        items += distinct_items(i)
+        items += distinct
     assert pd.encoder_iterations() == 0, f"{family}: the PD ran its encoder"
     stats = wait_until(lambda: (lambda t: t if metric(t, "vllm:ecx_loads_total") >= items
                                 else "")(pd.metrics()), 30, f"{family}: PD counted its loads")
@@ -124,8 +130,8 @@ def test_the_pd_loads_every_item_and_answers_as_a_single_instance(pair):
     # The same engine as a single instance: it encodes the images itself.
     reset_caches(pd)
     pd.mark_log()
-    for i, text in enumerate(texts):
-        status, answer = post(pd.url + "/v1/chat/completions", body(i))
+    for i, (request, text) in enumerate(zip(requests_of(family), texts)):
+        status, answer = post(pd.url + "/v1/chat/completions", body(request))
         assert status == 200, f"{family}, request {i} (single instance): {answer}"
         assert text_of(answer) == text, f"{family}, request {i}: EPD and single instance differ"
     assert pd.encoder_iterations() > 0, f"{family}: the single instance did not encode"

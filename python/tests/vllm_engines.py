@@ -257,8 +257,32 @@ def png(seed: int, size: int = 112) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-def messages(text: str, images: list[str]) -> list[dict]:
-    content = [{"type": "image_url", "image_url": {"url": u}} for u in images]
+def mp4(seed: int, frames: int = 16, side: int = 112, fps: float = 2.0) -> str:
+    """A deterministic noise video (MPEG-4 part 2, written with OpenCV) as a data URL."""
+    import tempfile
+
+    import cv2
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "video.mp4")
+        writer = cv2.VideoWriter(path, cv2.VideoWriter_fourcc(*"mp4v"), fps, (side, side))
+        assert writer.isOpened(), "OpenCV cannot write MPEG-4 here"
+        for _ in range(frames):
+            writer.write(rng.integers(0, 256, size=(side, side, 3), dtype=np.uint8))
+        writer.release()
+        with open(path, "rb") as f:
+            return "data:video/mp4;base64," + base64.b64encode(f.read()).decode()
+
+
+def media_part(url: str) -> dict:
+    """An OpenAI content part for a data URL: video_url for a video, else image_url."""
+    kind = "video_url" if url.startswith("data:video/") else "image_url"
+    return {"type": kind, kind: {"url": url}}
+
+
+def messages(text: str, media: list[str]) -> list[dict]:
+    content = [media_part(u) for u in media]
     content.append({"type": "text", "text": text})
     return [{"role": "user", "content": content}]
 
@@ -279,10 +303,11 @@ def post(url: str, body: dict, timeout: float = 300) -> tuple[int, dict]:
 
 
 def encode_on(e: Engine, images: list[str], uuids: list[str] | None = None) -> dict:
-    """What vLLM's EPD proxy asks an encoder: the images alone; its ec_transfer_params."""
+    """What vLLM's EPD proxy asks an encoder: the media alone (images, videos); its
+    ec_transfer_params."""
     content = []
     for i, u in enumerate(images):
-        part = {"type": "image_url", "image_url": {"url": u}}
+        part = media_part(u)
         if uuids:
             part["uuid"] = uuids[i]
         content.append(part)

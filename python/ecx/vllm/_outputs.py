@@ -56,9 +56,11 @@ def _calling_worker(depth: int = 6):
 
 
 def describe(model: str, modality: str, outputs) -> EncoderOutput:
-    """The EncoderOutput of one modality's dummy outputs; ValueError, naming the model,
-    for an output ECX cannot carry."""
-    first = outputs[0] if isinstance(outputs, (list, tuple)) and outputs else outputs
+    """The EncoderOutput of one modality's dummy outputs (what embed_multimodal returned
+    for a batch: a list of per-item tensors, or one tensor whose first dimension is the
+    item); ValueError, naming the model, for an output ECX cannot carry."""
+    first = outputs[0] if isinstance(outputs, (list, tuple, torch.Tensor)) and len(outputs) \
+        else outputs
     if not isinstance(first, torch.Tensor):
         raise ValueError(f"ECXConnector cannot carry {model}'s {modality} encoder output: "
                          f"a {type(first).__name__}, not a tensor")

@@ -35,7 +35,7 @@ from vllm_engines import (
     png,
     warm_up,
 )
-from vllm_reference import REQUESTS, chat_body, fresh, images_of
+from vllm_reference import REQUESTS, chat_body, fresh, fresh_video, images_of
 
 from ecx_stack import EcxStack
 
@@ -131,6 +131,29 @@ def test_requests_with_one_and_several_images_match_the_single_instance(epd, ref
     assert pd.encoder_iterations() == 0
     assert pins_settle(e) == 0
     assert metric(pd.metrics(), "vllm:ecx_local_encodes_total") == local
+
+
+def test_a_video_is_one_item_moved_whole(epd, reference):
+    """A video is one encoder-cache item: every sampled frame's tokens, the largest items
+    EPD moves. E encodes it (alone, and beside an image), the PD loads it and answers as
+    the single instance does, without running its encoder."""
+    e, pd = epd
+    loads = metric(pd.metrics(), "vllm:ecx_loads_total")
+    load_bytes = metric(pd.metrics(), "vllm:ecx_load_bytes_total")
+    before = pd.encoder_iterations()
+    videos = [fresh_video(61, frames=32), fresh_video(62, frames=16, with_image=True)]
+    for i in videos:
+        params = encode_on(e, images_of(i))
+        assert len(params) == len(images_of(i)), params
+        status, body = pd_request(pd, i, params)
+        assert status == 200, body
+        assert text_of(body) == reference.text(i), f"request {i}"
+    assert pd.encoder_iterations() == before
+    wait_until(lambda: metric(pd.metrics(), "vllm:ecx_loads_total") >= loads + 3, 30,
+               "PD counted the video loads")
+    # The 32-frame video alone is 16 temporal patches of 16 tokens, 256 x 256 bf16.
+    assert metric(pd.metrics(), "vllm:ecx_load_bytes_total") - load_bytes >= 256 * 256 * 2
+    assert pins_settle(e) == 0
 
 
 def test_a_zero_copy_pd_reads_the_encoders_blocks_in_place(epd, pd_zero_copy, reference):

@@ -2,7 +2,7 @@
 whose greedy answers are the reference every EPD answer must equal."""
 from __future__ import annotations
 
-from vllm_engines import Engine, free_port, messages, png, post, serve_argv, vllm_env
+from vllm_engines import Engine, free_port, messages, mp4, png, post, serve_argv, vllm_env
 
 IMAGES = [png(seed) for seed in range(1, 10)]
 _fresh = {}
@@ -29,6 +29,20 @@ def fresh(seed: int, n_images: int = 1) -> int:
         REQUESTS.append((list(range(first, first + n_images)), f"Fresh request {seed}."))
         _fresh[seed] = len(REQUESTS) - 1
     return _fresh[seed]
+
+
+def fresh_video(seed: int, frames: int, with_image: bool = False) -> int:
+    """A request with a video no engine has seen (and a fresh image beside it); its index."""
+    key = ("video", seed, frames, with_image)
+    if key not in _fresh:
+        IMAGES.append(mp4(seed, frames=frames))
+        media = [len(IMAGES) - 1]
+        if with_image:
+            IMAGES.append(png(seed))
+            media.append(len(IMAGES) - 1)
+        REQUESTS.append((media, f"What happens in video {seed}?"))
+        _fresh[key] = len(REQUESTS) - 1
+    return _fresh[key]
 
 
 def chat_body(index: int, **extra) -> dict:

@@ -202,12 +202,14 @@ def test_ecx_proxy_in_front_of_vllm_moves_the_embeddings(epd, reference, ecx_bin
     with EcxStack(ecx_binary, tmp_path) as stack:
         proxy = stack.start("proxy", "--upstream-api", "vllm", "--encoders", e.url,
                             "--pd", pd.url, "--model", "tiny-vlm")
-        for i in (0, 2, 3):
+        # Images, and a video beside an image: every media part goes to E, keyed by its
+        # content hash, and the PD loads each.
+        for i in (0, 2, 3, fresh_video(63, frames=16, with_image=True)):
             status, body = post(proxy.url + "/v1/chat/completions", chat_body(i))
             assert status == 200, body
             assert text_of(body) == reference.text(i)
     assert pd.encoder_iterations() == 0
-    wait_until(lambda: metric(pd.metrics(), "vllm:ecx_loads_total") >= loads + 6, 30,
+    wait_until(lambda: metric(pd.metrics(), "vllm:ecx_loads_total") >= loads + 8, 30,
                "PD counted the proxy's loads")
     assert pins_settle(e) == 0
 

@@ -288,7 +288,7 @@ Result<std::string> base64_decode(std::string_view text) {
   return out;
 }
 
-Result<std::string> decode_data_url(std::string_view url) {
+Result<std::string> decode_data_url(std::string_view url, std::string_view type) {
   if (url.substr(0, 5) != "data:") return InvalidArgument("not a data: URL");
   auto comma = url.find(',');
   if (comma == std::string_view::npos) return InvalidArgument("data: URL without a comma");
@@ -296,7 +296,10 @@ Result<std::string> decode_data_url(std::string_view url) {
   if (header.size() < 7 || header.substr(header.size() - 7) != ";base64") {
     return InvalidArgument("data: URL must be base64-encoded (';base64,')");
   }
-  if (header.substr(0, 6) != "image/") return InvalidArgument("data: URL is not an image/* type");
+  if (header.size() <= type.size() || header.substr(0, type.size()) != type ||
+      header[type.size()] != '/') {
+    return InvalidArgument("data: URL is not a " + std::string(type) + "/* type");
+  }
   return base64_decode(url.substr(comma + 1));
 }
 

@@ -83,10 +83,15 @@ void read_chat_answer(const std::string& body, EncodeResult& r, const std::strin
   r.params = entry->second;
 }
 
-// The body of a vLLM encode call: the image alone (no text), with its uuid, not streamed
-// and with no max_tokens (an encode-only instance stops once the image is encoded).
+// The body of a vLLM encode call: the item alone (no text), with its uuid, not streamed
+// and with no max_tokens (an encode-only instance stops once the item is encoded).
 std::string chat_body(const EncodeCall& call) {
-  json part = {{"type", "image_url"}, {"image_url", {{"url", call.data_url}}}};
+  json part = {{"type", call.part_type}};
+  if (call.part_type == "input_audio") {
+    part["input_audio"] = {{"data", call.data_url}, {"format", call.audio_format}};
+  } else {
+    part[call.part_type] = {{"url", call.data_url}};
+  }
   if (!call.uuid.empty()) part["uuid"] = call.uuid;
   json message = {{"role", "user"}, {"content", json::array({part})}};
   return safe_dump(

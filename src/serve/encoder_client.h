@@ -20,12 +20,18 @@
 
 namespace ecx::serve {
 
-// What the proxy asks an encoder for one image.
+// What the proxy asks an encoder for one media item (an image; with vllm, also a video
+// or an audio clip).
 struct EncodeCall {
   UpstreamApi api = UpstreamApi::kEcx;
-  // The image, as a view of the request the proxy forwards (which outlives the call):
-  // a large image is held once, not once more per call.
+  // The item, as a view of the request the proxy forwards (which outlives the call): a
+  // large item is held once, not once more per call. A data URL, or (input_audio) the
+  // audio's base64 data.
   std::string_view data_url;
+  // vllm: the content part type that carries the item (image_url, video_url, audio_url,
+  // input_audio) and, for input_audio, its format.
+  std::string part_type = "image_url";
+  std::string audio_format;
   // vllm: the request's model, and the image's key (the part's own "uuid", else one
   // derived from its bytes), which the PD's copy of the image carries too.
   std::string model;

@@ -266,7 +266,7 @@ std::optional<RequestError> EncoderService::prepare_all(const ChatRequest& chat,
     for (const auto& part : msg.parts) {
       if (part.kind != ContentPart::kImage) continue;
       engine::PreparedImage prepared;
-      if (auto err = prepare(part.image_bytes, &prepared)) return err;
+      if (auto err = prepare(part.media_bytes, &prepared)) return err;
       auto [at, added] = index_of.emplace(prepared.mm_hash, out->size());
       if (added) out->push_back({std::move(prepared), {}});
       (*out)[at->second].item_indices.push_back(item++);

@@ -11,10 +11,21 @@ namespace ecx::serve {
 
 using nlohmann::json;
 
-int ChatRequest::image_count() const {
+std::string_view ContentPart::modality() const {
+  switch (kind) {
+    case kVideo:
+      return "video";
+    case kAudio:
+      return "audio";
+    default:
+      return "image";
+  }
+}
+
+int ChatRequest::media_count() const {
   int n = 0;
   for (const auto& m : messages) {
-    for (const auto& p : m.parts) n += p.kind == ContentPart::kImage;
+    for (const auto& p : m.parts) n += p.is_media();
   }
   return n;
 }
@@ -30,58 +41,79 @@ RequestError bad(const std::string& message, int status = 400) {
 
 RequestError bad(const Status& s) { return bad(s.message()); }
 
-// A local file named by an image URL: it must be a regular file under the allowed root.
-std::optional<RequestError> read_local_image(const std::string& url,
-                                             const CommonServiceConfig& config,
-                                             std::string* bytes) {
+// A content part that carries a media item by URL: its type, its kind, and the media
+// type its data: URLs must have.
+struct MediaPart {
+  std::string_view type;
+  ContentPart::Kind kind;
+  std::string_view media_type;
+};
+constexpr MediaPart kMediaParts[] = {{"image_url", ContentPart::kImage, "image"},
+                                     {"video_url", ContentPart::kVideo, "video"},
+                                     {"audio_url", ContentPart::kAudio, "audio"}};
+
+const MediaPart* media_part(std::string_view type) {
+  for (const auto& m : kMediaParts) {
+    if (m.type == type) return &m;
+  }
+  return nullptr;
+}
+
+// A local file named by a media URL: it must be a regular file under the allowed root.
+std::optional<RequestError> read_local_file(const std::string& url, std::string_view type,
+                                            const CommonServiceConfig& config, std::string* bytes) {
+  const std::string what(type);
   std::string path = url.rfind("file://", 0) == 0 ? url.substr(7) : url;
   if (config.allowed_root.empty())
-    return bad("image_url: local files are not allowed (no --allowed-root)");
+    return bad(what + ": local files are not allowed (no --allowed-root)");
   std::error_code ec;
   auto root = std::filesystem::weakly_canonical(config.allowed_root, ec);
   auto file = std::filesystem::weakly_canonical(path, ec);
   auto rel = file.lexically_relative(root);
   if (ec || rel.empty() || rel.native().rfind("..", 0) == 0 ||
       !std::filesystem::is_regular_file(file, ec)) {
-    return bad("image_url: '" + path.substr(0, 200) + "' is not a file under the allowed root");
+    return bad(what + ": '" + path.substr(0, 200) + "' is not a file under the allowed root");
   }
   if (std::filesystem::file_size(file, ec) > config.max_image_bytes) {
-    return bad("image file exceeds " + std::to_string(config.max_image_bytes) + " bytes", 413);
+    return bad(what + " file exceeds " + std::to_string(config.max_image_bytes) + " bytes", 413);
   }
   std::ifstream in(file, std::ios::binary);
   bytes->assign(std::istreambuf_iterator<char>(in), {});
   return std::nullopt;
 }
 
-// Resolves an image URL to its bytes: data: URLs and files under the allowed root.
-std::optional<RequestError> resolve_image(const std::string& url, const CommonServiceConfig& config,
-                                          std::string* bytes) {
-  if (url.rfind("data:", 0) == 0) {
-    if (url.size() > config.max_image_bytes * 4 / 3 + 256) {
-      return bad("image data URL exceeds " + std::to_string(config.max_image_bytes) + " bytes",
-                 413);
-    }
-    auto decoded = engine::decode_data_url(url);
-    if (!decoded.ok()) return bad("image_url: " + decoded.status().message());
-    *bytes = std::move(*decoded);
-  } else if (url.rfind("http://", 0) == 0 || url.rfind("https://", 0) == 0) {
-    return bad("image_url: remote URLs are not fetched; send a data: URL or a local file");
-  } else if (auto err = read_local_image(url, config, bytes)) {
-    return err;
-  }
-  if (bytes->size() > config.max_image_bytes) {
-    return bad("image of " + std::to_string(bytes->size()) + " bytes exceeds " +
-                   std::to_string(config.max_image_bytes),
-               413);
-  }
-  return std::nullopt;
+std::optional<RequestError> check_size(std::string_view type, size_t size,
+                                       const CommonServiceConfig& config) {
+  if (size <= config.max_image_bytes) return std::nullopt;
+  return bad(std::string(type) + " item of " + std::to_string(size) + " bytes exceeds " +
+                 std::to_string(config.max_image_bytes),
+             413);
 }
 
-// An image part's URL: "image_url": "URL" or "image_url": {"url": "URL"}.
-// Null when there is none.
-const std::string* image_url_of(const JsonReader& part) {
+// Resolves a media URL to its bytes: data: URLs and files under the allowed root.
+std::optional<RequestError> resolve_media(const std::string& url, const MediaPart& type,
+                                          const CommonServiceConfig& config, std::string* bytes) {
+  const std::string what(type.type);
+  if (url.rfind("data:", 0) == 0) {
+    if (url.size() > config.max_image_bytes * 4 / 3 + 256) {
+      return bad(what + " data URL exceeds " + std::to_string(config.max_image_bytes) + " bytes",
+                 413);
+    }
+    auto decoded = engine::decode_data_url(url, type.media_type);
+    if (!decoded.ok()) return bad(what + ": " + decoded.status().message());
+    *bytes = std::move(*decoded);
+  } else if (url.rfind("http://", 0) == 0 || url.rfind("https://", 0) == 0) {
+    return bad(what + ": remote URLs are not fetched; send a data: URL or a local file");
+  } else if (auto err = read_local_file(url, type.type, config, bytes)) {
+    return err;
+  }
+  return check_size(type.type, bytes->size(), config);
+}
+
+// A media part's URL: "KEY": "URL" or "KEY": {"url": "URL"}. Null when there is none.
+const std::string* media_url_of(const JsonReader& part, std::string_view key) {
   const json& doc = part.document();
-  auto it = doc.find("image_url");
+  auto it = doc.find(key);
   if (it == doc.end()) return nullptr;
   if (it->is_string()) return &it->get_ref<const std::string&>();
   auto url = it->is_object() ? it->find("url") : it->end();
@@ -91,8 +123,25 @@ const std::string* image_url_of(const JsonReader& part) {
   return nullptr;
 }
 
+// {"type": "input_audio", "input_audio": {"data": BASE64, "format": "wav"}}.
+std::optional<RequestError> read_input_audio(const JsonReader& part,
+                                             const CommonServiceConfig& config,
+                                             std::string* bytes) {
+  const char* shape = "input_audio part needs 'input_audio': {'data': base64, 'format': string}";
+  auto audio = part.child("input_audio");
+  if (!audio.ok() || !audio->object().ok()) return bad(shape);
+  auto data = audio->string("data", Presence::kRequired, config.max_image_bytes * 4 / 3 + 4);
+  auto format = audio->string("format", Presence::kRequired, 32);
+  if (!data.ok() || !format.ok()) return bad(shape);
+  auto decoded = engine::base64_decode(*data);
+  if (!decoded.ok()) return bad("input_audio: " + decoded.status().message());
+  *bytes = std::move(*decoded);
+  return check_size("input_audio", bytes->size(), config);
+}
+
 std::optional<RequestError> read_content_part(const JsonReader& part,
-                                              const CommonServiceConfig& config, ChatMessage* msg) {
+                                              const CommonServiceConfig& config, PartPolicy policy,
+                                              ChatMessage* msg) {
   if (!part.object().ok()) return bad("every content part needs a string 'type'");
   auto type = part.string("type", Presence::kRequired, kAnyLength);
   if (!type.ok()) return bad("every content part needs a string 'type'");
@@ -102,18 +151,35 @@ std::optional<RequestError> read_content_part(const JsonReader& part,
     msg->parts.push_back({ContentPart::kText, std::move(*text), ""});
     return std::nullopt;
   }
-  if (*type != "image_url")
+  const MediaPart* media = media_part(*type);
+  const bool audio = *type == "input_audio";
+  const bool vllm = policy == PartPolicy::kVllm;
+  if (!vllm && (audio || (media != nullptr && media->kind != ContentPart::kImage))) {
+    return bad("content part '" + *type +
+               "': ecx's reference engine encodes images only; video and audio go to vLLM "
+               "encoders and PDs (the proxy's --upstream-api vllm)");
+  }
+  if (media == nullptr && !audio) {
+    if (vllm) {  // a part vLLM takes (or refuses): the PD reads it
+      msg->parts.push_back({ContentPart::kOther, "", ""});
+      return std::nullopt;
+    }
     return bad("unsupported content part type '" + type->substr(0, 50) + "'");
-  const std::string* url = image_url_of(part);
-  if (url == nullptr) return bad("image_url part needs 'image_url': {'url': string}");
-  ContentPart p{ContentPart::kImage, "", ""};
-  if (auto err = resolve_image(*url, config, &p.image_bytes)) return err;
+  }
+  ContentPart p{audio ? ContentPart::kAudio : media->kind, "", ""};
+  if (audio) {
+    if (auto err = read_input_audio(part, config, &p.media_bytes)) return err;
+  } else {
+    const std::string* url = media_url_of(part, media->type);
+    if (url == nullptr) return bad(*type + " part needs '" + *type + "': {'url': string}");
+    if (auto err = resolve_media(*url, *media, config, &p.media_bytes)) return err;
+  }
   msg->parts.push_back(std::move(p));
   return std::nullopt;
 }
 
 std::optional<RequestError> read_message(const JsonReader& m, const CommonServiceConfig& config,
-                                         ChatMessage* msg) {
+                                         PartPolicy policy, ChatMessage* msg) {
   if (!m.object().ok()) return bad("every message needs a string 'role'");
   auto role = m.string("role", Presence::kRequired, kAnyLength);
   if (!role.ok()) return bad("every message needs a string 'role'");
@@ -131,7 +197,7 @@ std::optional<RequestError> read_message(const JsonReader& m, const CommonServic
   }
   for (size_t i = 0; i < content->size(); ++i) {
     JsonReader part((*content)[i], m.where() + ".content[" + std::to_string(i) + "]");
-    if (auto err = read_content_part(part, config, msg)) return err;
+    if (auto err = read_content_part(part, config, policy, msg)) return err;
   }
   return std::nullopt;
 }
@@ -181,11 +247,11 @@ std::optional<RequestError> read_options(const JsonReader& r, const CommonServic
 }  // namespace
 
 std::optional<RequestError> parse_chat_request(const std::string& body,
-                                               const CommonServiceConfig& config,
-                                               ChatRequest* out) {
+                                               const CommonServiceConfig& config, ChatRequest* out,
+                                               PartPolicy policy) {
   auto doc = parse_chat_body(body, config);
   if (!doc.ok()) return bad(doc.status());
-  return parse_chat_document(std::move(*doc), config, out);
+  return parse_chat_document(std::move(*doc), config, out, policy);
 }
 
 Result<json> parse_chat_body(const std::string& body, const CommonServiceConfig& config) {
@@ -193,7 +259,7 @@ Result<json> parse_chat_body(const std::string& body, const CommonServiceConfig&
 }
 
 std::optional<RequestError> parse_chat_document(json body, const CommonServiceConfig& config,
-                                                ChatRequest* out) {
+                                                ChatRequest* out, PartPolicy policy) {
   out->raw = std::move(body);
   JsonReader request(out->raw, "request");
   if (auto err = read_options(request, config, out)) return err;
@@ -202,10 +268,12 @@ std::optional<RequestError> parse_chat_document(json body, const CommonServiceCo
   for (size_t i = 0; i < (*messages)->size(); ++i) {
     ChatMessage msg;
     JsonReader m((**messages)[i], "request.messages[" + std::to_string(i) + "]");
-    if (auto err = read_message(m, config, &msg)) return err;
+    if (auto err = read_message(m, config, policy, &msg)) return err;
     out->messages.push_back(std::move(msg));
-    if (out->image_count() > config.max_images) {
-      return bad("more than " + std::to_string(config.max_images) + " images in one request", 413);
+    if (out->media_count() > config.max_images) {
+      return bad("more than " + std::to_string(config.max_images) +
+                     " media items (images, videos, audio) in one request",
+                 413);
     }
   }
   return std::nullopt;

@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "ecx/serve/services.h"
@@ -14,11 +15,27 @@
 namespace ecx::serve {
 
 struct ContentPart {
-  enum Kind { kText, kImage } kind = kText;
+  // kImage, kVideo, kAudio: an encoder's input (image_url; video_url, audio_url and
+  // input_audio under PartPolicy::kVllm). kOther: a part a vLLM engine takes that nothing
+  // here reads (forwarded as it came).
+  enum Kind { kText, kImage, kVideo, kAudio, kOther } kind = kText;
   std::string text;
-  // Resolved (data: URL decoded, or file read). The URL as given stays in
-  // ChatRequest::raw only: a large image is not held twice.
-  std::string image_bytes;
+  // Resolved (data: URL or input_audio data decoded, or file read). The part as given
+  // stays in ChatRequest::raw only: a large item is not held twice.
+  std::string media_bytes;
+
+  bool is_media() const { return kind == kImage || kind == kVideo || kind == kAudio; }
+  // "image", "video" or "audio" (vLLM's modality names). REQUIRES: is_media()
+  std::string_view modality() const;
+};
+
+// Which content parts a request may hold.
+enum class PartPolicy {
+  // What ecx's reference engine encodes: text and images; anything else is a 400.
+  kReferenceEngine,
+  // What a vLLM engine takes (a proxy in front of vLLM encoders and PDs): video and audio
+  // resolved like images, every other part type forwarded unread (the PD checks it).
+  kVllm,
 };
 
 struct ChatMessage {
@@ -36,21 +53,23 @@ struct ChatRequest {
   // Keyed by mm_hash; each value is read by EcTransferParams::from_json where it is used.
   nlohmann::json ec_transfer_params = nlohmann::json::object();
   nlohmann::json raw;  // the request as received (the proxy forwards it, rewritten)
-  int image_count() const;
+  int media_count() const;
 };
 
 // Parses and validates a chat completion body against `config` (model name, limits);
-// resolves images to bytes. Errors carry the HTTP status to answer with: 400 for a
-// malformed request, 413 past a limit.
+// resolves media to bytes. Errors carry the HTTP status to answer with: 400 for a
+// malformed request or a part `policy` does not take, 413 past a limit (max_images counts
+// every media item; max_image_bytes bounds each).
 std::optional<RequestError> parse_chat_request(const std::string& body,
-                                               const CommonServiceConfig& config, ChatRequest* out);
+                                               const CommonServiceConfig& config, ChatRequest* out,
+                                               PartPolicy policy = PartPolicy::kReferenceEngine);
 
 // The body as a JSON object, within the service's size and nesting limits: the first
 // half of parse_chat_request, for a caller that adjusts the document before the second.
 Result<nlohmann::json> parse_chat_body(const std::string& body, const CommonServiceConfig& config);
 // The second half: validates an object from parse_chat_body.
 std::optional<RequestError> parse_chat_document(nlohmann::json body,
-                                                const CommonServiceConfig& config,
-                                                ChatRequest* out);
+                                                const CommonServiceConfig& config, ChatRequest* out,
+                                                PartPolicy policy = PartPolicy::kReferenceEngine);
 
 }  // namespace ecx::serve

@@ -79,7 +79,7 @@ std::optional<RequestError> decode_images(const ChatRequest& request,
   for (const auto& msg : request.messages) {
     for (const auto& part : msg.parts) {
       if (part.kind != ContentPart::kImage) continue;
-      auto image = engine::decode_image(part.image_bytes, limits);
+      auto image = engine::decode_image(part.media_bytes, limits);
       if (!image.ok()) return image_error(image.status());
       auto prepared = encoder.prepare(*image);
       if (!prepared.ok()) return RequestError{422, "invalid_image", prepared.status().message()};

@@ -178,17 +178,18 @@ class Proxy {
   // Parses the body into call.chat (the body is let go); a 400 for what is wrong.
   std::optional<RequestError> parse(ChatCall& call);
 
-  // Rewrites the image URLs of `call.forward` as data URLs and lists the distinct images
-  // to send to the encoders (each once per request). The parts' image bytes are let go:
-  // the forwarded request holds each image.
+  // Rewrites the media URLs of `call.forward` as data URLs and lists the distinct media
+  // items (images; with vllm, videos and audio too) to send to the encoders, each once
+  // per request. The parts' bytes are let go: the forwarded request holds each item.
   std::vector<ImageJob> image_jobs(ChatCall& call) const;
-  // What to ask an encoder for the image part `forward_part` (whose URL is `data_url`);
-  // in vllm mode it gives the part its uuid.
+  // What to ask an encoder for the media part `forward_part`; in vllm mode it gives the
+  // part its uuid (the item's content hash).
   EncodeCall encode_call(const ChatRequest& chat, const ContentPart& part,
-                         std::string_view data_url, json& forward_part) const;
-  // The image part's URL in the forwarded request, made {"url": data URL} (a file's
-  // bytes become one) without copying it; the EncodeCall views it.
-  static const std::string& data_url_of(json& forward_part, const ContentPart& part);
+                         json& forward_part) const;
+  // The media part's data in the forwarded request, without copying it: a URL made
+  // {"url": data URL} (a file's bytes become one), or input_audio's base64 data. The
+  // EncodeCall views it.
+  static const std::string& data_of(json& forward_part, const ContentPart& part);
   // Every image on its encoders at once (each with failover); their outcomes, in order.
   Await<std::vector<ImageEncode>> encode_all(std::vector<ImageJob> jobs);
   // The params per image (an image no encoder could encode gets none: the PD encodes
@@ -239,13 +240,12 @@ std::vector<ImageJob> Proxy::image_jobs(ChatCall& call) const {
     auto& parts = call.chat.messages[m].parts;
     for (size_t p = 0; p < parts.size(); ++p) {
       ContentPart& part = parts[p];
-      if (part.kind != ContentPart::kImage) continue;
+      if (!part.is_media()) continue;
       json& forward_part = call.forward["messages"][m]["content"][p];
-      EncodeCall encode =
-          encode_call(call.chat, part, data_url_of(forward_part, part), forward_part);
+      EncodeCall encode = encode_call(call.chat, part, forward_part);
       encode.cancel = call.req->client_gone;
-      uint64_t key = checksum64(part.image_bytes.data(), part.image_bytes.size());
-      std::string().swap(part.image_bytes);  // hashed: the forwarded request holds the image
+      uint64_t key = checksum64(part.media_bytes.data(), part.media_bytes.size());
+      std::string().swap(part.media_bytes);  // hashed: the forwarded request holds the image
       // (In vllm mode an image is its bytes and its uuid: E must see each uuid the PD does.)
       if (!use_encoders_ || encoders.empty() || !sent.emplace(key, encode.uuid).second) continue;
       jobs.push_back({encoder_order(encoders, key), std::move(encode)});
@@ -254,27 +254,53 @@ std::vector<ImageJob> Proxy::image_jobs(ChatCall& call) const {
   return jobs;
 }
 
-const std::string& Proxy::data_url_of(json& forward_part, const ContentPart& part) {
-  json& image = forward_part["image_url"];
-  std::string url = image.is_string() ? std::move(image.get_ref<std::string&>())
-                                      : std::move(image["url"].get_ref<std::string&>());
-  // Data URLs, so PD can decode images that came from local files.
-  if (url.rfind("data:", 0) != 0) url = engine::make_data_url(part.image_bytes, "image/png");
+namespace {
+
+// The MIME type of a local media file sent on as a data URL: by its extension, for
+// video and audio (an image is sent as image/png: decoders read its kind from its bytes).
+std::string mime_of(const std::string& path, const ContentPart& part) {
+  if (part.kind == ContentPart::kImage) return "image/png";
+  auto dot = path.rfind('.');
+  std::string ext = dot == std::string::npos ? "" : path.substr(dot + 1);
+  for (auto& c : ext) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  if (part.kind == ContentPart::kVideo) return ext == "webm" ? "video/webm" : "video/mp4";
+  if (ext == "mp3") return "audio/mpeg";
+  if (ext == "flac" || ext == "ogg") return "audio/" + ext;
+  return "audio/wav";
+}
+
+}  // namespace
+
+const std::string& Proxy::data_of(json& forward_part, const ContentPart& part) {
+  const std::string type = forward_part["type"].get<std::string>();
+  if (type == "input_audio")
+    return forward_part["input_audio"]["data"].get_ref<const std::string&>();
+  json& media = forward_part[type];
+  std::string url = media.is_string() ? std::move(media.get_ref<std::string&>())
+                                      : std::move(media["url"].get_ref<std::string&>());
+  // Data URLs, so PD can decode items that came from local files.
+  if (url.rfind("data:", 0) != 0) url = engine::make_data_url(part.media_bytes, mime_of(url, part));
   json only_url = json::object();
   only_url["url"] = std::move(url);  // moved, as it was taken: never copied
-  image = std::move(only_url);
-  return image["url"].get_ref<const std::string&>();
+  media = std::move(only_url);
+  return media["url"].get_ref<const std::string&>();
 }
 
 EncodeCall Proxy::encode_call(const ChatRequest& chat, const ContentPart& part,
-                              std::string_view data_url, json& forward_part) const {
-  EncodeCall call{config_.upstream_api, data_url, "", "", {}};
+                              json& forward_part) const {
+  EncodeCall call;
+  call.api = config_.upstream_api;
+  call.data_url = data_of(forward_part, part);
   if (call.api != UpstreamApi::kVllm) return call;
+  call.part_type = forward_part["type"].get<std::string>();
+  if (call.part_type == "input_audio") {
+    call.audio_format = forward_part["input_audio"]["format"].get<std::string>();
+  }
   // vLLM keys an item by its uuid when it has one: E and PD must see the same. It is
-  // the image's content hash, never the client's own uuid: vLLM trusts a uuid as the
+  // the item's content hash, never the client's own uuid: vLLM trusts a uuid as the
   // item's identity, so a chosen one would let one user's image stand for another's in
   // E's and PD's caches (docs/SECURITY.md).
-  call.uuid = MmHash::sha256_of({"image", part.image_bytes}).str();
+  call.uuid = MmHash::sha256_of({part.modality(), part.media_bytes}).str();
   forward_part["uuid"] = call.uuid;
   call.model = chat.model;
   return call;
@@ -334,7 +360,9 @@ std::optional<RequestError> Proxy::parse(ChatCall& call) {
   // The body is let go once parsed (its parsed form holds the request from here on).
   const std::string body = std::move(call.req->body);
   call.body_bytes = body.size();
-  if (auto err = parse_chat_request(body, config_.common, &call.chat)) return err;
+  const PartPolicy parts =
+      config_.upstream_api == UpstreamApi::kVllm ? PartPolicy::kVllm : PartPolicy::kReferenceEngine;
+  if (auto err = parse_chat_request(body, config_.common, &call.chat, parts)) return err;
   call.members = upstreams_.snapshot();
   call.forward = std::move(call.chat.raw);
   return std::nullopt;

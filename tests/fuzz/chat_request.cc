@@ -49,7 +49,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   ECX_FUZZ_CHECK(!chat.messages.empty(), "accepted a request without messages");
   ECX_FUZZ_CHECK(chat.max_tokens >= 1 && chat.max_tokens <= config.max_tokens_limit,
                  "max_tokens outside 1..max_tokens_limit");
-  ECX_FUZZ_CHECK(chat.image_count() <= config.max_images, "more images than max_images");
+  ECX_FUZZ_CHECK(chat.media_count() <= config.max_images, "more images than max_images");
   ECX_FUZZ_CHECK(chat.ec_transfer_params.is_object(), "ec_transfer_params is not an object");
   ECX_FUZZ_CHECK(depth_of(chat.raw) <= 64, "accepted JSON nested deeper than 64 levels");
 
@@ -65,7 +65,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     for (size_t p = 0; p < msg.parts.size(); ++p) {
       const ContentPart& part = msg.parts[p];
       if (part.kind != ContentPart::kImage) continue;
-      ECX_FUZZ_CHECK(part.image_bytes.size() <= config.max_image_bytes, "image over max bytes");
+      ECX_FUZZ_CHECK(part.media_bytes.size() <= config.max_image_bytes, "image over max bytes");
       ECX_FUZZ_CHECK(content.at(p).at("type") == "image_url", "image part is not at its index");
     }
   }

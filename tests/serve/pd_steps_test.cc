@@ -134,7 +134,7 @@ TEST_F(PdStepsTest, ParseResolvesImagesAndRefusesWhatIsOverTheLimits) {
   ASSERT_EQ(request.messages.size(), 1u);
   ASSERT_EQ(request.messages[0].parts.size(), 2u);
   EXPECT_EQ(request.messages[0].parts[1].kind, ContentPart::kImage);
-  EXPECT_FALSE(request.messages[0].parts[1].image_bytes.empty());
+  EXPECT_FALSE(request.messages[0].parts[1].media_bytes.empty());
   EXPECT_EQ(request.max_tokens, 8);
 
   CommonServiceConfig one_image;
@@ -149,6 +149,58 @@ TEST_F(PdStepsTest, ParseResolvesImagesAndRefusesWhatIsOverTheLimits) {
   err = parse_chat_request("{\"model\": ", CommonServiceConfig{}, &refused);
   ASSERT_TRUE(err);
   EXPECT_EQ(err->http_status, 400);
+}
+
+// Every media part vLLM takes, as a proxy in front of vLLM engines reads it, and as ecx's
+// reference engine refuses what it cannot encode.
+TEST(ChatPartsTest, VideoAndAudioAreMediaForVllmAndAClear400ForTheReferenceEngine) {
+  const std::string video = engine::make_data_url("not really an mp4", "video/mp4");
+  json parts =
+      json::array({{{"type", "video_url"}, {"video_url", {{"url", video}}}},
+                   {{"type", "input_audio"},
+                    {"input_audio", {{"data", engine::base64_encode("RIFF")}, {"format", "wav"}}}},
+                   {{"type", "audio_url"},
+                    {"audio_url", {{"url", engine::make_data_url("ID3", "audio/mpeg")}}}},
+                   {{"type", "image_embeds"}, {"image_embeds", "..."}},
+                   {{"type", "text"}, {"text", "what happens?"}}});
+  ChatRequest request;
+  auto err = parse_chat_request(chat_body(parts).dump(), CommonServiceConfig{}, &request,
+                                PartPolicy::kVllm);
+  ASSERT_FALSE(err) << err->message;
+  const auto& got = request.messages[0].parts;
+  ASSERT_EQ(got.size(), 5u);
+  EXPECT_EQ(got[0].kind, ContentPart::kVideo);
+  EXPECT_EQ(got[0].media_bytes, "not really an mp4");
+  EXPECT_EQ(got[0].modality(), "video");
+  EXPECT_EQ(got[1].kind, ContentPart::kAudio);
+  EXPECT_EQ(got[1].media_bytes, "RIFF");
+  EXPECT_EQ(got[2].kind, ContentPart::kAudio);
+  EXPECT_EQ(got[3].kind, ContentPart::kOther);  // the PD reads it
+  EXPECT_EQ(request.media_count(), 3);
+
+  for (size_t i = 0; i < 3; ++i) {
+    ChatRequest refused;
+    err = parse_chat_request(chat_body(json::array({parts[i]})).dump(), CommonServiceConfig{},
+                             &refused);
+    ASSERT_TRUE(err);
+    EXPECT_EQ(err->http_status, 400);
+    EXPECT_NE(err->message.find(parts[i]["type"].get<std::string>()), std::string::npos);
+    EXPECT_NE(err->message.find("--upstream-api vllm"), std::string::npos) << err->message;
+  }
+  // A video part must hold a video: the media type of its data URL is checked.
+  ChatRequest refused;
+  err = parse_chat_request(
+      chat_body(json::array({{{"type", "video_url"}, {"video_url", {{"url", png_url(8, 8, 1)}}}}}))
+          .dump(),
+      CommonServiceConfig{}, &refused, PartPolicy::kVllm);
+  ASSERT_TRUE(err);
+  EXPECT_NE(err->message.find("not a video/* type"), std::string::npos) << err->message;
+  // Videos and audio count against max_images, as images do.
+  CommonServiceConfig two_items;
+  two_items.max_images = 2;
+  err = parse_chat_request(chat_body(parts).dump(), two_items, &refused, PartPolicy::kVllm);
+  ASSERT_TRUE(err);
+  EXPECT_EQ(err->http_status, 413);
 }
 
 TEST_F(PdStepsTest, DecodeGivesEveryImagePartItsSlotAndEachDistinctImageOnce) {

@@ -34,8 +34,9 @@ Result<std::string> encode_jpeg(const Image& image, int quality);
 std::string base64_encode(std::string_view bytes);
 Result<std::string> base64_decode(std::string_view text);
 
-// "data:image/png;base64,..." -> the decoded bytes; kInvalidArgument otherwise.
-Result<std::string> decode_data_url(std::string_view url);
+// "data:image/png;base64,..." -> the decoded bytes; kInvalidArgument otherwise, and for
+// a media type other than `type`/* ("image", "video", "audio").
+Result<std::string> decode_data_url(std::string_view url, std::string_view type = "image");
 std::string make_data_url(std::string_view bytes, std::string_view mime);
 
 // A deterministic test picture (gradients and shapes from `seed`).

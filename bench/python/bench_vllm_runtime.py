@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -272,9 +273,8 @@ def bench_serve(url: str, model: Path, w: dict, d: Path, timeout: float) -> dict
             "--random-output-len", str(w["output_len"]), "--random-range-ratio", "0",
             "--random-mm-base-items-per-request", str(w["images_base"]),
             "--random-mm-num-mm-items-range-ratio", str(w["images_range_ratio"]),
-            "--random-mm-limit-mm-per-prompt",
-            json.dumps({"image": w["max_images"], "video": 0}),
-            "--random-mm-bucket-config", f"{{({side}, {side}, 1): 1.0}}",
+            "--random-mm-limit-mm-per-prompt", json.dumps(mm_limits(w)),
+            "--random-mm-bucket-config", f"{{({side}, {side}, {w['frames']}): 1.0}}",
             "--request-rate", "inf", "--temperature", "0", "--seed", str(w["seed"]),
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
             "--save-result", "--save-detailed", "--result-dir", str(d),
@@ -331,14 +331,44 @@ PROMPTS = ["What is in the picture?", "Describe the images.", "Compare them.",
            "Which one is brightest?", "Count the objects.", "What color dominates?"]
 
 
+def _mp4(seed: int, side: int, frames: int) -> str:
+    """A noise video as random-mm makes them (MPEG-4 part 2 at 30 fps, OpenCV)."""
+    import cv2
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "video.mp4")
+        writer = cv2.VideoWriter(path, cv2.VideoWriter_fourcc(*"mp4v"), 30, (side, side))
+        for _ in range(frames):
+            writer.write(rng.integers(0, 256, size=(side, side, 3), dtype=np.uint8))
+        writer.release()
+        with open(path, "rb") as f:
+            return "data:video/mp4;base64," + base64.b64encode(f.read()).decode()
+
+
+def is_video(w: dict) -> bool:
+    return w.get("frames", 1) > 1
+
+
+def mm_limits(w: dict) -> dict:
+    """Items per prompt the servers take, and random-mm sends: images, or videos."""
+    return {"image": 0, "video": w["max_images"]} if is_video(w) else \
+        {"image": w["max_images"], "video": 0}
+
+
 def fixed_requests(w: dict) -> list[dict]:
-    """The correctness requests: 1..max_images distinct noise images each, greedy."""
+    """The correctness requests: 1..max_images distinct noise images (or videos) each,
+    greedy."""
     bodies, k = [], 0
     for i in range(w["correctness_prompts"]):
         n = 1 + i % w["max_images"]
-        content = [{"type": "image_url", "image_url": {"url": _png(1000 + k + j,
-                                                                   w["image_side"])}}
-                   for j in range(n)]
+        if is_video(w):
+            content = [{"type": "video_url", "video_url": {
+                "url": _mp4(1000 + k + j, w["image_side"], w["frames"])}} for j in range(n)]
+        else:
+            content = [{"type": "image_url", "image_url": {"url": _png(1000 + k + j,
+                                                                       w["image_side"])}}
+                       for j in range(n)]
         k += n
         content.append({"type": "text", "text": PROMPTS[i % len(PROMPTS)]})
         bodies.append({"model": MODEL_NAME, "messages": [{"role": "user", "content": content}],
@@ -397,8 +427,9 @@ def _triple(d: dict | None, keys=("mean", "median", "p99")) -> str:
 
 def print_table(results: list[dict], w: dict) -> None:
     flight = f", at most {w['max_concurrency']} in flight" if w.get("max_concurrency") else ""
+    items = f"{w['frames']}-frame videos" if is_video(w) else "images"
     print(f"\nworkload: {w['num_prompts']} prompts at rate inf{flight}, random-mm "
-          f"{w['images_base']}±{w['images_range_ratio']:g} images of {w['image_side']}px "
+          f"{w['images_base']}±{w['images_range_ratio']:g} {items} of {w['image_side']}px "
           f"(max {w['max_images']}), {w['input_len']} text tokens, {w['output_len']} output "
           f"tokens, temperature 0; correctness: {w['correctness_prompts']} fixed requests")
     head = (f"{'connector':<20} {'TTFT ms mean/med/p99':>22} {'TPOT ms mean/med/p99':>21} "
@@ -446,7 +477,8 @@ def write_chart(results: list[dict], json_path: Path, w: dict) -> tuple[str | No
     if ec:
         panels.append(("EC load per item on PD (bar p50, whisker p99)", ec))
     left_out = [_label(r) for r in results if r["error"]]
-    title = (f"ecx bench vllm: {w['num_prompts']} prompts, {w['image_side']}px images, "
+    items = f"{w['frames']}-frame videos" if is_video(w) else "images"
+    title = (f"ecx bench vllm: {w['num_prompts']} prompts, {w['image_side']}px {items}, "
              f"{w['output_len']} output tokens"
              + (f"; not drawn (error): {', '.join(left_out)}" if left_out else ""))
     width = sum(600 + 40 * len(p[1]) for p in panels)

@@ -164,3 +164,12 @@ def test_fixed_requests_are_deterministic_greedy_and_sized():
     assert [sum(1 for p in r["messages"][0]["content"] if p["type"] == "image_url")
             for r in a] == [1, 2, 3, 1]
     assert all(r["temperature"] == 0 and r["max_tokens"] == 5 for r in a)
+    # The video workload: the same requests with a video for each image.
+    videos = rt.fixed_requests({**w, "frames": 4, "max_images": 1})
+    assert json.dumps(videos) == json.dumps(rt.fixed_requests({**w, "frames": 4,
+                                                               "max_images": 1}))
+    assert [[p["type"] for p in r["messages"][0]["content"]] for r in videos] == \
+        [["video_url", "text"]] * 4
+    assert videos[0]["messages"][0]["content"][0]["video_url"]["url"].startswith(
+        "data:video/mp4;base64,")
+    assert rt.mm_limits({**w, "frames": 4}) == {"image": 0, "video": 3}

@@ -34,7 +34,8 @@ _COUNTER_NAME = re.compile(r"^renderer\d+-mm-\d+-[a-z_]+-\d+$")
 _ROLES = {"ec_producer": "producer", "ec_consumer": "consumer", "ec_both": "both"}
 # ec_connector_extra_config keys read here; every other key is an ecx connector option
 # (docs/CONNECTORS.md), checked by ecx itself.
-_OWN_OPTIONS = ("connector", "metrics_port", "rendezvous_dir", "params_timeout_ms")
+_OWN_OPTIONS = ("connector", "metrics_port", "rendezvous_dir", "params_timeout_ms",
+                "first_look_wait_ms")
 # The fields of ecx's params in an ec_transfer_params entry (vLLM adds "metadata" and
 # "item_indices" beside them).
 PARAMS_FIELDS = frozenset({
@@ -72,6 +73,7 @@ class InstanceConfig:
     policy: str  # "recompute" or "fail"
     load_timeout_ms: int
     params_timeout_ms: int  # the producer scheduler's ask to its worker
+    first_look_wait_ms: int  # the consumer scheduler's wait for a load it just started
     metrics_port: int | None
     rendezvous_dir: str | None
     tp_size: int
@@ -112,6 +114,9 @@ def instance_config(vllm_config) -> InstanceConfig:
     params_timeout = extra.pop("params_timeout_ms", 2000)
     if type(params_timeout) is not int or params_timeout <= 0:
         raise ValueError("ECXConnector: 'params_timeout_ms' must be a positive integer")
+    first_look = extra.pop("first_look_wait_ms", 10)
+    if type(first_look) is not int or not 0 <= first_look <= 1000:
+        raise ValueError("ECXConnector: 'first_look_wait_ms' must be an integer of 0 to 1000")
     load_timeout = extra.get("load_timeout_ms", 10000)
     policy = extra.get("failure_policy", "recompute")
     if type(load_timeout) is not int or policy not in ("recompute", "fail"):
@@ -125,6 +130,7 @@ def instance_config(vllm_config) -> InstanceConfig:
         name = f"{name}-dp{parallel.data_parallel_rank}"
     return InstanceConfig(name=name, role=role, extra=extra, policy=policy,
                           load_timeout_ms=load_timeout, params_timeout_ms=params_timeout,
+                          first_look_wait_ms=first_look,
                           metrics_port=metrics_port, rendezvous_dir=rendezvous,
                           tp_size=getattr(parallel, "tensor_parallel_size", 1))
 

@@ -92,6 +92,12 @@ class ConsumerScheduler:
         load = self._loads.get(request.request_id)
         if load is None:
             load = self._start(request, num_computed_tokens)
+            if load.started and not load.done and self._config.first_look_wait_ms > 0:
+                # On one host a load ends within a millisecond or two: waited for here, a
+                # little, the request is scheduled in this step rather than the next one
+                # (a whole engine step later). A load still running by then is not waited
+                # for further: vLLM asks again next step.
+                self._conn.wait_for_load(request.request_id, self._config.first_look_wait_ms)
         if not load.done:
             self._settle_finished()
         if not load.done:

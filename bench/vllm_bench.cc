@@ -38,6 +38,7 @@ struct VllmOptions {
   int correctness_prompts = 0;
   int max_concurrency = 0;  // 0: every request at once
   bool no_timing = false;
+  bool item_digests = false;
   bool no_install = false;
   bool keep_logs = false;
   int timeout_s = 6 * 3600;
@@ -63,6 +64,7 @@ std::vector<std::string> script_argv(const VllmOptions& o, const PythonHarness& 
   add_int("--max-concurrency", o.max_concurrency);
   if (o.quick) argv.push_back("--quick");
   if (o.no_timing) argv.push_back("--no-timing");
+  if (o.item_digests) argv.push_back("--item-digests");
   if (o.no_install) argv.push_back("--no-install");
   if (o.keep_logs) argv.push_back("--keep-logs");
   return argv;
@@ -131,6 +133,9 @@ void add_vllm_command(CLI::App& bench, int* exit_code) {
                 "Fixed greedy requests compared with the single instance");
   s->add_option("--max-concurrency", o->max_concurrency,
                 "Requests in flight at most (vllm bench serve's; default: all at once)");
+  s->add_flag("--item-digests", o->item_digests,
+              "SHA-256 of every item as E computed it and as it entered PD's encoder cache, "
+              "compared per row");
   s->add_flag("--no-timing", o->no_timing,
               "Load the connectors themselves, not the timed subclasses (no EC load figure)");
   s->add_flag("--no-install", o->no_install, "Do not pip-install Mooncake when it is missing");

@@ -140,6 +140,9 @@ def row_env(row: str, role: str, cfg: dict) -> dict:
                        VLLM_EC_SIDE_CHANNEL_PORT=str(cfg["side_channel_port"]))
     if role == "ec_consumer" and cfg["timed"]:
         env[timing.ENV] = str(cfg["timing_file"])  # only PD's scheduler sights loads
+    if cfg["timed"] and cfg["item_digests"]:
+        # Both sides: E records what it computed, PD what reached vLLM's cache.
+        env.update({timing.ENV: str(cfg["timing_file"]), timing.DIGESTS_ENV: "1"})
     return env
 
 
@@ -149,7 +152,8 @@ def run_row(row: str, args, w: dict, model: Path, run_dir: Path, fixed: list[dic
     d = run_dir / row
     d.mkdir(parents=True, exist_ok=True)
     result["logs"] = str(d)
-    cfg = {"timed": not args.no_timing, "shared_dir": d / "ec_cache",
+    cfg = {"timed": not args.no_timing, "item_digests": args.item_digests,
+           "shared_dir": d / "ec_cache",
            "token_file": run_dir / "ecx_token", "timing_file": d / "timing.jsonl",
            "mooncake_e_port": rt.free_port(), "mooncake_pd_port": rt.free_port(),
            "side_channel_port": rt.free_port()}
@@ -219,7 +223,9 @@ def run_row(row: str, args, w: dict, model: Path, run_dir: Path, fixed: list[dic
                                    for body in fixed]
             result["pd_encoder_iterations"] = pd.encoder_iterations()
             if row != "single" and cfg["timed"]:
-                stats = timing.ec_load_stats(timing.read_events(str(cfg["timing_file"])), t0, t1)
+                events = timing.read_events(str(cfg["timing_file"]))
+                stats = timing.ec_load_stats(events, t0, t1)
+                result["item_digests"] = timing.item_digests(events)
                 result["ec_load_ms_per_item"] = stats["from_sight"]
                 result["ec_load_after_alloc_ms"] = stats["from_alloc"]
                 result["ec_load_requests"] = stats["requests"]
@@ -315,6 +321,9 @@ def main(argv=None) -> int:
                    help="requests in flight at most (vllm bench serve's; default: all at once)")
     p.add_argument("--no-timing", action="store_true",
                    help="load the connectors themselves, not the timed subclasses")
+    p.add_argument("--item-digests", action="store_true",
+                   help="SHA-256 of every item as E computed it and as it entered PD's "
+                        "encoder cache, compared per row (costs time on both sides)")
     p.add_argument("--no-install", action="store_true",
                    help="do not pip-install Mooncake (peers.py install) when it is missing")
     p.add_argument("--keep-logs", action="store_true", help="keep the run directory")

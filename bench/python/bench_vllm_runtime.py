@@ -396,7 +396,7 @@ def empty_row(connector: str, row: str) -> dict:
             "ttft_ms": None, "tpot_ms": None, "req_per_s": None, "completed": None,
             "failed": None, "ec_load_ms_per_item": None, "ec_load_requests": None,
             "ec_load_not_loaded": None, "ec_load_after_alloc_ms": None,
-            "pd_encoder_iterations": None, "correct": None,
+            "pd_encoder_iterations": None, "item_digests": None, "correct": None,
             "total": None, "bench_texts_equal": None, "error": None}
 
 
@@ -446,6 +446,10 @@ def print_table(results: list[dict], w: dict) -> None:
               f"{step_text:>11} {_fmt(r['pd_encoder_iterations'], 'd'):>6} {correct:>8}")
         if r["error"]:
             print(f"    error: {r['error']}")
+        if r.get("item_digests"):
+            d = r["item_digests"]
+            print(f"    items as E computed them: {d['equal']} of {d['items']} equal, "
+                  f"{len(d['differ'])} differ, {d['not_saved']} not saved by E")
     print("EC load: first sight of the request on PD's scheduler -> its last item in vLLM's "
           "encoder cache, / items; in-step: per item, from the step that schedules it")
 

@@ -24,6 +24,10 @@ interleave):
   worker side     {"ev": "filled", "t", "items": [mm_hash, ...]} when `start_load_caches`
                   returned, with the items it put into vLLM's `encoder_cache` in that call
                   (its keys after the call minus before: a local encode never counts).
+                  With $ECX_BENCH_ITEM_DIGESTS=1 also the SHA-256 of each such item's
+                  bytes ("digests": {mm_hash: hex}, taken after "t"), and on the producer,
+                  {"ev": "saved", "item", "digest"} at every `save_caches`: what E computed.
+                  `item_digests` compares them, item by item.
 
 `ec_load_stats` joins them. The figure the bench reports (`from_sight`): for each request
 first seen in a time window, the time from its first sight to the first `filled` event
@@ -54,6 +58,7 @@ import threading
 import time
 
 ENV = "ECX_BENCH_TIMING_FILE"
+DIGESTS_ENV = "ECX_BENCH_ITEM_DIGESTS"
 
 # The connector classes this module can time: name -> (module, class).
 TARGETS = {
@@ -87,6 +92,15 @@ class _Log:
             pass  # timing must never break serving
 
 
+def _digest(tensor) -> str:
+    """SHA-256 of a tensor's bytes, as they are (dtype and order)."""
+    import hashlib
+
+    import torch
+    host = tensor.detach().to("cpu").contiguous()
+    return hashlib.sha256(host.view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
 def _items(request) -> list[str]:
     return [f.identifier for f in (getattr(request, "mm_features", None) or [])]
 
@@ -97,6 +111,7 @@ def timed(base: type) -> type:
     class Timed(base):  # type: ignore[misc, valid-type]
         def __init__(self, *args, **kwargs):
             self._ecx_log = _Log()
+            self._ecx_digests = os.environ.get(DIGESTS_ENV) == "1"
             self._ecx_seen: set[str] = set()  # requests already sighted
             self._ecx_seen_items: set[str] = set()
             super().__init__(*args, **kwargs)
@@ -141,7 +156,17 @@ def timed(base: type) -> type:
                 if encoder_cache is not None:
                     filled = [k for k in encoder_cache.keys() if k not in before]
                     if filled:
-                        self._ecx_log.emit(ev="filled", t=time.time(), items=filled)
+                        t = time.time()
+                        digests = {k: _digest(encoder_cache[k]) for k in filled} \
+                            if self._ecx_digests else None
+                        self._ecx_log.emit(ev="filled", t=t, items=filled, digests=digests)
+
+        def save_caches(self, encoder_cache, mm_hash, **kwargs):
+            out = super().save_caches(encoder_cache, mm_hash, **kwargs)
+            if self._ecx_digests and self.is_producer and mm_hash in encoder_cache:
+                self._ecx_log.emit(ev="saved", t=time.time(), item=mm_hash,
+                                   digest=_digest(encoder_cache[mm_hash]), consumer=False)
+            return out
 
     Timed.__name__ = Timed.__qualname__ = "Timed" + base.__name__
     Timed.__module__ = __name__
@@ -243,3 +268,19 @@ def ec_load_stats(events: list[dict], t_from: float = 0.0, t_to: float = float("
             per_item.append((t_fill - t_alloc) * 1000.0)
     return {"from_sight": _summary(per_request), "from_alloc": _summary(per_item),
             "requests": len(per_request), "items": items_total, "not_loaded": not_loaded}
+
+
+def item_digests(events: list[dict]) -> dict | None:
+    """Each item PD's connector put into vLLM's cache against what E computed for it:
+    {"items", "equal", "differ": [mm_hash, ...], "not_saved"}; None without digests."""
+    saved = {e["item"]: e["digest"] for e in events if e.get("ev") == "saved"}
+    filled: dict[str, str] = {}
+    for e in events:
+        if e.get("ev") == "filled" and e.get("digests"):
+            filled.update(e["digests"])
+    if not filled:
+        return None
+    differ = sorted(k for k, d in filled.items() if k in saved and saved[k] != d)
+    not_saved = sum(1 for k in filled if k not in saved)
+    return {"items": len(filled), "equal": len(filled) - len(differ) - not_saved,
+            "differ": differ, "not_saved": not_saved}

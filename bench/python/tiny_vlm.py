@@ -1,17 +1,28 @@
-"""A tiny multimodal model for tests and benchmarks, built offline and deterministically.
+"""Tiny multimodal models for tests and benchmarks, built offline and deterministically.
 
-    python bench/python/tiny_vlm.py OUT_DIR [--geometry tiny|seed] [--seed N]
+    python bench/python/tiny_vlm.py OUT_DIR [--family F] [--geometry tiny|seed] [--seed N]
 
-writes a random-init Qwen2-VL (transformers' Qwen2VLForConditionalGeneration built from a
-config: model code only, nothing from a hub) that `vllm serve OUT_DIR` loads: config.json,
-generation_config.json, model.safetensors (bf16), a byte-level BPE tokenizer trained here
-with the `tokenizers` library on the fixed text below (Qwen2-VL's special tokens and chat
-template), and the processor files (preprocessor_config.json, video_preprocessor_config.json,
-processor_config.json, chat_template.jinja).
+writes a random-init model of one architecture family (transformers' model class built
+from a config: model code only, nothing from a hub) that `vllm serve OUT_DIR` loads:
+config.json, generation_config.json, model.safetensors (bf16, in the layout the family's
+released checkpoints have), a byte-level BPE tokenizer trained here with the `tokenizers`
+library on the fixed text below (with the family's special tokens and a chat template in
+its style), and the processor files.
 
-Geometries (both: 2 LM layers, 2 vision blocks, patch 14, 2x2 merge):
-  tiny  hidden 256, vision width 64; every image is resized to about 112x112 pixels,
-        16 image tokens (a 112x112 image exactly: 8x8 patches, merged 2x2).
+Families (--family; tiny_vlm_families.py holds all but Qwen's VL ones):
+  qwen2-vl      Qwen2-VL (the default): 14 px patches, merged 2x2
+  qwen2.5-vl    Qwen2.5-VL: windowed vision attention
+  qwen3-vl      Qwen3-VL: 16 px patches, DeepStack (encoder items 3x the LM's width)
+  qwen3-vl-moe  Qwen3-VL-MoE: as Qwen3-VL with a mixture-of-experts language model
+  llava         LLaVA-1.5 (CLIP + MLP projector)
+  gemma3        Gemma 3 (SigLIP, pooled)
+  idefics3      Idefics3 (tiles with row/column tags)
+  qwen2-audio   Qwen2-Audio (a Whisper-style audio encoder)
+
+Geometries of the Qwen VL families (both: 2 LM layers, 2 vision blocks, 2x2 merge; the
+other families use the language model of the geometry and a tower of their own):
+  tiny  hidden 256, vision width 64; every image is resized to about 112x112 pixels
+        (128 for Qwen3-VL), 16 image tokens.
   seed  hidden 2048, vision width 128; every image is resized to about 560x560 pixels,
         400 image tokens, so an encoder-cache item is 400 x 2048 bf16 = 1600 KiB.
 The processor's min_pixels = max_pixels (the "shortest_edge" / "longest_edge" of its size),
@@ -33,7 +44,7 @@ import sys
 
 # The model families (each a tiny random member of an architecture vLLM serves):
 QWEN_FAMILIES = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe")
-FAMILIES = QWEN_FAMILIES + ("llava", "gemma3", "idefics3")
+FAMILIES = QWEN_FAMILIES + ("llava", "gemma3", "idefics3", "qwen2-audio")
 
 GEOMETRIES = {
     "tiny": dict(

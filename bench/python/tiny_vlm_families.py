@@ -44,6 +44,20 @@ IDEFICS3_TEMPLATE = (
     "<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
 )
 
+QWEN2_AUDIO_TEMPLATE = (
+    "{% set audio_count = namespace(value=0) %}{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
+    "{{ message['content'] }}<|im_end|>\n{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'audio' or 'audio_url' in content %}"
+    "{% set audio_count.value = audio_count.value + 1 %}"
+    "Audio {{ audio_count.value }}: <|audio_bos|><|AUDIO|><|audio_eos|>\n"
+    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}{% endfor %}"
+    "<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}"
+    "<|im_start|>assistant\n{% endif %}"
+)
+
 VISION = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2)
 IMAGE_SIDE = 112
 PATCH = 14
@@ -66,6 +80,18 @@ def vision_model_as_released(tensors: dict) -> dict:
             name = "vision_tower.vision_model." + name[len("vision_tower."):]
         out[name] = tensor
     return out
+
+
+def language_model_as_released(tensors: dict) -> dict:
+    """The language model under language_model.model. (one level, as Qwen2-Audio's
+    release has it); transformers stores it one level deeper."""
+    prefix = "language_model.model.model."
+    return {("language_model.model." + n[len(prefix):] if n.startswith(prefix) else n): t
+            for n, t in tensors.items()}
+
+
+AS_RELEASED = {"llava": vision_model_as_released, "gemma3": vision_model_as_released,
+               "qwen2-audio": language_model_as_released}
 
 
 def _vocab(tokenizer) -> int:
@@ -157,7 +183,37 @@ def _idefics3(g: dict):
     return config, tf.Idefics3ForConditionalGeneration, tok, processor, image, ids
 
 
-BUILDERS = {"llava": _llava, "gemma3": _gemma3, "idefics3": _idefics3}
+def _qwen2_audio(g: dict):
+    import transformers as tf
+
+    named = {"audio_token": "<|AUDIO|>", "audio_bos_token": "<|audio_bos|>",
+             "audio_eos_token": "<|audio_eos|>"}
+    tok = train_tokenizer(["<|endoftext|>", "<|im_start|>", "<|im_end|>", *named.values()],
+                          eos="<|im_end|>", pad="<|endoftext|>",
+                          chat_template=QWEN2_AUDIO_TEMPLATE, named=named)
+    ids = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    text = dict(model_type="qwen2", vocab_size=_vocab(tok), hidden_size=g["hidden_size"],
+                intermediate_size=g["intermediate_size"], num_hidden_layers=g["num_layers"],
+                num_attention_heads=g["num_heads"], num_key_value_heads=g["num_kv_heads"],
+                max_position_embeddings=g["max_position_embeddings"], rms_norm_eps=1e-6,
+                tie_word_embeddings=False, dtype="bfloat16", **ids)
+    # A Whisper-style encoder: 128 mel bins, 30 s windows (3000 frames, 1500 positions),
+    # pooled 2x: 25 tokens per second of audio.
+    config = tf.Qwen2AudioConfig(
+        audio_config=dict(d_model=64, encoder_layers=2, encoder_attention_heads=2,
+                          encoder_ffn_dim=128, num_mel_bins=128, max_source_positions=1500),
+        text_config=text, audio_token_index=tok.convert_tokens_to_ids(named["audio_token"]),
+        **ids)
+    features = tf.WhisperFeatureExtractor(feature_size=128, sampling_rate=16000,
+                                          hop_length=160, chunk_length=30, n_fft=400,
+                                          return_attention_mask=True)
+    processor = tf.Qwen2AudioProcessor(feature_extractor=features, tokenizer=tok,
+                                       chat_template=QWEN2_AUDIO_TEMPLATE)
+    return config, tf.Qwen2AudioForConditionalGeneration, tok, processor, features, ids
+
+
+BUILDERS = {"llava": _llava, "gemma3": _gemma3, "idefics3": _idefics3,
+            "qwen2-audio": _qwen2_audio}
 
 
 def build(out_dir: str, geometry: str, seed: int, family: str) -> str:
@@ -165,8 +221,7 @@ def build(out_dir: str, geometry: str, seed: int, family: str) -> str:
 
     config, model_class, tokenizer, processor, image, ids = BUILDERS[family](GEOMETRIES[geometry])
     config.architectures = [model_class.__name__]
-    save_model(model_class, config, seed, out_dir,
-               as_released=vision_model_as_released if family != "idefics3" else None)
+    save_model(model_class, config, seed, out_dir, as_released=AS_RELEASED.get(family))
     GenerationConfig(do_sample=False, **ids).save_pretrained(out_dir)
     processor.save_pretrained(out_dir)
     image.save_pretrained(out_dir)

@@ -173,3 +173,15 @@ def test_fixed_requests_are_deterministic_greedy_and_sized():
     assert videos[0]["messages"][0]["content"][0]["video_url"]["url"].startswith(
         "data:video/mp4;base64,")
     assert rt.mm_limits({**w, "frames": 4}) == {"image": 0, "video": 3}
+
+
+def test_item_digests_compare_what_e_computed_with_what_pd_cached():
+    events = [
+        {"ev": "saved", "item": "a", "digest": "1", "consumer": False},
+        {"ev": "saved", "item": "b", "digest": "2", "consumer": False},
+        {"ev": "filled", "t": 1.0, "items": ["a", "b"], "digests": {"a": "1", "b": "x"}},
+        {"ev": "filled", "t": 2.0, "items": ["c"], "digests": {"c": "3"}},
+    ]
+    assert timing.item_digests(events) == {"items": 3, "equal": 1, "differ": ["b"],
+                                           "not_saved": 1}
+    assert timing.item_digests([{"ev": "filled", "t": 1.0, "items": ["a"]}]) is None

@@ -36,23 +36,31 @@ from vllm_engines import (
     serve_argv,
     vllm_env,
     wait_until,
+    wav,
 )
 
 BENCH_PY = Path(__file__).resolve().parents[2] / "bench" / "python"
 # The tiny Qwen2-VL runs in test_vllm_engine.py and test_vllm_layouts.py.
 # ECX_TEST_FAMILIES=a,b: only those (while working on one).
 FAMILIES = [f for f in os.environ.get("ECX_TEST_FAMILIES", "").split(",") if f] or [
-    "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe", "llava", "gemma3", "idefics3"]
-# Families that take video too: a video is one item, all its frames' tokens.
+    "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe", "llava", "gemma3", "idefics3", "qwen2-audio"]
+# Families that take video too: a video is one item, all its frames' tokens. Audio
+# families take audio only.
 VIDEO_FAMILIES = {"qwen3-vl"}
-MEDIA = [png(seed) for seed in range(101, 106)] + [mp4(107), mp4(108, frames=24)]
+AUDIO_FAMILIES = {"qwen2-audio"}
+MEDIA = [png(seed) for seed in range(101, 106)] + [mp4(107), mp4(108, frames=24)] + [
+    wav(109), wav(110, seconds=5.0)]
 IMAGE_REQUESTS = [([0], "What is in the picture?"), ([1, 2], "Compare the two images."),
                   ([3, 4, 3], "Three images, one of them twice.")]
 VIDEO_REQUESTS = [([5], "What happens in the video?"), ([6, 0], "A video and an image.")]
+AUDIO_REQUESTS = [([7], "What is said?"), ([8, 7], "Two clips, then the first again."),
+                  ([8], "The longer clip.")]
 MAX_TOKENS = 8
 
 
 def requests_of(family: str) -> list[tuple[list[int], str]]:
+    if family in AUDIO_FAMILIES:
+        return AUDIO_REQUESTS
     return IMAGE_REQUESTS + (VIDEO_REQUESTS if family in VIDEO_FAMILIES else [])
 
 
@@ -139,7 +147,7 @@ def test_the_pd_loads_every_item_and_answers_as_a_single_instance(pair):
 
 def test_params_of_another_shape_fail_the_request_naming_the_item(pair):
     family, e, pd = pair
-    image = png(4242)
+    image = wav(4242) if family in AUDIO_FAMILIES else png(4242)
     params = encode_on(e, [image])
     (name, entry), = params.items()
     rows, width = entry["shape"]

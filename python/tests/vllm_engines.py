@@ -275,9 +275,26 @@ def mp4(seed: int, frames: int = 16, side: int = 112, fps: float = 2.0) -> str:
             return "data:video/mp4;base64," + base64.b64encode(f.read()).decode()
 
 
+def wav(seed: int, seconds: float = 2.0, rate: int = 16000) -> str:
+    """Deterministic noise as a 16-bit mono WAV data URL (at the rate Whisper-style audio
+    encoders take, so vLLM does not resample it)."""
+    import wave
+
+    import numpy as np
+    samples = np.random.default_rng(seed).integers(-8000, 8000, size=int(seconds * rate),
+                                                   dtype=np.int16)
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(samples.tobytes())
+    return "data:audio/wav;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
 def media_part(url: str) -> dict:
-    """An OpenAI content part for a data URL: video_url for a video, else image_url."""
-    kind = "video_url" if url.startswith("data:video/") else "image_url"
+    """An OpenAI content part for a data URL: video_url, audio_url or image_url."""
+    kind = {"data:video/": "video_url", "data:audio/": "audio_url"}.get(url[:11], "image_url")
     return {"type": kind, kind: {"url": url}}
 
 

@@ -187,32 +187,32 @@ class ConsumerScheduler:
         except (ecx.Error, KeyError, TypeError, ValueError) as e:
             return ("malformed_params", f"ec_transfer_params unreadable: {e}", None)
         item = (ecx_key(name), dtype, shape, params)
-        expected = self._expected(feature)
-        if isinstance(expected, str):
-            return "shape", expected, item
+        expected, unknown = self._expected(feature)
+        if expected is None:
+            return "shape", unknown, item
         if [dtype, shape] != expected:
             return ("shape", f"ec_transfer_params describe {dtype}{shape}, but this model's "
                     f"{feature.modality} encoder gives {expected[0]}{expected[1]} for the item",
                     item)
         return None, None, item
 
-    def _expected(self, feature):
-        """[dtype, shape] of what this model's encoder puts in vLLM's cache for the item
-        (its tokens by vLLM's placeholders, its width and dtype as measured at start), or
-        why that is not known."""
+    def _expected(self, feature) -> tuple[list | None, str | None]:
+        """([dtype, shape], None): what this model's encoder puts in vLLM's cache for the
+        item (its tokens by vLLM's placeholders, its width and dtype as measured at start);
+        (None, why) when that is not known."""
         if self._outputs is None:
             try:
                 self._outputs = outputs.lookup(self._config.name, self._instance_id,
                                                self._rendezvous)
             except ValueError as e:
-                return f"this PD's encoder outputs are not known ({e})"
+                return None, f"this PD's encoder outputs are not known ({e})"
         output = self._outputs.get(feature.modality)
         if output is None:
-            return (f"this model's encoder takes no {feature.modality} items (it takes "
-                    f"{', '.join(sorted(self._outputs)) or 'none'})")
+            return None, (f"this model's encoder takes no {feature.modality} items (it "
+                          f"takes {', '.join(sorted(self._outputs)) or 'none'})")
         pos = feature.mm_position
         tokens = pos.get_num_embeds() if hasattr(pos, "get_num_embeds") else pos.length
-        return [output.dtype, [tokens, output.width]]
+        return [output.dtype, [tokens, output.width]], None
 
     def _release_unused(self, rid: str, entries: dict, used: set[str], release: list) -> None:
         """Params that match no item of the request are counted and logged; their pins at

@@ -96,6 +96,8 @@ class Connector final : public EcConnector {
   Status producer_only(const char* what) const;
   void on_notification(const transfer::Notification& n);
   void run_load(const std::shared_ptr<RequestState>& state);
+  // When a load of `state`, started now, gives up.
+  Deadline load_deadline(const RequestState& state) const;
   void plan(LoadJob& job);
   bool take_local_hit(LoadJob& job, FetchSlot& slot);
   // A block of the consumer cache for `slot` to be fetched into (or another load's entry).

@@ -172,14 +172,18 @@ Result<std::pair<cache::Pin, bool>> Connector::reserve_or_join(const LoadItem& i
   }
 }
 
+Deadline Connector::load_deadline(const RequestState& state) const {
+  // The earlier of the connector's load timeout and the request's own deadline.
+  Deadline deadline = Deadline::after_ms(core_.options().load_timeout_ms);
+  if (state.request.deadline) deadline = Deadline::earliest(deadline, *state.request.deadline);
+  return deadline;
+}
+
 void Connector::run_load(const std::shared_ptr<RequestState>& state) {
   const auto start = Clock::now();
   LoadJob job{.state = state,
-              // The earlier of the connector's load timeout and the request's own deadline.
-              .deadline = Deadline::after_ms(core_.options().load_timeout_ms),
+              .deadline = load_deadline(*state),
               .holder = "request:" + state->request.request_id};
-  if (state->request.deadline)
-    job.deadline = Deadline::earliest(job.deadline, *state->request.deadline);
   plan(job);
   if (!job.to_view.empty()) view_or_reserve(job);
   if (!job.to_fetch.empty()) fetch_guarded(job.to_fetch, job.deadline);
@@ -442,9 +446,11 @@ LoadOutcome Connector::wait_for_load(const std::string& request_id, Deadline dea
   }
   auto state = it->second;
   // Not picked up by a loader yet: run it on this thread instead of waiting for one
-  // (saves two thread hand-offs on the critical path).
+  // (saves two thread hand-offs on the critical path), when this caller waits for the
+  // whole load anyway. A shorter wait (vLLM's scheduler looking in for a moment) only
+  // waits: run here, the load would hold it for as long as the load may take.
   auto queued = std::find(queue_.begin(), queue_.end(), state);
-  if (queued != queue_.end()) {
+  if (queued != queue_.end() && deadline.time_point() >= load_deadline(*state).time_point()) {
     queue_.erase(queued);
     lock.unlock();
     run_load(state);

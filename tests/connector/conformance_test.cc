@@ -359,6 +359,43 @@ TEST_P(ConformanceTest, StalledProducerMeetsTheDeadline) {
   EXPECT_LT(Clock::now() - start, std::chrono::seconds(20));  // bounded, not a hang
 }
 
+// A wait shorter than the load it waits for (vLLM's scheduler looking in for a moment)
+// ends by its own deadline: a load no loader has taken yet is left to one, not run on the
+// waiting thread, which a stalled producer would then hold for the whole load.
+TEST_P(ConformanceTest, AShortWaitForAQueuedLoadEndsByItsOwnDeadline) {
+  if (!GetParam().p2p()) GTEST_SKIP() << "only p2p talks to the producer process";
+  start_producer();
+  std::vector<LoadRequest> requests;
+  for (const char* tag : {"a", "b"}) {
+    auto p = save(tag, 1);
+    p.region = 0;  // force a control request to the producer
+    p.sign("");
+    LoadRequest r;
+    r.request_id = std::string("r-") + tag;
+    r.items.push_back({p.mm_hash, p.meta, p});
+    requests.push_back(r);
+  }
+  ASSERT_TRUE(producer_->process().kill(SIGSTOP).ok());
+  make_consumer({{"failure_policy", "fail"}, {"loader_threads", 1}});  // load_timeout 20 s
+  // The first load takes the only loader (and waits on the stalled producer); the
+  // second is queued behind it.
+  for (const auto& r : requests) {
+    ASSERT_TRUE(consumer_->update_state_after_alloc(r, 0).ok());
+    ASSERT_TRUE(consumer_->start_load_caches(consumer_->build_connector_meta()).ok());
+  }
+  auto start = Clock::now();
+  auto out = consumer_->wait_for_load("r-b", Deadline::after_ms(200));
+  auto waited = Clock::now() - start;
+  ASSERT_TRUE(producer_->process().kill(SIGCONT).ok());
+  EXPECT_EQ(out.status.code(), StatusCode::kDeadlineExceeded) << out.status.to_string();
+  EXPECT_TRUE(out.items.empty()) << "still running: no outcome yet";
+  EXPECT_LT(waited, std::chrono::seconds(10)) << "the wait ran the 20 s load itself";
+  // Both loads still end, on the loader.
+  for (const auto& r : requests) {
+    EXPECT_EQ(consumer_->wait_for_load(r.request_id, Deadline::after_ms(60000)).items.size(), 1u);
+  }
+}
+
 TEST_P(ConformanceTest, CorruptOrOutOfRangeParamsAreRejected) {
   if (!GetParam().transfers()) GTEST_SKIP() << "local ignores params";
   start_producer();

@@ -24,8 +24,9 @@ they talk through vLLM's step metadata and through their ecx agents:
                            dtype, for the scheduler's checks (a model whose output ECX
                            cannot carry stops vLLM's start)
   consumer (PD) scheduler  ensure_cache_available: checks each item (name, signature,
-                           shape: the measured width, the tokens vLLM placed) and starts one batched READ per encoder into its own
-                           cache; the request waits until the load ended
+                           shape: the measured width, the tokens vLLM placed) and starts
+                           one batched READ per encoder into its own cache; the request
+                           waits until the load ended
                            has_cache_item / update_state_after_alloc / build_connector_meta:
                            the loaded items a step uses, shared with the workers
                            take_unavailable_requests: failed requests (policy "fail")
@@ -66,7 +67,7 @@ from ._common import (
 )
 from ._consumer import ConsumerScheduler, ConsumerWorker, WorkerLoad
 from ._metrics import Counters, ECXConnectorStats, ECXPromMetrics, Exporter, merge_stats
-from ._outputs import measure_and_publish
+from ._outputs import measure_and_publish, withdraw_outputs
 from ._producer import ProducerScheduler, ProducerWorker
 
 
@@ -120,6 +121,8 @@ class ECXConnector(ECConnectorBase):
         self._producer_worker: ProducerWorker | None = None
         self._consumer_worker: ConsumerWorker | None = None
         self._model_dtype = vllm_config.model_config.dtype
+        self._rank = 0  # a worker's tensor-parallel rank
+        self._outputs_published = False  # worker 0: its encoder's measure is in the rendezvous
         if names_items_by_counter(vllm_config):
             logger.warning(
                 "ECXConnector: with --mm-processor-cache-gb 0 and prefix caching off, vLLM "
@@ -164,7 +167,8 @@ class ECXConnector(ECConnectorBase):
         vLLM's cache, measured per modality for the scheduler's checks (_outputs.py). A
         model whose outputs ECX cannot carry stops vLLM's start here, naming the model."""
         c = self._config
-        measure_and_publish(c.name, self._rank, Rendezvous(c.rendezvous_dir))
+        self._outputs_published = measure_and_publish(c.name, self._rank,
+                                                      Rendezvous(c.rendezvous_dir))
 
     def _export(self, process: str, offset: int) -> None:
         if self._config.metrics_port is not None:
@@ -178,6 +182,9 @@ class ECXConnector(ECConnectorBase):
             self._exporter = None
         if self._producer_worker is not None:
             self._producer_worker.close()
+        if self._outputs_published:
+            withdraw_outputs(self._config.name, Rendezvous(self._config.rendezvous_dir))
+            self._outputs_published = False
         self._conn = None  # ecx stops its threads and agent once nothing holds it (in-place
         # entries vLLM still keeps hold it, and their pins, until vLLM frees them)
 

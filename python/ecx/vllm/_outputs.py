@@ -9,8 +9,8 @@ worker encodes one dummy item per modality right after vLLM loaded the model (vL
 start-up measure for EC producers does the same, before the KV cache takes the memory) and
 records each modality's dtype and width. A model whose output ECX cannot carry is refused
 there, at start, naming the model. Worker 0 leaves the figures in the instance's
-rendezvous folder; the scheduler (another process, in general) reads them when it starts
-and checks each item's params against them."""
+rendezvous folder (and takes them away at shutdown); the scheduler (another process, in
+general) reads them on its first check and checks each item's params against them."""
 from __future__ import annotations
 
 import sys
@@ -103,9 +103,10 @@ def measure(worker) -> dict[str, EncoderOutput]:
     return found
 
 
-def measure_and_publish(instance: str, rank: int, rendezvous: Rendezvous) -> None:
+def measure_and_publish(instance: str, rank: int, rendezvous: Rendezvous) -> bool:
     """At a worker's start, after vLLM loaded the model: measures, refuses what ECX cannot
-    carry (ValueError: vLLM does not start), and (rank 0) publishes for the scheduler."""
+    carry (ValueError: vLLM does not start), and (rank 0) publishes for the scheduler;
+    whether it published."""
     worker = _calling_worker()
     if worker is None:
         raise ValueError("ECXConnector: start_worker_services was not called by a vLLM "
@@ -114,10 +115,16 @@ def measure_and_publish(instance: str, rank: int, rendezvous: Rendezvous) -> Non
     found = measure(worker)
     logger.info("ECXConnector: %s's encoder outputs: %s", worker.vllm_config.model_config.model,
                 {m: f"{o.dtype}[tokens, {o.width}]" for m, o in found.items()} or "none")
-    if rank == 0:
-        rendezvous.publish_document(
-            _document_name(instance), {"instance_id": worker.vllm_config.instance_id,
-                                       "outputs": {m: o.to_json() for m, o in found.items()}})
+    if rank != 0:
+        return False
+    rendezvous.publish_document(
+        _document_name(instance), {"instance_id": worker.vllm_config.instance_id,
+                                   "outputs": {m: o.to_json() for m, o in found.items()}})
+    return True
+
+
+def withdraw_outputs(instance: str, rendezvous: Rendezvous) -> None:
+    rendezvous.withdraw(_document_name(instance))
 
 
 def lookup(instance: str, instance_id: str, rendezvous: Rendezvous) -> dict[str, EncoderOutput]:

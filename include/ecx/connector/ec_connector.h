@@ -206,6 +206,9 @@ class EcConnector {
 
   // ---- consumer, worker side ----
   virtual Status start_load_caches(const ConnectorMetadata& metadata) = 0;
+  // The outcome of request_id's load, once it ended; by `deadline` at the latest (then
+  // kDeadlineExceeded and no items: the load goes on). Returns by `deadline` whatever the
+  // load does.
   virtual LoadOutcome wait_for_load(const std::string& request_id, Deadline deadline) = 0;
   virtual std::vector<std::string> get_finished() = 0;
   // With zero_copy, an item read where it lies is a read-only view of its producer's

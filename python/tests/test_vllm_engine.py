@@ -29,6 +29,7 @@ from vllm_engines import (
     free_ports,
     metric,
     post,
+    running,
     serve_argv,
     vllm_env,
     wait_until,
@@ -72,19 +73,11 @@ def engines(tiny_model, deployment_secret, reference, tmp_path_factory):
                                                            "metrics_port": zc_metrics})),
                    vllm_env(VLLM_SERVER_DEV_MODE="1"), zc_port, logs / "pd-zc.log",
                    metrics_port=zc_metrics)
-    started = [e, pd, pd_zc]
-    try:
-        for engine in started:
-            engine.start()
-        for engine in started:
-            engine.wait_ready()
+    with running(e, pd, pd_zc):
         # Nothing else starts while the tests run: four instances share two cores here.
         reference.engine.wait_ready()
         warm_up(e, pd, png(424242))
         yield e, pd, pd_zc
-    finally:
-        for engine in started:
-            engine.stop()
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ from vllm_engines import (
     free_ports,
     metric,
     post,
+    running,
     serve_argv,
     vllm_env,
     png,
@@ -47,17 +48,9 @@ def epd_fail(tiny_model, deployment_secret, reference, tmp_path_factory):
                                      "ec_consumer", {**common, "failure_policy": "fail",
                                                      "metrics_port": pd_metrics})),
                 env, pd_port, logs / "pd.log", metrics_port=pd_metrics)
-    engines = [e, pd]
-    try:
-        for engine in engines:
-            engine.start()
-        for engine in engines:
-            engine.wait_ready()
+    with running(e, pd):
         reference.engine.wait_ready()
         yield e, pd
-    finally:
-        for engine in engines:
-            engine.stop()
 
 
 def pd_request(pd: Engine, index: int, params: dict) -> tuple[int, dict]:

@@ -33,6 +33,7 @@ from vllm_engines import (
     mp4,
     png,
     post,
+    running,
     serve_argv,
     vllm_env,
     wait_until,
@@ -91,16 +92,8 @@ def pair(request, deployment_secret, tmp_path_factory):
         ec_config("ec_consumer", {**common, "failure_policy": "fail",
                                   "metrics_port": pd_metrics})),
         vllm_env(VLLM_SERVER_DEV_MODE="1"), pd_port, logs / "pd.log", metrics_port=pd_metrics)
-    engines = [e, pd]
-    try:
-        for engine in engines:
-            engine.start()
-        for engine in engines:
-            engine.wait_ready()
+    with running(e, pd):
         yield family, e, pd
-    finally:
-        for engine in engines:
-            engine.stop()
 
 
 def reset_caches(pd: Engine) -> None:

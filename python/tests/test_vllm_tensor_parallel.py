@@ -29,6 +29,7 @@ from vllm_engines import (
     metric,
     post,
     png,
+    running,
     serve_argv,
     vllm_env,
     wait_until,
@@ -60,17 +61,9 @@ def epd_tp(tiny_model, deployment_secret, tmp_path_factory):
     ref_port = free_port()
     reference = Engine("reference", serve_argv(tiny_model, ref_port, *FLOAT32), vllm_env(),
                        ref_port, logs / "reference.log")
-    engines = [e, pd, reference]
-    try:
-        for engine in engines:
-            engine.start()
-        for engine in engines:
-            engine.wait_ready()
+    with running(e, pd, reference):
         warm_up(e, pd, png(454545))
         yield e, pd, reference
-    finally:
-        for engine in engines:
-            engine.stop()
 
 
 def exported(text: str, name: str) -> float:

@@ -6,6 +6,7 @@ The model is the tiny Qwen2-VL that `python bench/python/tiny_vlm.py` builds off
 from __future__ import annotations
 
 import base64
+import contextlib
 import ctypes
 import io
 import json
@@ -214,6 +215,22 @@ class Engine:
         """ECXConnector's exporter of worker `rank` (metrics_port + 1 + rank)."""
         assert self.metrics_port is not None
         return self.metrics(self.metrics_port + 1 + rank)
+
+
+@contextlib.contextmanager
+def running(*engines: Engine):
+    """The engines, started side by side (an engine's start is three processes importing
+    torch: together they keep both cores busy) and each answering; stopped at the end,
+    however it ends."""
+    try:
+        for engine in engines:
+            engine.start()
+        for engine in engines:
+            engine.wait_ready()
+        yield engines
+    finally:
+        for engine in engines:
+            engine.stop()
 
 
 def metric(text: str, name: str, **labels: str) -> float:

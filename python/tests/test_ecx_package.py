@@ -256,7 +256,7 @@ def test_vllms_encoder_cache_holds_zero_copy_items_in_place_until_it_frees_them(
     shape = [400, 2048]
     loads = saved_items(command, "inplace", shape, count=2, first_seed=40)
     cache: dict[str, torch.Tensor] = {}
-    worker.load(loads, cache, torch.device("cpu"), torch.bfloat16)
+    worker.load(loads, cache, torch.device("cpu"))
     expected = [torch.from_numpy(payload(40 + i, shape[0] * shape[1] * 2)) for i in range(2)]
     for i in range(2):
         got = cache[f"image-{i}"]
@@ -317,7 +317,7 @@ def test_a_worker_step_cut_short_keeps_only_the_pins_of_the_entry_it_made(produc
     loads = saved_items(command, "cutshort", shape, count=3, first_seed=60)
     cache = _CacheFullAfterOne()
     with pytest.raises(RuntimeError, match="encoder cache full"):
-        worker.load(loads, cache, torch.device("cpu"), torch.bfloat16)
+        worker.load(loads, cache, torch.device("cpu"))
     assert list(cache) == ["image-0"]
     assert settled(lambda: conn.stats()["views_held"], 1) == 1
     # Item 0's view pin and params pin at E; items 1 and 2 gave theirs back.
@@ -349,8 +349,7 @@ def test_an_in_place_item_whose_block_e_reused_leaves_vllms_encoder_cache(produc
     assert "error" not in json.loads(params), params
     cache: dict[str, torch.Tensor] = {}
     worker.load([WorkerLoad(request_id="r", identifier="image", key=key, dtype="BF16",
-                            shape=shape, params=[params])], cache, torch.device("cpu"),
-                torch.bfloat16)
+                            shape=shape, params=[params])], cache, torch.device("cpu"))
     assert counters.take()["worker_items_in_place"] == 1
     worker.check_in_place(cache)
     assert "image" in cache  # intact: held, its header the item's

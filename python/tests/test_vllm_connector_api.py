@@ -6,7 +6,7 @@ this file there too); the engine tests run the connector inside `vllm serve`."""
 import os
 
 import pytest
-from vllm_support import connector
+from vllm_support import connector, vllm_config
 
 import ecx
 from ecx.vllm import ECXConnector, ECXConnectorMetadata
@@ -118,3 +118,72 @@ def test_encoder_outputs_left_by_another_start_are_not_used(tmp_path):
     assert "not those of this start" in str(err.value)
     with pytest.raises(ValueError):
         lookup("pd-2", "start-1", rendezvous)
+
+
+def test_items_are_checked_against_the_encoders_measure_not_the_lms_width(tmp_path):
+    """PD's scheduler takes an item of the width this model's encoder gave at start (here
+    768, three times the language model's 256, as Qwen3-VL's DeepStack does), with the
+    tokens vLLM placed for it, and refuses any other width, a modality the encoder does not
+    take, or a measure left by another start."""
+    import json
+    from types import SimpleNamespace
+
+    import numpy as np
+    from vllm.multimodal.inputs import PlaceholderRange
+
+    from ecx.vllm._common import Rendezvous, instance_config
+    from ecx.vllm._consumer import ConsumerScheduler
+    from ecx.vllm._metrics import Counters
+
+    extra = {"engine_id": f"pd-chk-{os.getpid()}", "rendezvous_dir": str(tmp_path),
+             "pool_bytes": "8MiB"}
+    config = vllm_config("ec_consumer", extra)
+    config.instance_id = "start-1"
+    c = instance_config(config)
+    rendezvous = Rendezvous(str(tmp_path))
+    rendezvous.publish_document(f"{c.name}/encoder-outputs", {
+        "instance_id": "start-1", "outputs": {"image": {"dtype": "BF16", "width": 768}}})
+    producer = ecx.Connector(json.dumps({"connector": "p2p", "role": "producer", "extra": {
+        "engine_id": f"e-chk-{os.getpid()}", "pool_bytes": "8MiB"}}))
+    conn = ecx.Connector(c.ecx_config("consumer", f"{c.name}-sched"))
+    scheduler = ConsumerScheduler(c, conn, Counters(), config, rendezvous)
+
+    def check(width, modality="image", tokens=16):
+        key = f"item-{width}-{modality}"
+        entry = json.loads(producer.save(key, "BF16", [16, width],
+                                         np.zeros(16 * width * 2, dtype=np.uint8)))
+        feature = SimpleNamespace(identifier=key, modality=modality,
+                                  mm_position=PlaceholderRange(offset=0, length=tokens))
+        cause, why, _ = scheduler._check(key, entry, feature)
+        return cause, why
+
+    assert check(768) == (None, None)
+    cause, why = check(256)
+    assert cause == "shape" and "gives BF16[16, 768]" in why, why
+    cause, why = check(768, tokens=20)
+    assert cause == "shape" and "BF16[20, 768]" in why, why
+    cause, why = check(768, modality="audio")
+    assert cause == "shape" and "takes no audio items" in why, why
+    # Another start's measure is not taken.
+    config.instance_id = "start-2"
+    other = ConsumerScheduler(c, conn, Counters(), config, rendezvous)
+    entry = json.loads(producer.save("item-x", "BF16", [16, 768],
+                                     np.zeros(16 * 768 * 2, dtype=np.uint8)))
+    feature = SimpleNamespace(identifier="item-x", modality="image",
+                              mm_position=PlaceholderRange(offset=0, length=16))
+    cause, why, _ = other._check("item-x", entry, feature)
+    assert cause == "shape" and "not known" in why, why
+
+
+def test_a_worker_takes_away_only_its_own_starts_measure(tmp_path):
+    from ecx.vllm._common import Rendezvous
+    from ecx.vllm._outputs import lookup, withdraw_outputs
+
+    rendezvous = Rendezvous(str(tmp_path))
+    doc = {"instance_id": "new-start", "outputs": {}}
+    rendezvous.publish_document("pd-r/encoder-outputs", doc)
+    withdraw_outputs("pd-r", "old-start", rendezvous)  # an older start of the same name ends
+    assert lookup("pd-r", "new-start", rendezvous) == {}
+    withdraw_outputs("pd-r", "new-start", rendezvous)
+    with pytest.raises(ValueError):
+        lookup("pd-r", "new-start", rendezvous)

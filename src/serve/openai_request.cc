@@ -1,5 +1,6 @@
 #include "serve/openai_request.h"
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <limits>
@@ -41,16 +42,20 @@ RequestError bad(const std::string& message, int status = 400) {
 
 RequestError bad(const Status& s) { return bad(s.message()); }
 
-// A content part that carries a media item by URL: its type, its kind, and the media
-// type its data: URLs must have.
+// A content part that carries a media item by URL: its type, its kind, the media type its
+// data: URLs must have, and the key that holds its URL.
 struct MediaPart {
   std::string_view type;
   ContentPart::Kind kind;
   std::string_view media_type;
+  std::string_view key;
 };
-constexpr MediaPart kMediaParts[] = {{"image_url", ContentPart::kImage, "image"},
-                                     {"video_url", ContentPart::kVideo, "video"},
-                                     {"audio_url", ContentPart::kAudio, "audio"}};
+constexpr MediaPart kMediaParts[] = {{"image_url", ContentPart::kImage, "image", "image_url"},
+                                     {"input_image", ContentPart::kImage, "image", "image_url"},
+                                     {"video_url", ContentPart::kVideo, "video", "video_url"},
+                                     {"audio_url", ContentPart::kAudio, "audio", "audio_url"}};
+// vLLM's text parts besides "text" (a proxy in front of vLLM forwards them rebuilt).
+constexpr std::string_view kVllmTextParts[] = {"input_text", "output_text", "refusal"};
 
 const MediaPart* media_part(std::string_view type) {
   for (const auto& m : kMediaParts) {
@@ -139,39 +144,58 @@ std::optional<RequestError> read_input_audio(const JsonReader& part,
   return check_size("input_audio", bytes->size(), config);
 }
 
+// A text part: "text", or under kVllm one of vLLM's other text parts.
+std::optional<RequestError> read_text_part(const JsonReader& part, std::string type,
+                                           ChatMessage* msg) {
+  ContentPart p;
+  p.type = std::move(type);
+  const std::string key(p.text_key());
+  auto text = part.string(key, Presence::kRequired, kAnyLength);
+  if (!text.ok()) return bad(p.type + " part needs a string '" + key + "'");
+  p.text = std::move(*text);
+  msg->parts.push_back(std::move(p));
+  return std::nullopt;
+}
+
+bool is_vllm_text_part(std::string_view type) {
+  return std::find(std::begin(kVllmTextParts), std::end(kVllmTextParts), type) !=
+         std::end(kVllmTextParts);
+}
+
 std::optional<RequestError> read_content_part(const JsonReader& part,
                                               const CommonServiceConfig& config, PartPolicy policy,
                                               ChatMessage* msg) {
   if (!part.object().ok()) return bad("every content part needs a string 'type'");
   auto type = part.string("type", Presence::kRequired, kAnyLength);
   if (!type.ok()) return bad("every content part needs a string 'type'");
-  if (*type == "text") {
-    auto text = part.string("text", Presence::kRequired, kAnyLength);
-    if (!text.ok()) return bad("text part needs a string 'text'");
-    msg->parts.push_back({ContentPart::kText, std::move(*text), ""});
-    return std::nullopt;
+  const bool vllm = policy == PartPolicy::kVllm;
+  if (*type == "text" || (vllm && is_vllm_text_part(*type))) {
+    return read_text_part(part, std::move(*type), msg);
   }
   const MediaPart* media = media_part(*type);
   const bool audio = *type == "input_audio";
-  const bool vllm = policy == PartPolicy::kVllm;
-  if (!vllm && (audio || (media != nullptr && media->kind != ContentPart::kImage))) {
+  if (!vllm && (audio || (media != nullptr && media->type != "image_url"))) {
     return bad("content part '" + *type +
                "': ecx's reference engine encodes images only; video and audio go to vLLM "
                "encoders and PDs (the proxy's --upstream-api vllm)");
   }
   if (media == nullptr && !audio) {
-    if (vllm) {  // a part vLLM takes (or refuses): the PD reads it
-      msg->parts.push_back({ContentPart::kOther, "", ""});
-      return std::nullopt;
+    if (vllm && type->find("embeds") != std::string::npos) {
+      return bad("content part '" + type->substr(0, 50) +
+                 "' is not forwarded: a client does not choose embeddings (send the media)");
     }
     return bad("unsupported content part type '" + type->substr(0, 50) + "'");
   }
-  ContentPart p{audio ? ContentPart::kAudio : media->kind, "", ""};
+  ContentPart p;
+  p.kind = audio ? ContentPart::kAudio : media->kind;
+  p.type = std::move(*type);
   if (audio) {
     if (auto err = read_input_audio(part, config, &p.media_bytes)) return err;
   } else {
-    const std::string* url = media_url_of(part, media->type);
-    if (url == nullptr) return bad(*type + " part needs '" + *type + "': {'url': string}");
+    const std::string* url = media_url_of(part, media->key);
+    if (url == nullptr) {
+      return bad(p.type + " part needs '" + std::string(media->key) + "': {'url': string}");
+    }
     if (auto err = resolve_media(*url, *media, config, &p.media_bytes)) return err;
   }
   msg->parts.push_back(std::move(p));
@@ -189,7 +213,9 @@ std::optional<RequestError> read_message(const JsonReader& m, const CommonServic
   }
   auto content = m.document().find("content");
   if (content != m.document().end() && content->is_string()) {
-    msg->parts.push_back({ContentPart::kText, content->get<std::string>(), ""});
+    ContentPart text;
+    text.text = content->get<std::string>();
+    msg->parts.push_back(std::move(text));
     return std::nullopt;
   }
   if (content == m.document().end() || !content->is_array()) {

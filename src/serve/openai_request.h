@@ -15,18 +15,24 @@
 namespace ecx::serve {
 
 struct ContentPart {
-  // kImage, kVideo, kAudio: an encoder's input (image_url; video_url, audio_url and
-  // input_audio under PartPolicy::kVllm). kOther: a part a vLLM engine takes that nothing
-  // here reads (forwarded as it came).
-  enum Kind { kText, kImage, kVideo, kAudio, kOther } kind = kText;
+  // kText: text (under PartPolicy::kVllm also input_text, output_text and refusal).
+  // kImage, kVideo, kAudio: an encoder's input (image_url; under PartPolicy::kVllm also
+  // input_image, video_url, audio_url and input_audio).
+  enum Kind { kText, kImage, kVideo, kAudio } kind = kText;
   std::string text;
   // Resolved (data: URL or input_audio data decoded, or file read). The part as given
   // stays in ChatRequest::raw only: a large item is not held twice.
   std::string media_bytes;
+  std::string type = "text";  // the part's "type", as sent
 
-  bool is_media() const { return kind == kImage || kind == kVideo || kind == kAudio; }
+  bool is_media() const { return kind != kText; }
   // "image", "video" or "audio" (vLLM's modality names). REQUIRES: is_media()
   std::string_view modality() const;
+  // The key that holds the part's text ("text", or "refusal"). REQUIRES: !is_media()
+  std::string_view text_key() const { return type == "refusal" ? "refusal" : "text"; }
+  // The key that holds the part's media (its URL, or input_audio's data and format):
+  // "image_url" for input_image, else the type. REQUIRES: is_media()
+  std::string_view media_key() const { return type == "input_image" ? "image_url" : type; }
 };
 
 // Which content parts a request may hold.
@@ -34,7 +40,8 @@ enum class PartPolicy {
   // What ecx's reference engine encodes: text and images; anything else is a 400.
   kReferenceEngine,
   // What a vLLM engine takes (a proxy in front of vLLM encoders and PDs): video and audio
-  // resolved like images, every other part type forwarded unread (the PD checks it).
+  // resolved like images, and vLLM's other text parts. Parts that carry embeddings are
+  // refused (a client does not choose embeddings: it sends the media).
   kVllm,
 };
 

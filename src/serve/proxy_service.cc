@@ -178,17 +178,19 @@ class Proxy {
   // Parses the body into call.chat (the body is let go); a 400 for what is wrong.
   std::optional<RequestError> parse(ChatCall& call);
 
-  // Rewrites the media URLs of `call.forward` as data URLs and lists the distinct media
-  // items (images; with vllm, videos and audio too) to send to the encoders, each once
-  // per request. The parts' bytes are let go: the forwarded request holds each item.
+  // Rebuilds every content part of `call.forward` from what was read (a part's type and
+  // its data, media as data URLs: a client's other keys, a uuid above all, never reach a
+  // PD) and lists the distinct media items (images; with vllm, videos and audio too) to
+  // send to the encoders, each once per request. The parts' bytes are let go: the
+  // forwarded request holds each item.
   std::vector<ImageJob> image_jobs(ChatCall& call) const;
   // What to ask an encoder for the media part `forward_part`; in vllm mode it gives the
   // part its uuid (the item's content hash).
   EncodeCall encode_call(const ChatRequest& chat, const ContentPart& part,
                          json& forward_part) const;
-  // The media part's data in the forwarded request, without copying it: a URL made
-  // {"url": data URL} (a file's bytes become one), or input_audio's base64 data. The
-  // EncodeCall views it.
+  // The media part rebuilt in the forwarded request, {"type", KEY: {"url": data URL}} (a
+  // file's bytes become one; input_image becomes image_url) or input_audio's {"data",
+  // "format"}, the data moved, not copied; the EncodeCall views the data.
   static const std::string& data_of(json& forward_part, const ContentPart& part);
   // Every image on its encoders at once (each with failover); their outcomes, in order.
   Await<std::vector<ImageEncode>> encode_all(std::vector<ImageJob> jobs);
@@ -240,8 +242,14 @@ std::vector<ImageJob> Proxy::image_jobs(ChatCall& call) const {
     auto& parts = call.chat.messages[m].parts;
     for (size_t p = 0; p < parts.size(); ++p) {
       ContentPart& part = parts[p];
-      if (!part.is_media()) continue;
-      json& forward_part = call.forward["messages"][m]["content"][p];
+      json& content = call.forward["messages"][m]["content"];
+      if (!content.is_array()) continue;  // a string: no parts
+      json& forward_part = content[p];
+      if (!part.is_media()) {
+        const std::string key(part.text_key());
+        forward_part = json{{"type", part.type}, {key, std::move(part.text)}};
+        continue;
+      }
       EncodeCall encode = encode_call(call.chat, part, forward_part);
       encode.cancel = call.req->client_gone;
       uint64_t key = checksum64(part.media_bytes.data(), part.media_bytes.size());
@@ -272,18 +280,25 @@ std::string mime_of(const std::string& path, const ContentPart& part) {
 }  // namespace
 
 const std::string& Proxy::data_of(json& forward_part, const ContentPart& part) {
-  const std::string type = forward_part["type"].get<std::string>();
-  if (type == "input_audio")
-    return forward_part["input_audio"]["data"].get_ref<const std::string&>();
-  json& media = forward_part[type];
+  const std::string key(part.media_key());
+  json& media = forward_part[key];
+  json rebuilt = json::object();
+  if (part.type == "input_audio") {
+    rebuilt["type"] = "input_audio";
+    rebuilt[key] = {{"data", std::move(media["data"].get_ref<std::string&>())},
+                    {"format", media["format"]}};
+    forward_part = std::move(rebuilt);
+    return forward_part[key]["data"].get_ref<const std::string&>();
+  }
   std::string url = media.is_string() ? std::move(media.get_ref<std::string&>())
                                       : std::move(media["url"].get_ref<std::string&>());
   // Data URLs, so PD can decode items that came from local files.
   if (url.rfind("data:", 0) != 0) url = engine::make_data_url(part.media_bytes, mime_of(url, part));
-  json only_url = json::object();
-  only_url["url"] = std::move(url);  // moved, as it was taken: never copied
-  media = std::move(only_url);
-  return media["url"].get_ref<const std::string&>();
+  rebuilt["type"] = key;  // input_image: image_url
+  rebuilt[key] = json::object();
+  rebuilt[key]["url"] = std::move(url);  // moved, as it was taken: never copied
+  forward_part = std::move(rebuilt);
+  return forward_part[key]["url"].get_ref<const std::string&>();
 }
 
 EncodeCall Proxy::encode_call(const ChatRequest& chat, const ContentPart& part,

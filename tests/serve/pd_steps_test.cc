@@ -161,8 +161,8 @@ TEST(ChatPartsTest, VideoAndAudioAreMediaForVllmAndAClear400ForTheReferenceEngin
                     {"input_audio", {{"data", engine::base64_encode("RIFF")}, {"format", "wav"}}}},
                    {{"type", "audio_url"},
                     {"audio_url", {{"url", engine::make_data_url("ID3", "audio/mpeg")}}}},
-                   {{"type", "image_embeds"}, {"image_embeds", "..."}},
-                   {{"type", "text"}, {"text", "what happens?"}}});
+                   {{"type", "input_image"}, {"image_url", png_url(8, 8, 1)}},
+                   {{"type", "refusal"}, {"refusal", "no"}}});
   ChatRequest request;
   auto err = parse_chat_request(chat_body(parts).dump(), CommonServiceConfig{}, &request,
                                 PartPolicy::kVllm);
@@ -175,10 +175,14 @@ TEST(ChatPartsTest, VideoAndAudioAreMediaForVllmAndAClear400ForTheReferenceEngin
   EXPECT_EQ(got[1].kind, ContentPart::kAudio);
   EXPECT_EQ(got[1].media_bytes, "RIFF");
   EXPECT_EQ(got[2].kind, ContentPart::kAudio);
-  EXPECT_EQ(got[3].kind, ContentPart::kOther);  // the PD reads it
-  EXPECT_EQ(request.media_count(), 3);
+  EXPECT_EQ(got[3].kind, ContentPart::kImage);
+  EXPECT_EQ(got[3].media_key(), "image_url");
+  EXPECT_EQ(got[4].kind, ContentPart::kText);
+  EXPECT_EQ(got[4].text, "no");
+  EXPECT_EQ(got[4].text_key(), "refusal");
+  EXPECT_EQ(request.media_count(), 4);
 
-  for (size_t i = 0; i < 3; ++i) {
+  for (size_t i = 0; i < 4; ++i) {
     ChatRequest refused;
     err = parse_chat_request(chat_body(json::array({parts[i]})).dump(), CommonServiceConfig{},
                              &refused);
@@ -187,8 +191,15 @@ TEST(ChatPartsTest, VideoAndAudioAreMediaForVllmAndAClear400ForTheReferenceEngin
     EXPECT_NE(err->message.find(parts[i]["type"].get<std::string>()), std::string::npos);
     EXPECT_NE(err->message.find("--upstream-api vllm"), std::string::npos) << err->message;
   }
-  // A video part must hold a video: the media type of its data URL is checked.
+  // Parts that carry embeddings are not taken: a client does not choose what PD reads.
   ChatRequest refused;
+  err = parse_chat_request(
+      chat_body(json::array({{{"type", "image_embeds"}, {"image_embeds", "AAAA"}}})).dump(),
+      CommonServiceConfig{}, &refused, PartPolicy::kVllm);
+  ASSERT_TRUE(err);
+  EXPECT_NE(err->message.find("a client does not choose embeddings"), std::string::npos)
+      << err->message;
+  // A video part must hold a video: the media type of its data URL is checked.
   err = parse_chat_request(
       chat_body(json::array({{{"type", "video_url"}, {"video_url", {{"url", png_url(8, 8, 1)}}}}}))
           .dump(),
@@ -196,6 +207,7 @@ TEST(ChatPartsTest, VideoAndAudioAreMediaForVllmAndAClear400ForTheReferenceEngin
   ASSERT_TRUE(err);
   EXPECT_NE(err->message.find("not a video/* type"), std::string::npos) << err->message;
   // Videos and audio count against max_images, as images do.
+  refused = ChatRequest();
   CommonServiceConfig two_items;
   two_items.max_images = 2;
   err = parse_chat_request(chat_body(parts).dump(), two_items, &refused, PartPolicy::kVllm);

@@ -14,6 +14,7 @@
 #include <sstream>
 #include <thread>
 
+#include "ecx/common/mm_hash.h"
 #include "ecx/connector/ec_transfer_params.h"
 #include "ecx/engine/image.h"
 #include "ecx/serve/services.h"
@@ -372,6 +373,62 @@ TEST_F(VllmWireTest, AProxyInVllmModeSpeaksVllmsShapeAndForwardsTheParamsUnchang
   // Abandoned: the proxy tries to give the params back; a 404 means nothing to release.
   EXPECT_EQ(encoder.received("/v1/ec/release", 1).size(), 1u);
   EXPECT_EQ(metric(*proxy, "ecx_proxy_params_released_total"), -1);
+}
+
+// What a proxy in front of vLLM forwards is rebuilt from what it read: vLLM takes a part
+// that carries a uuid by the first media key it finds, whatever its type, so a client's
+// extra keys (a uuid, a second URL) must not reach the PD: with them it could file its
+// image under another user's item in the PD's caches.
+TEST_F(VllmWireTest, AProxyInVllmModeForwardsOnlyWhatItReadOfEachPart) {
+  FakeUpstream encoder, pd;
+  encoder.answer(
+      "/v1/chat/completions", 200,
+      json{{"object", "chat.completion"}, {"ec_transfer_params", json::object()}}.dump());
+  pd.answer("/v1/chat/completions", 200, R"({"object":"chat.completion","choices":[]})");
+  encoder.start();
+  pd.start();
+  Services services;
+  auto proxy = services.start({"proxy", "--port", "0", "--encoders", encoder.url(), "--pd",
+                               pd.url(), "--upstream-api", "vllm"});
+  ASSERT_TRUE(proxy.ok()) << proxy.status().to_string();
+  const std::string victim = png_url(41), attacker = png_url(42);
+  const std::string video = engine::make_data_url("an mp4", "video/mp4");
+  json content = json::array(
+      {{{"type", "text"}, {"text", "hi"}, {"image_url", {{"url", attacker}}}, {"uuid", "evil"}},
+       {{"type", "video_url"}, {"video_url", {{"url", video}}}, {"image_url", {{"url", attacker}}}},
+       {{"type", "image_url"}, {"image_url", {{"url", victim}, {"detail", "auto"}}}, {"uuid", "x"}},
+       {{"type", "input_image"}, {"image_url", victim}}});
+  json chat = {{"model", "ecx-tiny-vl"},
+               {"messages", json::array({{{"role", "user"}, {"content", content}}})},
+               {"max_tokens", 4}};
+  auto res = post(*proxy, "/v1/chat/completions", chat);
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 200) << res->body;
+  json forwarded = json::parse(pd.received("/v1/chat/completions", 1).at(0));
+  const json& parts = forwarded["messages"][0]["content"];
+  ASSERT_EQ(parts.size(), 4u) << parts.dump();
+  EXPECT_EQ(parts[0], json({{"type", "text"}, {"text", "hi"}}));
+  const std::string video_uuid = MmHash::sha256_of({"video", "an mp4"}).str();
+  EXPECT_EQ(parts[1],
+            json({{"type", "video_url"}, {"video_url", {{"url", video}}}, {"uuid", video_uuid}}));
+  // Both images are the victim's bytes: the same uuid, their content hash, and the
+  // Responses-style input_image goes on as an image_url part.
+  for (size_t i : {2, 3}) {
+    EXPECT_EQ(parts[i]["type"], "image_url") << parts[i].dump();
+    EXPECT_EQ(parts[i]["image_url"], json({{"url", victim}})) << parts[i].dump();
+    EXPECT_EQ(parts[i].size(), 3u) << parts[i].dump();  // type, image_url, uuid
+  }
+  EXPECT_EQ(parts[2]["uuid"], parts[3]["uuid"]);
+  EXPECT_NE(parts[2]["uuid"], "x");
+  EXPECT_EQ(forwarded.dump().find(attacker), std::string::npos) << "the smuggled image went on";
+  EXPECT_EQ(forwarded.dump().find("evil"), std::string::npos);
+  // A part that carries embeddings is refused, naming it.
+  chat["messages"][0]["content"] =
+      json::array({{{"type", "image_embeds"}, {"image_embeds", "AA"}}});
+  res = post(*proxy, "/v1/chat/completions", chat);
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 400) << res->body;
+  EXPECT_NE(res->body.find("image_embeds"), std::string::npos) << res->body;
 }
 
 }  // namespace

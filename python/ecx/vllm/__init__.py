@@ -120,9 +120,10 @@ class ECXConnector(ECConnectorBase):
         self._consumer_scheduler: ConsumerScheduler | None = None
         self._producer_worker: ProducerWorker | None = None
         self._consumer_worker: ConsumerWorker | None = None
-        self._model_dtype = vllm_config.model_config.dtype
         self._rank = 0  # a worker's tensor-parallel rank
         self._outputs_published = False  # worker 0: its encoder's measure is in the rendezvous
+        self._instance_id = vllm_config.instance_id
+        self._rendezvous: Rendezvous | None = None  # a worker's, made at its start
         if names_items_by_counter(vllm_config):
             logger.warning(
                 "ECXConnector: with --mm-processor-cache-gb 0 and prefix caching off, vLLM "
@@ -149,26 +150,25 @@ class ECXConnector(ECConnectorBase):
 
     def _start_worker(self) -> None:
         c = self._config
-        rank = tensor_parallel_rank()
+        self._rank = rank = tensor_parallel_rank()
+        self._rendezvous = Rendezvous(c.rendezvous_dir)
         # A worker's cache holds one step's loads until they are copied into vLLM's.
         with io_threads_unbound():
             self._conn = ecx.Connector(c.ecx_config(c.role, worker_agent(c, rank),
                                                     keep_loaded=False))
         if c.is_producer:
-            self._producer_worker = ProducerWorker(c, self._conn, rank,
-                                                   Rendezvous(c.rendezvous_dir), self._counters)
+            self._producer_worker = ProducerWorker(c, self._conn, rank, self._rendezvous,
+                                                   self._counters)
         if c.is_consumer:
             self._consumer_worker = ConsumerWorker(c, self._conn, rank, self._counters)
         self._export(f"worker{rank}", 1 + rank)
-        self._rank = rank
 
     def start_worker_services(self) -> None:
         """Right after vLLM loaded the model, in each worker: what its encoder puts in
         vLLM's cache, measured per modality for the scheduler's checks (_outputs.py). A
         model whose outputs ECX cannot carry stops vLLM's start here, naming the model."""
-        c = self._config
-        self._outputs_published = measure_and_publish(c.name, self._rank,
-                                                      Rendezvous(c.rendezvous_dir))
+        self._outputs_published = measure_and_publish(self._config.name, self._rank,
+                                                      self._rendezvous)
 
     def _export(self, process: str, offset: int) -> None:
         if self._config.metrics_port is not None:
@@ -183,7 +183,7 @@ class ECXConnector(ECConnectorBase):
         if self._producer_worker is not None:
             self._producer_worker.close()
         if self._outputs_published:
-            withdraw_outputs(self._config.name, Rendezvous(self._config.rendezvous_dir))
+            withdraw_outputs(self._config.name, self._instance_id, self._rendezvous)
             self._outputs_published = False
         self._conn = None  # ecx stops its threads and agent once nothing holds it (in-place
         # entries vLLM still keeps hold it, and their pins, until vLLM frees them)
@@ -212,7 +212,7 @@ class ECXConnector(ECConnectorBase):
         if not isinstance(meta, ECXConnectorMetadata) or not meta.loads:
             return
         device = kwargs.get("device") or _encoder_device(encoder_cache)
-        self._consumer_worker.load(meta.loads, encoder_cache, device, self._model_dtype)
+        self._consumer_worker.load(meta.loads, encoder_cache, device)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, None  # nothing is asynchronous past the step

@@ -82,9 +82,15 @@ class ConsumerScheduler:
         self._instance_id = vllm_config.instance_id
         self._rendezvous = rendezvous
         # What this model's encoder puts in vLLM's cache per modality, as worker 0 measured
-        # it at start (read on first use: a scheduler made alone, as in tests, has none).
+        # it at start: read now (vLLM makes the scheduler once every worker has loaded the
+        # model), or on first use where it was not there yet (a scheduler made alone).
         self._outputs: dict[str, EncoderOutput] | None = None
+        try:
+            self._outputs = outputs.lookup(config.name, self._instance_id, rendezvous)
+        except ValueError as e:
+            logger.info("ECXConnector: the encoder's measure is not there yet (%s)", e)
         self._resolver = None  # vLLM's PlaceholderMetadataResolver, made on first use
+        self._first_look_left_ms = float(config.first_look_wait_ms)  # this step's, left
 
     # ---- ensure_cache_available ----
 
@@ -92,12 +98,15 @@ class ConsumerScheduler:
         load = self._loads.get(request.request_id)
         if load is None:
             load = self._start(request, num_computed_tokens)
-            if load.started and not load.done and self._config.first_look_wait_ms > 0:
+            if load.started and not load.done and self._first_look_left_ms >= 1:
                 # On one host a load ends within a millisecond or two: waited for here, a
                 # little, the request is scheduled in this step rather than the next one
                 # (a whole engine step later). A load still running by then is not waited
-                # for further: vLLM asks again next step.
-                self._conn.wait_for_load(request.request_id, self._config.first_look_wait_ms)
+                # for further: vLLM asks again next step. The waits of one step share
+                # first_look_wait_ms, so a burst of new requests cannot hold the step.
+                started = time.monotonic()
+                self._conn.wait_for_load(request.request_id, int(self._first_look_left_ms))
+                self._first_look_left_ms -= (time.monotonic() - started) * 1e3
         if not load.done:
             self._settle_finished()
         if not load.done:
@@ -306,6 +315,9 @@ class ConsumerScheduler:
         self._step.append((holder, request.mm_features[index].identifier, key))
 
     def step_loads(self) -> list[WorkerLoad]:
+        """The loaded items this step's requests use (vLLM calls it once per step, after
+        scheduling: the next step's first looks get their whole wait again)."""
+        self._first_look_left_ms = float(self._config.first_look_wait_ms)
         step, self._step = self._step, []
         out = []
         for holder, name, key in step:
@@ -381,8 +393,8 @@ class _Held:
 
 class ConsumerWorker:
     """Puts the scheduler's loads into vLLM's encoder cache, through this process's agent:
-    a copy in the model's device and dtype, or, with zero_copy on a CPU engine, a tensor
-    over the loaded bytes themselves (E's sealed block) for as long as vLLM keeps it."""
+    a copy on the model's device, or, with zero_copy on a CPU engine, a tensor over the
+    loaded bytes themselves (E's sealed block) for as long as vLLM keeps it."""
 
     def __init__(self, config: InstanceConfig, conn: ecx.Connector, rank: int,
                  counters: Counters):
@@ -416,7 +428,9 @@ class ConsumerWorker:
                              e.message)
 
     def load(self, loads: list[WorkerLoad], encoder_cache: dict[str, torch.Tensor],
-             device, dtype) -> None:
+             device) -> None:
+        """Puts the step's loads into vLLM's encoder cache, each as its encoder made it (its
+        own dtype: PD's scheduler checked it against this model's encoder), on `device`."""
         started = time.monotonic()
         self._steps += 1
         rid = f"step-{self._steps}"
@@ -450,7 +464,7 @@ class ConsumerWorker:
                                  item["message"])
                     continue
                 want = TORCH_DTYPES[w.dtype]
-                if step and want == dtype and self._viewed(rid, key):
+                if step and self._viewed(rid, key):
                     # DLPack over the read-only view, no copy: its storage holds the item,
                     # and the item ends with the last user of that storage (even should
                     # what follows raise).
@@ -465,7 +479,7 @@ class ConsumerWorker:
                 tensor = _read_only_tensor(view).view(want).reshape(w.shape)
                 # vLLM keeps its tensor after ecx reuses the block: a copy, on the model's
                 # device and in its dtype.
-                encoder_cache[w.identifier] = tensor.to(device=device, dtype=dtype, copy=True)
+                encoder_cache[w.identifier] = tensor.to(device=device, copy=True)
                 moved += tensor.numel() * tensor.element_size()
                 self._counters.add("worker_items")
                 if step:  # copied: its pins end now, not with the step's last in-place item

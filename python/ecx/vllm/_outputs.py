@@ -13,6 +13,7 @@ rendezvous folder (and takes them away at shutdown); the scheduler (another proc
 general) reads them on its first check and checks each item's params against them."""
 from __future__ import annotations
 
+import contextlib
 import sys
 from dataclasses import dataclass
 
@@ -79,6 +80,7 @@ def measure(worker) -> dict[str, EncoderOutput]:
     """Encodes one dummy item of each modality the model takes, as vLLM's start-up profile
     does; {} for a model that takes none. Every tensor-parallel rank runs it (the encoder's
     layers may talk across ranks)."""
+    from vllm.config import set_current_vllm_config
     from vllm.multimodal import MULTIMODAL_REGISTRY
     from vllm.multimodal.encoder_budget import MultiModalBudget
     from vllm.multimodal.utils import group_and_batch_mm_kwargs
@@ -88,18 +90,25 @@ def measure(worker) -> dict[str, EncoderOutput]:
     if not getattr(runner, "supports_mm_inputs", False):
         return {}
     model_name = config.model_config.model
-    budget = MultiModalBudget(config, MULTIMODAL_REGISTRY, enable_cache=False)
-    model = runner.get_model()
     found: dict[str, EncoderOutput] = {}
-    for modality in budget.mm_max_toks_per_item:
-        items = budget.get_dummy_encoder_profile_inputs(modality, 1)
-        if not items:
-            continue
-        _, _, kwargs = next(group_and_batch_mm_kwargs(items, device=runner.device,
-                                                      pin_memory=False))
-        outputs = model.embed_multimodal(**kwargs)
-        found[modality] = describe(model_name, modality, outputs)
-        del outputs
+    # As vLLM runs its own dummy encodes: under the instance's config (layers may ask for
+    # it), in small allocator pieces where the worker has that scope (a GPU's).
+    split = getattr(worker, "_scoped_allocator_max_split", None)
+    with set_current_vllm_config(config), \
+            (split(max_split_size_mb=20) if callable(split) else contextlib.nullcontext()):
+        budget = MultiModalBudget(config, MULTIMODAL_REGISTRY, enable_cache=False)
+        model = runner.get_model()
+        for modality in budget.mm_max_toks_per_item:
+            items = budget.get_dummy_encoder_profile_inputs(modality, 1)
+            if not items:
+                continue
+            _, _, kwargs = next(group_and_batch_mm_kwargs(items, device=runner.device,
+                                                          pin_memory=False))
+            outputs = model.embed_multimodal(**kwargs)
+            found[modality] = describe(model_name, modality, outputs)
+            del outputs
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the dummy items' memory goes back before vLLM sizes the KV cache
     return found
 
 
@@ -123,8 +132,16 @@ def measure_and_publish(instance: str, rank: int, rendezvous: Rendezvous) -> boo
     return True
 
 
-def withdraw_outputs(instance: str, rendezvous: Rendezvous) -> None:
-    rendezvous.withdraw(_document_name(instance))
+def withdraw_outputs(instance: str, instance_id: str, rendezvous: Rendezvous) -> None:
+    """Takes this start's measure away (a later start of the same instance name, already
+    up, keeps its own); never raises."""
+    try:
+        name = _document_name(instance)
+        doc = rendezvous.lookup_document(name)
+        if isinstance(doc, dict) and doc.get("instance_id") == instance_id:
+            rendezvous.withdraw(name)
+    except (OSError, ValueError):
+        pass
 
 
 def lookup(instance: str, instance_id: str, rendezvous: Rendezvous) -> dict[str, EncoderOutput]:

@@ -320,6 +320,14 @@ class FakeUpstream {
   std::map<std::string, std::vector<std::string>> received_;  // guarded by mu_
 };
 
+// Starts `encoder` and `pd` (their answers set) and a proxy in vllm mode in front of them.
+Result<std::string> start_vllm_proxy(Services& services, FakeUpstream& encoder, FakeUpstream& pd) {
+  encoder.start();
+  pd.start();
+  return services.start({"proxy", "--port", "0", "--encoders", encoder.url(), "--pd", pd.url(),
+                         "--upstream-api", "vllm"});
+}
+
 TEST_F(VllmWireTest, AProxyInVllmModeSpeaksVllmsShapeAndForwardsTheParamsUnchanged) {
   FakeUpstream encoder, pd;
   json entry = {{"modality", "image"},
@@ -332,11 +340,8 @@ TEST_F(VllmWireTest, AProxyInVllmModeSpeaksVllmsShapeAndForwardsTheParamsUnchang
       json{{"object", "chat.completion"}, {"ec_transfer_params", {{"vllm-hash", entry}}}}.dump());
   encoder.answer("/v1/ec/release", 404, R"({"detail":"Not Found"})");
   pd.answer("/v1/chat/completions", 500, R"({"error":{"message":"decode failed"}})");
-  encoder.start();
-  pd.start();
   Services services;
-  auto proxy = services.start({"proxy", "--port", "0", "--encoders", encoder.url(), "--pd",
-                               pd.url(), "--upstream-api", "vllm"});
+  auto proxy = start_vllm_proxy(services, encoder, pd);
   ASSERT_TRUE(proxy.ok()) << proxy.status().to_string();
   json chat = three_image_chat();
   chat["messages"][0]["content"][2]["uuid"] = "client-uuid";
@@ -385,11 +390,8 @@ TEST_F(VllmWireTest, AProxyInVllmModeForwardsOnlyWhatItReadOfEachPart) {
       "/v1/chat/completions", 200,
       json{{"object", "chat.completion"}, {"ec_transfer_params", json::object()}}.dump());
   pd.answer("/v1/chat/completions", 200, R"({"object":"chat.completion","choices":[]})");
-  encoder.start();
-  pd.start();
   Services services;
-  auto proxy = services.start({"proxy", "--port", "0", "--encoders", encoder.url(), "--pd",
-                               pd.url(), "--upstream-api", "vllm"});
+  auto proxy = start_vllm_proxy(services, encoder, pd);
   ASSERT_TRUE(proxy.ok()) << proxy.status().to_string();
   const std::string victim = png_url(41), attacker = png_url(42);
   const std::string video = engine::make_data_url("an mp4", "video/mp4");

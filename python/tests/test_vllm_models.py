@@ -11,6 +11,8 @@ request loudly instead of being encoded quietly on the PD:
   ec_transfer_params), and the PD's engine never runs its encoder for them;
 - the PD counted one load per item and no failure of any cause (no "shape" among them),
   and E's pins are back to 0;
+- through ecx's proxy (`--upstream-api vllm`), each family's media (images, videos,
+  audio) goes to E keyed by its content, and the PD loads it: the same texts, no encode;
 - an item whose params describe another shape than the PD's model gives (the width of
   the language model, as ECX once assumed) fails its request, naming the item and why."""
 from __future__ import annotations
@@ -22,6 +24,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from ecx_stack import EcxStack
 from vllm_engines import (
     Engine,
     ec_config,
@@ -96,6 +99,10 @@ def pair(request, deployment_secret, tmp_path_factory):
         yield family, e, pd
 
 
+# The single instance's texts, per family (the first test's), for the later tests.
+SINGLE_INSTANCE: dict[str, list[str]] = {}
+
+
 def reset_caches(pd: Engine) -> None:
     for path in ("/reset_encoder_cache", "/reset_prefix_cache"):
         request = urllib.request.Request(pd.url + path, method="POST")
@@ -136,6 +143,28 @@ def test_the_pd_loads_every_item_and_answers_as_a_single_instance(pair):
         assert status == 200, f"{family}, request {i} (single instance): {answer}"
         assert text_of(answer) == text, f"{family}, request {i}: EPD and single instance differ"
     assert pd.encoder_iterations() > 0, f"{family}: the single instance did not encode"
+    SINGLE_INSTANCE[family] = texts
+
+
+def test_ecx_proxy_sends_every_modality_to_e(pair, ecx_binary, tmp_path):
+    """Runs after the first test (its texts are the reference). The proxy names each item
+    by a hash of its bytes (a uuid E and PD both get), so neither engine's caches, which
+    hold the items under vLLM's own names, stand in for the load."""
+    family, e, pd = pair
+    assert family in SINGLE_INSTANCE, "the first test did not run"
+    pd.mark_log()
+    loads = metric(pd.metrics(), "vllm:ecx_loads_total")
+    with EcxStack(ecx_binary, tmp_path) as stack:
+        proxy = stack.start("proxy", "--upstream-api", "vllm", "--encoders", e.url,
+                            "--pd", pd.url, "--model", "tiny-vlm")
+        for i, request in enumerate(requests_of(family)):
+            status, answer = post(proxy.url + "/v1/chat/completions", body(request))
+            assert status == 200, f"{family}, request {i} through the proxy: {answer}"
+            assert text_of(answer) == SINGLE_INSTANCE[family][i], f"{family}, request {i}"
+    assert pd.encoder_iterations() == 0, f"{family}: the PD ran its encoder"
+    items = sum(len(set(r[0])) for r in requests_of(family))
+    wait_until(lambda: metric(pd.metrics(), "vllm:ecx_loads_total") >= loads + items, 30,
+               f"{family}: PD counted the proxy's loads")
 
 
 def test_params_of_another_shape_fail_the_request_naming_the_item(pair):

@@ -32,7 +32,9 @@ struct ContentPart {
   std::string_view text_key() const { return type == "refusal" ? "refusal" : "text"; }
   // The key that holds the part's media (its URL, or input_audio's data and format):
   // "image_url" for input_image, else the type. REQUIRES: is_media()
-  std::string_view media_key() const { return type == "input_image" ? "image_url" : type; }
+  std::string_view media_key() const {
+    return type == "input_image" ? std::string_view("image_url") : std::string_view(type);
+  }
 };
 
 // Which content parts a request may hold.

@@ -79,7 +79,7 @@ std::optional<RequestError> read_chat_body(const std::string& body,
 // What saving one image's embeddings came to.
 struct Saved {
   connector::EcTransferParams params;
-  bool cached = false;  // already held: not encoded again
+  bool cached = false;  // already held, or encoded by a concurrent request: not encoded here
 };
 
 // One distinct image of a chat request, and where it occurs among the request's images.
@@ -167,13 +167,14 @@ Result<Saved> EncoderService::save(const engine::PreparedImage& image, const Ten
   auto held = connector_->saved_params(image.mm_hash);
   if (held.ok()) return Saved{std::move(*held), true};
   auto slot = connector_->begin_save(image.mm_hash, meta);
-  // Encoded concurrently by another request: its params, once ready. If that encode was
-  // given up (its client left), this request encodes the image itself.
+  // Encoded concurrently by another request: its params, once ready (that request counts
+  // the encode; this one encoded nothing). If that encode was given up (its client left),
+  // this request encodes the image itself.
   for (int attempt = 0;
        attempt < kSaveAttempts && !slot.ok() && slot.status().code() == StatusCode::kAlreadyExists;
        ++attempt) {
     auto params = connector_->saved_params(image.mm_hash);
-    if (params.ok()) return Saved{std::move(*params), false};
+    if (params.ok()) return Saved{std::move(*params), true};
     if (req.abandoned()) return params.status();
     slot = connector_->begin_save(image.mm_hash, meta);
   }

@@ -187,3 +187,70 @@ def test_a_worker_takes_away_only_its_own_starts_measure(tmp_path):
     withdraw_outputs("pd-r", "new-start", rendezvous)
     with pytest.raises(ValueError):
         lookup("pd-r", "new-start", rendezvous)
+
+
+def test_the_metrics_exporter_holds_few_threads_and_a_taken_port_is_not_fatal():
+    """Idle connections cannot pile threads up inside vLLM's process (each waits at most
+    its timeout, past the cap they are closed at once), a scrape is answered once they
+    are gone, and a port another process holds leaves the worker running."""
+    import socket
+    import threading
+    import urllib.request
+
+    from ecx.vllm._metrics import Exporter
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    exporter = Exporter(port, "test", lambda: {"loads_ok": 3}, max_connections=4,
+                        timeout_s=1.0)
+    assert exporter.serving
+    before = threading.active_count()
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(200)]
+    try:
+        assert threading.active_count() - before <= 4 + 1  # the cap (and a thread ending)
+    finally:
+        for s in idle:
+            s.close()
+    body = None
+    for _ in range(100):  # the slots come back as the idle connections end
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+                body = r.read().decode()
+                break
+        except OSError:
+            threading.Event().wait(0.05)
+    assert body is not None and 'ecx_vllm_loads_ok{process="test"} 3' in body
+    # Another process holds the port: logged, not raised.
+    second = Exporter(port, "test", lambda: {})
+    assert not second.serving
+    second.close()
+    exporter.close()
+
+
+def test_a_rendezvous_folder_another_user_could_swap_is_refused(tmp_path, monkeypatch):
+    from ecx.vllm._common import Rendezvous, default_rendezvous_dir
+
+    open_parent = tmp_path / "open"
+    open_parent.mkdir()
+    open_parent.chmod(0o777)  # anyone may rename what is in it
+    with pytest.raises(ValueError) as err:
+        Rendezvous(str(open_parent / "rendezvous"))
+    assert "not sticky" in str(err.value)
+    open_parent.chmod(0o1777)  # sticky, as /tmp is: only the owner renames its entries
+    assert Rendezvous(str(open_parent / "rendezvous")).folder == open_parent / "rendezvous"
+    if os.getuid() == 0:  # as scripts/test runs: another user's folder can be made
+        theirs = tmp_path / "theirs"
+        theirs.mkdir()
+        os.chown(theirs, 12345, 12345)
+        with pytest.raises(ValueError) as err:
+            Rendezvous(str(theirs / "rendezvous"))
+        assert "belongs to uid 12345" in str(err.value)
+    # Without XDG_RUNTIME_DIR the default is in this user's home, not a shared /tmp name
+    # another user could make first.
+    home = tmp_path / "home"
+    home.mkdir(mode=0o700)
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.setenv("HOME", str(home))
+    assert default_rendezvous_dir() == home / ".cache" / "ecx" / "rendezvous"
+    assert Rendezvous(None).folder == home / ".cache" / "ecx" / "rendezvous"

@@ -1,7 +1,11 @@
 #include "connector/options.h"
 
+#include <arpa/inet.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cctype>
+#include <cstring>
 #include <filesystem>
 #include <set>
 
@@ -64,9 +68,60 @@ constexpr EnumName<ChecksumPolicy> kChecksums[] = {
 constexpr EnumName<FailurePolicy> kPolicies[] = {{FailurePolicy::kRecompute, "recompute"},
                                                  {FailurePolicy::kFail, "fail"}};
 
+// `text` as it can go into a message: characters other than printable ASCII as '?'.
+std::string printable(std::string_view text) {
+  std::string out(text.substr(0, 100));
+  for (char& c : out) {
+    if (c < 0x20 || c > 0x7e) c = '?';
+  }
+  return out;
+}
+
+// An engine id names this connector's agent to its peers (and its unix socket): 1 to 255
+// letters, digits and . _ : - @ +.
+Status check_engine_id(const std::string& id) {
+  const bool ok = !id.empty() && id.size() <= 255 && std::all_of(id.begin(), id.end(), [](char c) {
+    return std::isalnum(static_cast<unsigned char>(c)) ||
+           (c != '\0' && std::strchr("._:-@+", c) != nullptr);
+  });
+  if (ok) return Status::Ok();
+  return InvalidArgument("engine_id '" + printable(id) +
+                         "' must be 1 to 255 letters, digits and . _ : - @ +");
+}
+
+// tcp_host: an IPv4 or IPv6 address, or a host name (RFC 1123 labels). A dotted
+// quad that is not an address ("999.1.2.3") is refused, not looked up as a name.
+Status check_tcp_host(const std::string& host) {
+  unsigned char addr[sizeof(in6_addr)];
+  if (::inet_pton(AF_INET, host.c_str(), addr) == 1 ||
+      ::inet_pton(AF_INET6, host.c_str(), addr) == 1) {
+    return Status::Ok();
+  }
+  const Status bad = InvalidArgument("tcp_host '" + printable(host) +
+                                     "' is neither an IP address nor a host name");
+  if (host.empty() || host.size() > 253 ||
+      host.find_first_not_of("0123456789.") == std::string::npos)
+    return bad;
+  size_t start = 0;
+  while (start <= host.size()) {
+    size_t end = host.find('.', start);
+    if (end == std::string::npos) end = host.size();
+    std::string_view label(host.data() + start, end - start);
+    if (label.empty() || label.size() > 63 || label.front() == '-' || label.back() == '-' ||
+        !std::all_of(label.begin(), label.end(), [](char c) {
+          return std::isalnum(static_cast<unsigned char>(c)) || c == '-';
+        })) {
+      return bad;
+    }
+    start = end + 1;
+  }
+  return Status::Ok();
+}
+
 // The options every connector shares.
 Status read_common(const JsonReader& r, ConnectorOptions& o) {
   ECX_ASSIGN_OR_RETURN(o.engine_id, r.string("engine_id", Presence::kOptional, 4096, o.engine_id));
+  ECX_RETURN_IF_ERROR(check_engine_id(o.engine_id));
   ECX_ASSIGN_OR_RETURN(std::string token, r.string("auth_token"));
   ECX_ASSIGN_OR_RETURN(std::string token_file, r.string("auth_token_file"));
   ECX_ASSIGN_OR_RETURN(o.auth_secret, load_secret(token, token_file));
@@ -119,6 +174,7 @@ Status read_specific(const JsonReader& r, ConnectorOptions& o) {
                        r.i64("copy_threads", 1, 16, Presence::kOptional, o.copy_threads));
   o.copy_threads = static_cast<int>(copy_threads);
   ECX_ASSIGN_OR_RETURN(o.tcp_host, r.string("tcp_host", Presence::kOptional, 4096, o.tcp_host));
+  ECX_RETURN_IF_ERROR(check_tcp_host(o.tcp_host));
   ECX_ASSIGN_OR_RETURN(int64_t port, r.i64("tcp_port", 0, 65535));
   o.tcp_port = static_cast<uint16_t>(port);
   ECX_ASSIGN_OR_RETURN(o.root, r.string("root", Presence::kOptional, 4096, o.root));

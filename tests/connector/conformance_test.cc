@@ -10,6 +10,7 @@
 #include <future>
 #include <thread>
 
+#include "connector/options.h"
 #include "ecx/common/checksum.h"
 #include "ecx/connector/ec_connector.h"
 #include "support/connector_peer_process.h"
@@ -543,6 +544,27 @@ TEST(ConnectorConfig, ParsesVllmStyleJsonAndNames) {
     EXPECT_EQ(b.status().code(), StatusCode::kOutOfRange);
     EXPECT_NE(b.status().message().find("copy_threads"), std::string::npos)
         << b.status().to_string();
+  }
+  // A name a peer or a socket cannot carry, and a host that is no address, are refused at
+  // start, naming what was wrong.
+  for (const auto& [key, value] :
+       std::vector<std::pair<std::string, std::string>>{{"engine_id", std::string("e\0x", 3)},
+                                                        {"engine_id", "two words"},
+                                                        {"engine_id", ""},
+                                                        {"tcp_host", "999.1.2.3"},
+                                                        {"tcp_host", "host_name"},
+                                                        {"tcp_host", "-bad.example"}}) {
+    ConnectorConfig bad;
+    bad.connector = "p2p";
+    bad.extra = {{key, value}};
+    auto b = create_connector(bad);
+    ASSERT_FALSE(b.ok()) << key << " " << value;
+    EXPECT_EQ(b.status().code(), StatusCode::kInvalidArgument) << b.status().to_string();
+    EXPECT_NE(b.status().message().find(key), std::string::npos) << b.status().to_string();
+  }
+  for (const char* host : {"10.0.0.7", "::1", "0.0.0.0", "e-0.hosts.example"}) {
+    auto options = ConnectorOptions::parse("p2p", {{"tcp_host", host}});
+    EXPECT_TRUE(options.ok()) << host << ": " << options.status().to_string();
   }
 }
 

@@ -6,8 +6,8 @@
 
 and the consumer twin with "ec_role": "ec_consumer". `ec_connector_extra_config` takes the
 options of docs/CONNECTORS.md (backend, pool_bytes, failure_policy, load_timeout_ms, ...)
-plus "metrics_port", "rendezvous_dir" and "params_timeout_ms" (docs/VLLM.md). Every byte
-moves in ecx's C++ core (ecx._ecx).
+plus "metrics_port", "metrics_host", "rendezvous_dir", "params_timeout_ms" and
+"first_look_wait_ms" (docs/VLLM.md). Every byte moves in ecx's C++ core (ecx._ecx).
 
 vLLM makes one ECXConnector for its scheduler (in the EngineCore process) and one per
 worker (in the worker's process, which is another one under vLLM's default multiprocess
@@ -174,7 +174,7 @@ class ECXConnector(ECConnectorBase):
         if self._config.metrics_port is not None:
             conn = self._conn
             self._exporter = Exporter(self._config.metrics_port + offset, process,
-                                      lambda: conn.stats())
+                                      lambda: conn.stats(), host=self._config.metrics_host)
 
     def shutdown(self) -> None:
         if self._exporter is not None:

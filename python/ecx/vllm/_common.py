@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import ipaddress
 import json
 import logging
 import os
@@ -34,8 +35,8 @@ _COUNTER_NAME = re.compile(r"^renderer\d+-mm-\d+-[a-z_]+-\d+$")
 _ROLES = {"ec_producer": "producer", "ec_consumer": "consumer", "ec_both": "both"}
 # ec_connector_extra_config keys read here; every other key is an ecx connector option
 # (docs/CONNECTORS.md), checked by ecx itself.
-_OWN_OPTIONS = ("connector", "metrics_port", "rendezvous_dir", "params_timeout_ms",
-                "first_look_wait_ms")
+_OWN_OPTIONS = ("connector", "metrics_port", "metrics_host", "rendezvous_dir",
+                "params_timeout_ms", "first_look_wait_ms")
 # The fields of ecx's params in an ec_transfer_params entry (vLLM adds "metadata" and
 # "item_indices" beside them).
 PARAMS_FIELDS = frozenset({
@@ -75,6 +76,7 @@ class InstanceConfig:
     params_timeout_ms: int  # the producer scheduler's ask to its worker
     first_look_wait_ms: int  # the consumer scheduler's wait for a load it just started
     metrics_port: int | None
+    metrics_host: str  # the exporter's bind address
     rendezvous_dir: str | None
     tp_size: int
 
@@ -108,6 +110,10 @@ def instance_config(vllm_config) -> InstanceConfig:
                                      or not 1 <= metrics_port <= 65535 - 64):
         raise ValueError("ECXConnector: ec_connector_extra_config 'metrics_port' must be an "
                          f"integer port (1-65471), not {metrics_port!r}")
+    metrics_host = extra.pop("metrics_host", "127.0.0.1")
+    if not isinstance(metrics_host, str) or not _is_ip_address(metrics_host):
+        raise ValueError("ECXConnector: ec_connector_extra_config 'metrics_host' must be an "
+                         f"IP address to bind (e.g. 127.0.0.1, 0.0.0.0), not {metrics_host!r}")
     rendezvous = extra.pop("rendezvous_dir", None)
     if rendezvous is not None and not isinstance(rendezvous, str):
         raise ValueError("ECXConnector: 'rendezvous_dir' must be a string")
@@ -131,8 +137,17 @@ def instance_config(vllm_config) -> InstanceConfig:
     return InstanceConfig(name=name, role=role, extra=extra, policy=policy,
                           load_timeout_ms=load_timeout, params_timeout_ms=params_timeout,
                           first_look_wait_ms=first_look,
-                          metrics_port=metrics_port, rendezvous_dir=rendezvous,
+                          metrics_port=metrics_port, metrics_host=metrics_host,
+                          rendezvous_dir=rendezvous,
                           tp_size=getattr(parallel, "tensor_parallel_size", 1))
+
+
+def _is_ip_address(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+        return True
+    except ValueError:
+        return False
 
 
 def worker_agent(config: InstanceConfig, rank: int) -> str:
@@ -176,15 +191,49 @@ def io_threads_unbound():
             os.sched_setaffinity(0, bound)
 
 
+def default_rendezvous_dir() -> Path:
+    """$XDG_RUNTIME_DIR/ecx-<uid> (a per-user folder the system makes), else
+    ~/.cache/ecx/rendezvous (this user's home: nobody else can make it first, as they can
+    a name in a shared /tmp), else <tmp>/ecx-<uid>."""
+    uid = os.getuid()
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime:
+        return Path(runtime) / f"ecx-{uid}"
+    home = os.environ.get("HOME")
+    if home:
+        try:
+            st = os.stat(home)
+            if stat.S_ISDIR(st.st_mode) and st.st_uid == uid and not st.st_mode & 0o022:
+                return Path(home) / ".cache" / "ecx" / "rendezvous"
+        except OSError:
+            pass
+    return Path(tempfile.gettempdir()) / f"ecx-{uid}"
+
+
+def _check_parent(folder: Path) -> None:
+    """Only this user (or root) can rename or replace `folder`: its parent belongs to one of
+    them, and a parent others may write to is sticky (as /tmp is)."""
+    st = folder.parent.stat()
+    if st.st_uid not in (0, os.getuid()):
+        raise ValueError(f"ECXConnector: rendezvous folder {folder} is in {folder.parent}, "
+                         f"which belongs to uid {st.st_uid}: that user could replace it; set "
+                         "ec_connector_extra_config 'rendezvous_dir' to a folder of yours")
+    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        raise ValueError(f"ECXConnector: rendezvous folder {folder} is in {folder.parent}, "
+                         f"which others may write to (mode {oct(st.st_mode & 0o7777)}, not "
+                         "sticky): another user could swap the folder; set "
+                         "ec_connector_extra_config 'rendezvous_dir' to another folder")
+
+
 class Rendezvous:
     """Where a worker leaves its agent's metadata for its scheduler: one file per agent,
     in a folder only this user can reach (mode 0700, checked, never followed if it is a
-    link). The metadata is no secret (agents prove the deployment secret to each other);
-    the folder keeps other users from putting a false one there."""
+    link, in a parent nobody else can rename it in). The metadata is no secret (agents
+    prove the deployment secret to each other); the folder keeps other users from putting
+    a false one there."""
 
     def __init__(self, folder: str | None):
-        base = Path(folder) if folder else Path(
-            os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()) / f"ecx-{os.getuid()}"
+        base = Path(folder) if folder else default_rendezvous_dir()
         try:
             base.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as e:
@@ -194,7 +243,9 @@ class Rendezvous:
             raise ValueError(
                 f"ECXConnector: rendezvous folder {base} must be a folder of uid {os.getuid()} "
                 f"with mode 0700 (found uid {st.st_uid}, mode {oct(st.st_mode & 0o7777)}); "
-                "set ec_connector_extra_config 'rendezvous_dir' to another folder")
+                "another user may have made it first: set ec_connector_extra_config "
+                "'rendezvous_dir' to another folder")
+        _check_parent(base)
         self.folder = base
 
     def _path(self, name: str) -> Path:

@@ -3,6 +3,7 @@
 connector (pools, pins, connections) on a port of its own."""
 from __future__ import annotations
 
+import socket
 import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -187,12 +188,47 @@ def _prometheus_text(stats: dict[str, Any], process: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-class Exporter:
-    """GET /metrics on 127.0.0.1:<port>: this process's ecx connector, for the figures vLLM
-    does not collect (a producer worker's pool and pins, a consumer worker's cache)."""
+class _BoundedServer(ThreadingHTTPServer):
+    """A thread per connection, at most `limit` at once: a connection past them is closed
+    at once, so idle or slow clients cannot pile threads up inside vLLM's process."""
 
-    def __init__(self, port: int, process: str, stats_fn):
+    daemon_threads = True
+
+    def __init__(self, address, handler, limit: int):
+        self._slots = threading.BoundedSemaphore(limit)
+        if ":" in address[0]:
+            self.address_family = socket.AF_INET6
+        super().__init__(address, handler)
+
+    def process_request(self, request, client_address):
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
+class Exporter:
+    """GET /metrics on <host>:<port> (127.0.0.1 by default): this process's ecx connector,
+    for the figures vLLM does not collect (a producer worker's pool and pins, a consumer
+    worker's cache). At most `max_connections` are served at once, each given `timeout_s`
+    for its request; a port that is taken is logged and left: the exporter never stops
+    the process it runs in (`serving` says whether it listens)."""
+
+    def __init__(self, port: int, process: str, stats_fn, host: str = "127.0.0.1",
+                 max_connections: int = 8, timeout_s: float = 5.0):
         class Handler(BaseHTTPRequestHandler):
+            timeout = timeout_s  # a connection that sends no whole request in it is closed
+
             def do_GET(self):  # noqa: N802 (http.server's name)
                 if self.path != "/metrics":
                     self.send_error(404, "only /metrics")
@@ -212,14 +248,26 @@ class Exporter:
                 pass
 
         self.port = port
-        self._server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
-        self._server.daemon_threads = True
+        try:
+            self._server: _BoundedServer | None = _BoundedServer((host, port), Handler,
+                                                                 max_connections)
+        except OSError as e:
+            self._server = None
+            logger.warning("ECXConnector (%s): no ecx metrics exporter on %s:%d: %s (vLLM "
+                           "runs on without it)", process, host, port, e)
+            return
         self._thread = threading.Thread(target=self._server.serve_forever,
                                         name=f"ecx-metrics-{port}", daemon=True)
         self._thread.start()
-        logger.info("ECXConnector (%s): ecx metrics on http://127.0.0.1:%d/metrics",
-                    process, port)
+        logger.info("ECXConnector (%s): ecx metrics on http://%s:%d/metrics", process, host,
+                    port)
+
+    @property
+    def serving(self) -> bool:
+        return self._server is not None
 
     def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None

@@ -112,6 +112,7 @@ void jpeg_scan_limit(j_common_ptr cinfo) {
 
 // Only plain C objects live in this frame, so longjmp skips no destructor. Returns 0 on
 // success, 1 on a decode error (message in err), 2 when the image is over max_pixels.
+// Without `rgb`, only the header is read.
 int decode_jpeg_raw(const unsigned char* data, size_t size, uint64_t max_pixels, JpegError* err,
                     unsigned* width, unsigned* height, std::vector<uint8_t>* rgb) {
   jpeg_decompress_struct cinfo;
@@ -133,6 +134,10 @@ int decode_jpeg_raw(const unsigned char* data, size_t size, uint64_t max_pixels,
   if (*width == 0 || *height == 0 || uint64_t{*width} * *height > max_pixels) {
     jpeg_destroy_decompress(&cinfo);
     return 2;
+  }
+  if (rgb == nullptr) {  // the header's size only
+    jpeg_destroy_decompress(&cinfo);
+    return 0;
   }
   cinfo.out_color_space = JCS_RGB;
   jpeg_start_decompress(&cinfo);
@@ -164,18 +169,53 @@ Result<Image> decode_jpeg(std::string_view bytes, const ImageLimits& limits) {
   return out;
 }
 
+Result<ImageSize> read_png_size(std::string_view bytes, const ImageLimits& limits) {
+  ECX_RETURN_IF_ERROR(check_png_chunks(bytes));
+  png_image img;
+  std::memset(&img, 0, sizeof(img));
+  img.version = PNG_IMAGE_VERSION;
+  if (!png_image_begin_read_from_memory(&img, bytes.data(), bytes.size())) {
+    return InvalidArgument(std::string("cannot decode PNG: ") + img.message);
+  }
+  ImageSize size{static_cast<int>(img.width), static_cast<int>(img.height)};
+  Status dims = check_dims(img.width, img.height, limits);
+  png_image_free(&img);
+  ECX_RETURN_IF_ERROR(dims);
+  return size;
+}
+
+Result<ImageSize> read_jpeg_size(std::string_view bytes, const ImageLimits& limits) {
+  JpegError err;
+  unsigned width = 0, height = 0;
+  int rc = decode_jpeg_raw(reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size(),
+                           limits.max_pixels, &err, &width, &height, nullptr);
+  if (rc == 1) return InvalidArgument(std::string("cannot decode JPEG: ") + err.message);
+  ECX_RETURN_IF_ERROR(check_dims(width, height, limits));
+  return ImageSize{static_cast<int>(width), static_cast<int>(height)};
+}
+
+Status check_size(std::string_view bytes, const ImageLimits& limits) {
+  if (bytes.size() <= limits.max_bytes) return Status::Ok();
+  return Status(StatusCode::kResourceExhausted, "image of " + std::to_string(bytes.size()) +
+                                                    " bytes exceeds the limit of " +
+                                                    std::to_string(limits.max_bytes) + " bytes");
+}
+
 constexpr char kBase64[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
 
 }  // namespace
 
 Result<Image> decode_image(std::string_view bytes, const ImageLimits& limits) {
-  if (bytes.size() > limits.max_bytes) {
-    return Status(StatusCode::kResourceExhausted, "image of " + std::to_string(bytes.size()) +
-                                                      " bytes exceeds the limit of " +
-                                                      std::to_string(limits.max_bytes) + " bytes");
-  }
+  ECX_RETURN_IF_ERROR(check_size(bytes, limits));
   if (is_png(bytes)) return decode_png(bytes, limits);
   if (is_jpeg(bytes)) return decode_jpeg(bytes, limits);
+  return InvalidArgument("cannot decode image: not a PNG or JPEG");
+}
+
+Result<ImageSize> read_image_size(std::string_view bytes, const ImageLimits& limits) {
+  ECX_RETURN_IF_ERROR(check_size(bytes, limits));
+  if (is_png(bytes)) return read_png_size(bytes, limits);
+  if (is_jpeg(bytes)) return read_jpeg_size(bytes, limits);
   return InvalidArgument("cannot decode image: not a PNG or JPEG");
 }
 

@@ -285,14 +285,11 @@ Result<std::unique_ptr<VisionEncoder>> VisionEncoder::create(const ModelConfig& 
   return std::unique_ptr<VisionEncoder>(new VisionEncoder(std::move(impl)));
 }
 
-Result<PreparedImage> VisionEncoder::prepare(const Image& image) const {
+Result<VisionEncoder::Grid> VisionEncoder::grid_for(int width, int height) const {
   const ModelConfig& c = impl_->config;
   const int unit = c.patch * c.merge;  // 28
-  const double h = image.height, w = image.width;
-  if (image.width <= 0 || image.height <= 0 ||
-      image.rgb.size() != static_cast<size_t>(image.width) * image.height * 3) {
-    return InvalidArgument("image has inconsistent dimensions");
-  }
+  const double h = height, w = width;
+  if (width <= 0 || height <= 0) return InvalidArgument("image has zero width or height");
   if (std::max(h, w) / std::min(h, w) > 200)
     return InvalidArgument("image aspect ratio exceeds 200");
   // Qwen2.5-VL smart resize.
@@ -307,10 +304,22 @@ Result<PreparedImage> VisionEncoder::prepare(const Image& image) const {
     h_bar = std::ceil(h * beta / unit) * unit;
     w_bar = std::ceil(w * beta / unit) * unit;
   }
+  return Grid{static_cast<int>(h_bar) / unit, static_cast<int>(w_bar) / unit};
+}
+
+Result<PreparedImage> VisionEncoder::prepare(const Image& image) const {
+  const ModelConfig& c = impl_->config;
+  const int unit = c.patch * c.merge;  // 28
+  const double h = image.height, w = image.width;
+  if (image.width <= 0 || image.height <= 0 ||
+      image.rgb.size() != static_cast<size_t>(image.width) * image.height * 3) {
+    return InvalidArgument("image has inconsistent dimensions");
+  }
+  ECX_ASSIGN_OR_RETURN(Grid grid, grid_for(image.width, image.height));
   PreparedImage out;
-  const int rh = static_cast<int>(h_bar), rw = static_cast<int>(w_bar);
-  out.grid_h = rh / unit;
-  out.grid_w = rw / unit;
+  const int rh = grid.h * unit, rw = grid.w * unit;
+  out.grid_h = grid.h;
+  out.grid_w = grid.w;
   out.pixels.resize(static_cast<size_t>(rh) * rw * 3);
   static constexpr float kMean[3] = {0.48145466f, 0.4578275f, 0.40821073f};
   static constexpr float kStd[3] = {0.26862954f, 0.26130258f, 0.27577711f};

@@ -98,29 +98,40 @@ std::string chat_body(const EncodeCall& call) {
       {{"model", call.model}, {"messages", json::array({message})}, {"stream", false}});
 }
 
-// {"image": URL}: written straight from the URL when it needs no escaping (a data URL is
-// base64), so a large image is not copied into a JSON document first.
-std::string encode_body(std::string_view data_url) {
+// {"image": URL, "chat_image_sizes": [[w, h], ...]}: written straight from the URL when it
+// needs no escaping (a data URL is base64), so a large image is not copied into a JSON
+// document first.
+std::string encode_body(const EncodeCall& call) {
+  json sizes = json::array();
+  if (call.chat_image_sizes) {
+    for (const auto& size : *call.chat_image_sizes) sizes.push_back({size.width, size.height});
+  }
+  std::string_view data_url = call.data_url;
   const bool plain = std::all_of(data_url.begin(), data_url.end(), [](char c) {
     return c != '"' && c != '\\' && static_cast<unsigned char>(c) >= 0x20;
   });
-  if (!plain) return safe_dump(json{{"image", data_url}});
+  if (!plain) return safe_dump(json{{"image", data_url}, {"chat_image_sizes", sizes}});
+  std::string tail = sizes.dump();
   std::string body;
-  body.reserve(data_url.size() + 16);
-  body.append(R"({"image":")").append(data_url).append(R"("})");
+  body.reserve(data_url.size() + tail.size() + 40);
+  body.append(R"({"image":")").append(data_url).append(R"(","chat_image_sizes":)");
+  body.append(tail).append("}");
   return body;
 }
 
-// The message of an error answer {"error": {"message": ...}}, or its first 500 bytes.
-std::string error_message(const std::string& body) {
+// The message and type of an error answer {"error": {"message": ..., "type": ...}}, or its
+// first 500 bytes and no type.
+std::pair<std::string, std::string> error_of(const std::string& body) {
   auto doc = parse_json_object(body, "error answer");
   if (doc.ok()) {
     auto error = JsonReader(*doc, "error answer").child("error");
     auto message = error.ok() ? error->string("message", Presence::kRequired, 4096)
                               : Result<std::string>(error.status());
-    if (message.ok()) return *message;
+    auto type = error.ok() ? error->string("type", Presence::kOptional, 64)
+                           : Result<std::string>(error.status());
+    if (message.ok()) return {*message, type.ok() ? *type : ""};
   }
-  return body.substr(0, 500);
+  return {body.substr(0, 500), ""};
 }
 
 }  // namespace
@@ -130,7 +141,7 @@ void call_encoder(http::HttpClient& client, std::shared_ptr<Upstream> e, const E
   bool vllm = call.api == UpstreamApi::kVllm;
   http::ClientRequest request;
   request.target = vllm ? "/v1/chat/completions" : "/v1/encode";
-  request.body = vllm ? chat_body(call) : encode_body(call.data_url);
+  request.body = vllm ? chat_body(call) : encode_body(call);
   request.connect_timeout = std::chrono::milliseconds(std::min<int64_t>(timeout_ms, 5000));
   request.timeout = std::chrono::milliseconds(timeout_ms);
   request.cancel = call.cancel;
@@ -151,8 +162,10 @@ void call_encoder(http::HttpClient& client, std::shared_ptr<Upstream> e, const E
                   vllm ? read_chat_answer(res.body, r, e->url)
                        : read_encode_answer(res.body, r, e->url);
                 } else {
+                  auto [message, type] = error_of(res.body);
                   r.error = "encoder " + e->url + " answered " + std::to_string(res.status) + ": " +
-                            error_message(res.body);
+                            message;
+                  r.error_type = std::move(type);
                 }
                 done(std::move(r));
               });
@@ -272,7 +285,7 @@ void ParamsReleaser::release(const IssuedParams& issued) {
           }
           if (!res.ok() || res.status != 200) {
             spdlog::warn("event=release_failed encoder={} error=\"{}\"", encoder->url,
-                         res.ok() ? std::to_string(res.status) + ": " + error_message(res.body)
+                         res.ok() ? std::to_string(res.status) + ": " + error_of(res.body).first
                                   : res.message);
             return;
           }

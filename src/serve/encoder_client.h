@@ -14,6 +14,7 @@
 #include <string_view>
 #include <vector>
 
+#include "ecx/engine/image.h"
 #include "ecx/serve/services.h"
 #include "http/http_client.h"
 #include "serve/upstream.h"
@@ -36,6 +37,9 @@ struct EncodeCall {
   // derived from its bytes), which the PD's copy of the image carries too.
   std::string model;
   std::string uuid;
+  // ecx: the size of every image of the chat (from their headers), so E refuses a chat
+  // whose images could never fit the context before it encodes any of them.
+  std::shared_ptr<const std::vector<engine::ImageSize>> chat_image_sizes;
   // The request's client hung up: the call ends (http::ClientRequest::cancel), and no other
   // encoder is tried.
   std::shared_ptr<http::Cancellation> cancel;
@@ -52,7 +56,8 @@ struct EncodeResult {
   bool encoded = false;
   std::string mm_hash;
   nlohmann::json params;
-  std::string error;  // why not encoded
+  std::string error;       // why not encoded
+  std::string error_type;  // an error answer's type (context_length_exceeded, ...), if any
 };
 // Calls `done` once, on a client thread.
 void call_encoder(http::HttpClient& client, std::shared_ptr<Upstream> encoder,

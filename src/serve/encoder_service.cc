@@ -28,16 +28,49 @@ namespace ecx::serve {
 namespace {
 
 using nlohmann::json;
-// The image of a /v1/encode body {"image": "data:image/...;base64,..."}, decoded from
-// its data URL.
-Result<std::string> read_encode_body(const std::string& body) {
-  static const std::string kShape = "body must be {\"image\": \"data:image/...;base64,...\"}";
+// A /v1/encode body {"image": "data:image/...;base64,...", "chat_image_sizes": [[w, h],
+// ...]}: the image's data URL and, when a proxy sends it, the size of every image of the
+// chat it belongs to (its own included), read from their headers.
+struct EncodeBody {
+  std::string data_url;
+  std::vector<engine::ImageSize> chat_image_sizes;
+};
+
+constexpr int64_t kMaxImageSide = 1 << 20;
+
+Result<std::vector<engine::ImageSize>> read_image_sizes(const json* sizes, int max_images) {
+  std::vector<engine::ImageSize> out;
+  if (sizes == nullptr) return out;
+  if (sizes->size() > static_cast<size_t>(max_images)) {
+    return InvalidArgument("chat_image_sizes lists " + std::to_string(sizes->size()) +
+                           " images; a chat holds at most " + std::to_string(max_images));
+  }
+  for (const json& size : *sizes) {
+    const bool pair = size.is_array() && size.size() == 2 && size[0].is_number_integer() &&
+                      size[1].is_number_integer();
+    if (!pair || size[0].get<int64_t>() < 1 || size[0].get<int64_t>() > kMaxImageSide ||
+        size[1].get<int64_t>() < 1 || size[1].get<int64_t>() > kMaxImageSide) {
+      return InvalidArgument("chat_image_sizes must be [[width, height], ...] of 1 to " +
+                             std::to_string(kMaxImageSide) + " pixels each");
+    }
+    out.push_back({size[0].get<int>(), size[1].get<int>()});
+  }
+  return out;
+}
+
+Result<EncodeBody> read_encode_body(const std::string& body, int max_images) {
+  static const std::string kShape =
+      "body must be {\"image\": \"data:image/...;base64,...\"} (and optionally "
+      "\"chat_image_sizes\": [[width, height], ...])";
   auto doc = parse_json_object(body, "encode body");
   if (!doc.ok()) return InvalidArgument(kShape);
-  auto image = JsonReader(*doc, "encode body")
-                   .string("image", Presence::kRequired, std::numeric_limits<size_t>::max());
+  JsonReader reader(*doc, "encode body");
+  auto image = reader.string("image", Presence::kRequired, std::numeric_limits<size_t>::max());
   if (!image.ok()) return InvalidArgument(kShape);
-  return *image;
+  auto sizes = reader.array("chat_image_sizes", Presence::kOptional);
+  if (!sizes.ok()) return InvalidArgument(kShape);
+  ECX_ASSIGN_OR_RETURN(auto chat_image_sizes, read_image_sizes(*sizes, max_images));
+  return EncodeBody{std::move(*image), std::move(chat_image_sizes)};
 }
 
 // The params of a /v1/ec/release body {"ec_transfer_params": {<mm_hash>: <params>, ...}}:
@@ -134,6 +167,8 @@ class EncoderService {
   // 400 context_length_exceeded for images whose `tokens` (each counted as often as the
   // request uses it) could never fit the model's context: nothing is encoded for them.
   std::optional<RequestError> check_fits(int64_t tokens);
+  // check_fits for a chat's images of these sizes (their grids, from the sizes alone).
+  std::optional<RequestError> check_chat_fits(const std::vector<engine::ImageSize>& sizes);
   // Every image part of `chat`, prepared, each distinct image once.
   std::optional<RequestError> prepare_all(const ChatRequest& chat, std::vector<ChatImage>* out);
   // Ends the pins of params issued to a request that then failed.
@@ -215,6 +250,17 @@ std::optional<RequestError> EncoderService::check_fits(int64_t tokens) {
                           "encoded"};
 }
 
+std::optional<RequestError> EncoderService::check_chat_fits(
+    const std::vector<engine::ImageSize>& sizes) {
+  int64_t tokens = 0;
+  for (const engine::ImageSize& size : sizes) {
+    auto grid = encoder_->grid_for(size.width, size.height);
+    if (!grid.ok()) return RequestError{422, "invalid_image", grid.status().message()};
+    tokens += grid->tokens();
+  }
+  return check_fits(tokens);
+}
+
 std::optional<RequestError> EncoderService::encode(const engine::PreparedImage& image,
                                                    const HttpRequest& req, Saved* out) {
   TensorMeta meta = encoder_->output_meta(image);
@@ -236,12 +282,14 @@ std::optional<RequestError> EncoderService::encode(const engine::PreparedImage& 
 
 void EncoderService::handle_encode(const HttpRequest& req, HttpResponse& res) {
   auto t0 = Clock::now();
-  auto data_url = read_encode_body(req.body);
-  if (!data_url.ok()) {
+  auto body = read_encode_body(req.body, config_.common.max_images);
+  if (!body.ok()) {
     metrics_.add(metric::kEncodeFailures, 1, {{"reason", "bad_request"}});
-    return send_error(res, 400, "invalid_request_error", data_url.status().message());
+    return send_error(res, 400, "invalid_request_error", body.status().message());
   }
-  auto bytes = engine::decode_data_url(*data_url);
+  // The whole chat must fit the context before this image of it is even decoded.
+  if (auto err = check_chat_fits(body->chat_image_sizes)) return send_error(res, *err);
+  auto bytes = engine::decode_data_url(body->data_url);
   if (!bytes.ok()) return send_error(res, 400, "invalid_request_error", bytes.status().message());
   engine::PreparedImage prepared;
   if (auto err = prepare(*bytes, &prepared)) return send_error(res, *err);
@@ -289,6 +337,9 @@ void EncoderService::handle_chat(const HttpRequest& req, HttpResponse& res) {
     metrics_.add(metric::kEncodeFailures, 1, {{"reason", "bad_request"}});
     return send_error(res, *err);
   }
+  // From the images' headers first: a chat that could never fit is refused before any
+  // image is decoded.
+  if (auto err = check_chat_fits(image_sizes(chat, config_.common))) return send_error(res, *err);
   std::vector<ChatImage> images;
   if (auto err = prepare_all(chat, &images)) return send_error(res, *err);
   int64_t needed = 0;

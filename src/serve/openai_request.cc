@@ -305,4 +305,18 @@ std::optional<RequestError> parse_chat_document(json body, const CommonServiceCo
   return std::nullopt;
 }
 
+std::vector<engine::ImageSize> image_sizes(const ChatRequest& chat,
+                                           const CommonServiceConfig& config) {
+  const engine::ImageLimits limits{config.max_image_bytes, config.max_image_pixels};
+  std::vector<engine::ImageSize> sizes;
+  for (const auto& message : chat.messages) {
+    for (const auto& part : message.parts) {
+      if (part.kind != ContentPart::kImage) continue;
+      auto size = engine::read_image_size(part.media_bytes, limits);
+      if (size.ok()) sizes.push_back(*size);
+    }
+  }
+  return sizes;
+}
+
 }  // namespace ecx::serve

@@ -9,6 +9,7 @@
 #include <string_view>
 #include <vector>
 
+#include "ecx/engine/image.h"
 #include "ecx/serve/services.h"
 #include "serve/http_server.h"
 
@@ -80,5 +81,11 @@ Result<nlohmann::json> parse_chat_body(const std::string& body, const CommonServ
 std::optional<RequestError> parse_chat_document(nlohmann::json body,
                                                 const CommonServiceConfig& config, ChatRequest* out,
                                                 PartPolicy policy = PartPolicy::kReferenceEngine);
+
+// The size of every image part of `chat` (each occurrence), read from its header under
+// `config`'s limits: what the chat's images cost the context before any is decoded. An
+// image whose header cannot be read is left out (decoding it names the error).
+std::vector<engine::ImageSize> image_sizes(const ChatRequest& chat,
+                                           const CommonServiceConfig& config);
 
 }  // namespace ecx::serve

@@ -238,6 +238,11 @@ std::vector<ImageJob> Proxy::image_jobs(ChatCall& call) const {
   std::vector<ImageJob> jobs;
   const UpstreamList& encoders = call.members->encoders;
   std::set<std::pair<uint64_t, std::string>> sent;  // each distinct image once per request
+  // Every encode call carries the chat's image sizes: E refuses a chat that could never
+  // fit before it encodes any image of it.
+  auto sizes = std::make_shared<const std::vector<engine::ImageSize>>(
+      config_.upstream_api == UpstreamApi::kVllm ? std::vector<engine::ImageSize>{}
+                                                 : image_sizes(call.chat, config_.common));
   for (size_t m = 0; m < call.chat.messages.size(); ++m) {
     auto& parts = call.chat.messages[m].parts;
     for (size_t p = 0; p < parts.size(); ++p) {
@@ -252,6 +257,7 @@ std::vector<ImageJob> Proxy::image_jobs(ChatCall& call) const {
       }
       EncodeCall encode = encode_call(call.chat, part, forward_part);
       encode.cancel = call.req->client_gone;
+      encode.chat_image_sizes = sizes;
       uint64_t key = checksum64(part.media_bytes.data(), part.media_bytes.size());
       std::string().swap(part.media_bytes);  // hashed: the forwarded request holds the image
       // (In vllm mode an image is its bytes and its uuid: E must see each uuid the PD does.)
@@ -417,8 +423,10 @@ EncodedImages Proxy::merge(const std::vector<ImageEncode>& encodes) {
       out.issued[r.encoder][r.result.mm_hash] = r.result.params;
       out.params[r.result.mm_hash] = r.result.params;
     } else if (r.outcome == ImageEncode::kClientError && !out.error) {
-      // The client's fault (bad image) keeps its 4xx.
-      out.error = RequestError{r.result.http_status, "invalid_image", r.result.error};
+      // The client's fault (a bad image, a chat that cannot fit) keeps its 4xx and type.
+      const std::string& type = r.result.error_type;
+      out.error =
+          RequestError{r.result.http_status, type.empty() ? "invalid_image" : type, r.result.error};
     }
   }
   return out;

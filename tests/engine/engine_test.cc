@@ -30,6 +30,22 @@ TEST(Image, PngAndJpegDecodeWhatWasEncoded) {
   EXPECT_EQ(j->height, 61);
 }
 
+// An image's size from its header alone, as decoding finds it, under the same limits.
+TEST(Image, TheSizeIsReadFromTheHeaderUnderTheDecodeLimits) {
+  Image img = synthetic_image(97, 61, 3);
+  for (const std::string& bytes : {encode_png(img).value(), encode_jpeg(img, 90).value()}) {
+    auto size = read_image_size(bytes, {});
+    ASSERT_TRUE(size.ok()) << size.status().to_string();
+    EXPECT_EQ(size->width, 97);
+    EXPECT_EQ(size->height, 61);
+    EXPECT_EQ(read_image_size(bytes, {.max_bytes = 1 << 20, .max_pixels = 1000}).status().code(),
+              StatusCode::kResourceExhausted);
+    EXPECT_EQ(read_image_size(bytes.substr(0, 12), {}).status().code(),
+              StatusCode::kInvalidArgument);
+  }
+  EXPECT_EQ(read_image_size("hello", {}).status().code(), StatusCode::kInvalidArgument);
+}
+
 TEST(Image, BadInputIsAClearErrorNotACrash) {
   EXPECT_EQ(decode_image("hello", {}).status().code(), StatusCode::kInvalidArgument);
   auto png = encode_png(synthetic_image(64, 64, 1)).value();
@@ -110,6 +126,18 @@ TEST_F(ModelTest, QwenGeometry) {
   auto tiny = encoder_->prepare(synthetic_image(10, 10, 1));
   ASSERT_TRUE(tiny.ok());
   EXPECT_GE(tiny->grid_h * 28 * tiny->grid_w * 28, 56 * 56);  // raised to min_pixels
+  // The grid from the size alone is the one prepare makes.
+  for (auto [w, h] : {std::pair{560, 560}, {1920, 1080}, {10, 10}, {4000, 3000}, {29, 5000}}) {
+    auto prepared = encoder_->prepare(synthetic_image(w, h, 1));
+    auto grid = encoder_->grid_for(w, h);
+    ASSERT_EQ(prepared.ok(), grid.ok()) << w << "x" << h;
+    if (!grid.ok()) continue;
+    EXPECT_EQ(grid->h, prepared->grid_h) << w << "x" << h;
+    EXPECT_EQ(grid->w, prepared->grid_w) << w << "x" << h;
+    EXPECT_EQ(grid->tokens(), prepared->tokens());
+  }
+  EXPECT_FALSE(encoder_->grid_for(0, 10).ok());
+  EXPECT_FALSE(encoder_->grid_for(1, 500).ok());  // aspect ratio over 200
 }
 
 TEST_F(ModelTest, EncoderIsDeterministicAndHashesPixels) {

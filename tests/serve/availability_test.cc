@@ -383,6 +383,67 @@ int64_t status_kib(pid_t pid, const std::string& field) {
   return -1;
 }
 
+// The context check is the chat's, not each image's: four images that each fit the
+// context alone but not together are refused by E before any of them is encoded (the
+// proxy sends every encode call the chat's image sizes), with a 400 naming the total; so
+// are they when a client sends them to E's chat completion itself, or lists the sizes in
+// its own /v1/encode call. (Without the chat's sizes, E encoded each image: each fits.)
+TEST(EncoderWork, AChatWhoseImagesTogetherCannotFitIsRefusedBeforeAnyIsEncoded) {
+  EpdStack stack;
+  stack.encoder_flags = {"--max-model-len", "1024"};
+  ASSERT_TRUE(stack.start_all(1).ok());
+  // 600 x 600 px: 21 x 21 = 441 tokens each, 1764 together.
+  json content = json::array({{{"type", "text"}, {"text", "Compare:"}}});
+  for (int i = 0; i < 4; ++i) {
+    engine::Image image = engine::synthetic_image(600, 600, 40 + i);
+    content.push_back(
+        {{"type", "image_url"},
+         {"image_url",
+          {{"url", engine::make_data_url(engine::encode_png(image).value(), "image/png")}}}});
+  }
+  const json messages = json::array({{{"role", "user"}, {"content", content}}});
+  const std::string body =
+      json{{"model", "ecx-tiny-vl"}, {"messages", messages}, {"max_tokens", 4}}.dump();
+  auto refused = chat(stack.proxy, body);
+  ASSERT_TRUE(refused);
+  EXPECT_EQ(refused->status, 400) << refused->body;
+  auto answer = json::parse(refused->body, nullptr, false);
+  EXPECT_EQ(answer["error"]["type"], "context_length_exceeded") << refused->body;
+  EXPECT_NE(refused->body.find("1764 tokens"), std::string::npos) << refused->body;
+  // Straight to E: its chat completion, and /v1/encode with the chat's sizes.
+  Service& e = stack.encoders[0];
+  auto direct = e.client().Post("/v1/chat/completions",
+                                json{{"model", "ecx-tiny-vl"}, {"messages", messages}}.dump(),
+                                "application/json");
+  ASSERT_TRUE(direct);
+  EXPECT_EQ(direct->status, 400) << direct->body;
+  EXPECT_NE(direct->body.find("1764 tokens"), std::string::npos) << direct->body;
+  json listed = {{"image", black_image_url(600)},
+                 {"chat_image_sizes", {{600, 600}, {600, 600}, {600, 600}, {600, 600}}}};
+  auto one = e.client().Post("/v1/encode", listed.dump(), "application/json");
+  ASSERT_TRUE(one);
+  EXPECT_EQ(one->status, 400) << one->body;
+  std::string m = metrics(e);
+  EXPECT_EQ(metric_value(m, "ecx_encode_requests_total{cache=\"miss\"} "), 0)
+      << "an image was encoded:\n"
+      << m;
+  EXPECT_EQ(metric_value(m, "ecx_encode_failures_total{reason=\"context_length_exceeded\"} "),
+            4 + 1 + 1)
+      << m;
+  // A malformed list is a 400 naming it; the image alone (441 tokens) is encoded.
+  for (const json& sizes : {json{{600}}, json{{0, 600}}, json("600x600")}) {
+    listed["chat_image_sizes"] = sizes;
+    auto bad = e.client().Post("/v1/encode", listed.dump(), "application/json");
+    ASSERT_TRUE(bad);
+    EXPECT_EQ(bad->status, 400) << bad->body;
+    EXPECT_NE(bad->body.find("chat_image_sizes"), std::string::npos) << bad->body;
+  }
+  listed["chat_image_sizes"] = {{600, 600}};
+  auto fits = e.client().Post("/v1/encode", listed.dump(), "application/json");
+  ASSERT_TRUE(fits);
+  EXPECT_EQ(fits->status, 200) << fits->body;
+}
+
 // The body budget bounds memory: each body byte is charged 4 times, and what the proxy
 // makes of a request (its parsed form, the calls to E, the body for the PD) stays within
 // that, so large concurrent requests keep its peak memory within --max-buffered-bytes.

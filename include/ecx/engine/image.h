@@ -27,6 +27,14 @@ struct ImageLimits {
 // kResourceExhausted for images over a limit (checked from the header, before decoding).
 Result<Image> decode_image(std::string_view bytes, const ImageLimits& limits);
 
+// The width and height a PNG or JPEG declares, read from its header alone (no pixel is
+// decoded), with the errors of decode_image for what the header shows.
+struct ImageSize {
+  int width = 0;
+  int height = 0;
+};
+Result<ImageSize> read_image_size(std::string_view bytes, const ImageLimits& limits);
+
 Result<std::string> encode_png(const Image& image);
 Result<std::string> encode_jpeg(const Image& image, int quality);
 

@@ -79,6 +79,14 @@ class VisionEncoder {
                                                        const Weights& weights);
   ~VisionEncoder();
 
+  // The token grid of an image of this size (the resize prepare does), from its size
+  // alone: what an image costs the context before it is decoded.
+  struct Grid {
+    int h = 0;
+    int w = 0;
+    int64_t tokens() const { return int64_t{h} * w; }
+  };
+  Result<Grid> grid_for(int width, int height) const;
   // Resizes and normalizes; computes the mm_hash over model, preprocessing, size, pixels.
   Result<PreparedImage> prepare(const Image& image) const;
   // The output tensor's geometry for a prepared image: bf16 [tokens, embed_dim].

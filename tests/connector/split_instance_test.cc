@@ -201,6 +201,31 @@ TEST_F(SplitInstanceTest, OnlyALoadedItemIsSharedWithABoundedNumberOfReaders) {
   scheduler->request_finished("r");
 }
 
+// share_loaded is bounded per request as well as per call, and the reader pins no reader
+// gave back end with the request, not with their lease (600 s here): a caller looping on
+// it cannot pile pins up in the cache.
+TEST_F(SplitInstanceTest, SharedReaderPinsAreCappedPerRequestAndEndWithIt) {
+  auto params = worker_->save(hash_of("a"), 5, kItem);
+  ASSERT_TRUE(params.ok());
+  auto scheduler = make(Role::kConsumer, extra_for("pd-sched-" + tag_));
+  ASSERT_NE(scheduler, nullptr);
+  auto out = scheduler->load({.request_id = "r", .items = {{hash_of("a"), kItem, *params}}},
+                             Deadline::after_ms(30000));
+  ASSERT_TRUE(out.status.ok()) << out.status.to_string();
+  const uint64_t own = pins_of(*scheduler);
+  for (int call = 0; call < 16; ++call) {
+    auto shared = scheduler->share_loaded("r", hash_of("a"), 256);
+    ASSERT_TRUE(shared.ok()) << "call " << call << ": " << shared.status().to_string();
+  }
+  EXPECT_EQ(pins_of(*scheduler), own + 4096);
+  auto over = scheduler->share_loaded("r", hash_of("a"), 1);
+  EXPECT_EQ(over.status().code(), StatusCode::kResourceExhausted) << over.status().to_string();
+  EXPECT_NE(over.status().message().find("per request"), std::string::npos);
+  EXPECT_EQ(pins_of(*scheduler), own + 4096);
+  scheduler->request_finished("r");
+  EXPECT_EQ(pins_of(*scheduler), 0u);
+}
+
 TEST(ParamsMessageTest, ARequestAndItsReplyRoundTrip) {
   MmHash h = MmHash::sha256_of({"params-message"});
   auto req = parse_control_request(to_json(ParamsRequest{.items = {h}, .wait_ms = 70}));

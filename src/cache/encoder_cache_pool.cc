@@ -138,11 +138,16 @@ class EncoderCachePool::Impl {
     return Pin{ref_of(*e), add_pin_locked(*e, holder, lease)};
   }
 
+  // `quota_holder`: whose quota the pin counts against, when not the peer's (or, for a
+  // bearer pin, the params').
   Result<Pin> pin_for_peer(const MmHash& mm_hash, const std::string& peer,
-                           std::chrono::milliseconds lease) ECX_EXCLUDES(mu_) {
+                           std::chrono::milliseconds lease, const std::string& quota_holder = "")
+      ECX_EXCLUDES(mu_) {
     MutexLock lock(&mu_);
     ECX_ASSIGN_OR_RETURN(Entry * e, ready_entry_locked(mm_hash));
-    const std::string holder = peer.empty() ? std::string(PinTable::kParamsHolder) : peer;
+    const std::string holder = !quota_holder.empty() ? quota_holder
+                               : peer.empty()        ? std::string(PinTable::kParamsHolder)
+                                                     : peer;
     ECX_RETURN_IF_ERROR(pins_.check_quota(holder));
     ECX_ASSIGN_OR_RETURN(transfer::Capability cap,
                          agent_->grant(region_.id, e->offset, e->block_length, false, peer));
@@ -511,6 +516,11 @@ Status EncoderCachePool::unpin(uint64_t id) { return impl_->unpin(id); }
 Result<Pin> EncoderCachePool::pin_for_peer(const MmHash& h, const std::string& peer,
                                            std::optional<std::chrono::milliseconds> lease) {
   return impl_->pin_for_peer(h, peer, lease.value_or(impl_->default_lease()));
+}
+Result<Pin> EncoderCachePool::pin_for_bearer(const MmHash& h, const std::string& quota_holder,
+                                             std::optional<std::chrono::milliseconds> lease) {
+  if (quota_holder.empty()) return InvalidArgument("pin_for_bearer: no quota holder");
+  return impl_->pin_for_peer(h, "", lease.value_or(impl_->default_lease()), quota_holder);
 }
 Result<Pin> EncoderCachePool::pin_of_capability(const MmHash& h, const transfer::Capability& c) {
   return impl_->pin_of_capability(h, c);

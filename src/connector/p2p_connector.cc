@@ -102,13 +102,14 @@ class P2pDriver final : public ConnectorDriver {
   const std::string& name() const { return core_.name(); }
 
   // producer
-  Result<EcTransferParams> params_for(const MmHash& mm_hash);
+  // Pins the item for its params: against the params' quota, or `quota_holder`'s.
+  Result<EcTransferParams> params_for(const MmHash& mm_hash, const std::string& quota_holder = "");
   Result<std::string> handle_call(const transfer::Caller& caller, std::string_view body);
   Result<cache::Pin> entry_for(const transfer::Caller& caller, const MmHash& mm_hash,
                                const transfer::Capability& capability, Deadline wait);
   ItemsReply handle_lookup(const transfer::Caller& caller, const LookupRequest& req);
   Result<std::string> handle_load(const transfer::Caller& caller, const LoadBlocksRequest& req);
-  ItemsReply handle_params(const ParamsRequest& req);
+  ItemsReply handle_params(const transfer::Caller& caller, const ParamsRequest& req);
   ItemsReply handle_renew(const transfer::Caller& caller, const RenewRequest& req);
 
   // consumer
@@ -196,10 +197,13 @@ Status P2pDriver::release_params(const EcTransferParams& p) {
 }
 
 // An entry that is already cached is not written again: E can skip the encoder.
-Result<EcTransferParams> P2pDriver::params_for(const MmHash& mm_hash) {
+Result<EcTransferParams> P2pDriver::params_for(const MmHash& mm_hash,
+                                               const std::string& quota_holder) {
   // The pin keeps the block in place until the consumer's RELEASE or the lease ends;
   // its capability is the only way in for whoever the proxy hands the params to.
-  ECX_ASSIGN_OR_RETURN(cache::Pin pin, producer_pool_->pin_for_peer(mm_hash, ""));
+  ECX_ASSIGN_OR_RETURN(cache::Pin pin, quota_holder.empty()
+                                           ? producer_pool_->pin_for_peer(mm_hash, "")
+                                           : producer_pool_->pin_for_bearer(mm_hash, quota_holder));
   return core_.located_params(pin);
 }
 
@@ -211,7 +215,7 @@ Result<std::string> P2pDriver::handle_call(const transfer::Caller& caller, std::
       return to_json(handle_lookup(caller, *lookup));
     }
     if (auto* params = std::get_if<ParamsRequest>(&*request))
-      return to_json(handle_params(*params));
+      return to_json(handle_params(caller, *params));
     if (auto* renew = std::get_if<RenewRequest>(&*request))
       return to_json(handle_renew(caller, *renew));
     return handle_load(caller, std::get<LoadBlocksRequest>(*request));
@@ -307,14 +311,25 @@ bool P2pDriver::release_granted(uint64_t pin, const transfer::Capability& capabi
   return true;
 }
 
-ItemsReply P2pDriver::handle_params(const ParamsRequest& req) {
+// The params pins a caller holds count against its own quota (max_pins_per_holder), not
+// against those E issues itself, so no caller can keep E from issuing params; an item
+// asked for twice in one call is pinned once, and both answers carry that pin.
+ItemsReply P2pDriver::handle_params(const transfer::Caller& caller, const ParamsRequest& req) {
   Deadline wait = Deadline::after_ms(std::min<int64_t>(req.wait_ms, kMaxLookupWaitMs));
+  const std::string quota_holder = "params-op:" + caller.holder;
+  std::map<MmHash, size_t> answered;  // mm_hash -> its first reply
   ItemsReply reply;
   for (const auto& mm_hash : req.items) {
+    if (auto seen = answered.find(mm_hash); seen != answered.end()) {
+      ItemReply again = reply.items[seen->second];
+      reply.items.push_back(std::move(again));
+      continue;
+    }
+    answered.emplace(mm_hash, reply.items.size());
     ItemReply out{.mm_hash = mm_hash};
     out.status = producer_pool_->wait_ready(mm_hash, wait).status();
     if (out.status.ok()) {
-      auto params = params_for(mm_hash);
+      auto params = params_for(mm_hash, quota_holder);
       out.status = params.status();
       if (params.ok()) out.params = std::move(*params);
     }

@@ -123,6 +123,56 @@ TEST_F(SplitInstanceTest, AProducerSchedulerGetsItsWorkersParamsInOneCall) {
   EXPECT_EQ(pins, 2u);
 }
 
+// The `params` op's pins count against the calling agent's own quota (4096), not against
+// the params E issues for its own requests (/v1/encode, vLLM's scheduler): one agent at
+// its quota keeps neither E nor another agent from getting params. An item asked for many
+// times in one call is pinned once.
+TEST_F(SplitInstanceTest, OneCallerAtItsParamsQuotaKeepsNoOneElseFromParams) {
+  constexpr int kItems = 8;
+  std::vector<MmHash> items;
+  for (int i = 0; i < kItems; ++i) {
+    items.push_back(hash_of("item-" + std::to_string(i)));
+    ASSERT_TRUE(worker_->save(items.back(), i, kItem).ok());
+  }
+  auto producer_pins = [&] {
+    auto s = worker_->stats();
+    return s.ok() ? (*s)["producer_pool"]["pins"].get<uint64_t>() : UINT64_MAX;
+  };
+  const uint64_t before = producer_pins();
+  auto greedy = make(Role::kConsumer, extra_for("greedy-" + tag_));
+  ASSERT_NE(greedy, nullptr);
+  // One call naming one item 4096 times: one pin.
+  auto repeated = greedy->remote_saved_params(worker_metadata_, std::vector<MmHash>(4096, items[0]),
+                                              Deadline::after_ms(30000));
+  ASSERT_TRUE(repeated.ok()) << repeated.status().to_string();
+  ASSERT_TRUE(repeated->back().ok()) << repeated->back().status().to_string();
+  EXPECT_EQ((*repeated)[0]->pin, repeated->back()->pin);
+  EXPECT_EQ(producer_pins(), before + 1);
+  // Calls until the caller's quota is full (4096 pins: 511 more calls of 8 items, and 7).
+  std::vector<MmHash> batch = items;
+  int refused = 0;
+  for (int call = 0; call < 520 && refused == 0; ++call) {
+    auto replies = greedy->remote_saved_params(worker_metadata_, batch, Deadline::after_ms(30000));
+    ASSERT_TRUE(replies.ok()) << replies.status().to_string();
+    for (const auto& r : *replies) {
+      if (r.ok()) continue;
+      EXPECT_EQ(r.status().code(), StatusCode::kResourceExhausted) << r.status().to_string();
+      ++refused;
+    }
+  }
+  EXPECT_GT(refused, 0) << "the caller's quota never filled";
+  EXPECT_EQ(producer_pins(), before + 4096);
+  // E still issues params for its own requests (a new save), and another agent still gets
+  // params.
+  EXPECT_TRUE(worker_->save(hash_of("after"), 99, kItem).ok());
+  auto other = make(Role::kConsumer, extra_for("e-sched-" + tag_));
+  ASSERT_NE(other, nullptr);
+  auto replies =
+      other->remote_saved_params(worker_metadata_, {items[1]}, Deadline::after_ms(10000));
+  ASSERT_TRUE(replies.ok()) << replies.status().to_string();
+  EXPECT_TRUE((*replies)[0].ok()) << (*replies)[0].status().to_string();
+}
+
 TEST_F(SplitInstanceTest, AnAgentWithoutTheDeploymentSecretGetsNoParams) {
   ASSERT_TRUE(worker_->save(hash_of("a"), 1, kItem).ok());
   auto stranger = make(Role::kConsumer, extra_for("stranger-" + tag_, "another-secret"));

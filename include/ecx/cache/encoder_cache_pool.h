@@ -132,6 +132,12 @@ class EncoderCachePool {
   // the proxy); else only the agent of that name.
   Result<Pin> pin_for_peer(const MmHash& mm_hash, const std::string& peer,
                            std::optional<std::chrono::milliseconds> lease = std::nullopt);
+  // As pin_for_peer with `peer` empty (a bearer capability: params), but counted against
+  // `quota_holder`'s quota of max_pins_per_holder, not against the params' own: params
+  // one agent asks this pool's owner for cannot use up the quota of those it issues
+  // itself, nor another agent's.
+  Result<Pin> pin_for_bearer(const MmHash& mm_hash, const std::string& quota_holder,
+                             std::optional<std::chrono::milliseconds> lease = std::nullopt);
   // The pin whose capability is `capability`, if it is a live pin of `mm_hash`: how a
   // peer proves it was handed an entry before it may look it up by key.
   Result<Pin> pin_of_capability(const MmHash& mm_hash, const transfer::Capability& capability);

@@ -33,6 +33,12 @@ namespace {
 
 // The least share of connections one client may hold (ServerState::client_share).
 constexpr int64_t kMinClientShare = 256;
+// A client holding at most this many connections is a newcomer: served past
+// max_connections, within ServerState::newcomer_room() (at least kMinNewcomerRoom).
+constexpr int64_t kNewcomerConnections = 4;
+constexpr int64_t kMinNewcomerRoom = 64;
+// Waiting connections of the largest client asked to close per newcomer let in.
+constexpr int kYieldAsks = 4;
 
 // A quarter of physical memory (4 GiB when unknown): the default budget of request bodies.
 uint64_t quarter_of_memory() {
@@ -72,15 +78,63 @@ int64_t ServerState::client_share() const {
   return std::max<int64_t>(kMinClientShare, max_connections / 4);
 }
 
-bool ServerState::join_client(const std::string& client) {
-  MutexLock lock(&clients_mu_);
-  return ++connections_by_client_[client] <= client_share();
+int64_t ServerState::newcomer_room() const {
+  return std::max<int64_t>(kMinNewcomerRoom, max_connections / 8);
 }
 
-void ServerState::leave_client(const std::string& client) {
+Admission ServerState::admit(const std::string& client, std::weak_ptr<AdmittedConnection> conn) {
+  // Asked to yield once the lock is let go: a connection's last reference may go with the
+  // ask, and its destructor leave()s.
+  std::optional<std::vector<std::shared_ptr<AdmittedConnection>>> to_ask;
+  Admission a;
+  {
+    MutexLock lock(&clients_mu_);
+    auto& held = connections_by_client_[client];
+    held.push_back(std::move(conn));
+    a.slot = std::prev(held.end());
+    const int64_t open = ++open_connections;
+    const auto count = static_cast<int64_t>(held.size());
+    a.over_share = count > client_share() && open > max_connections / 2;
+    const bool newcomer = count <= kNewcomerConnections;
+    if (open > max_connections && newcomer && open <= max_connections + newcomer_room()) {
+      to_ask = room_makers_locked(client);
+    }
+    a.over_capacity = !to_ask && (a.over_share || open > max_connections);
+  }
+  if (to_ask) {
+    for (const auto& c : *to_ask) c->yield_if_waiting();
+  }
+  return a;
+}
+
+std::optional<std::vector<std::shared_ptr<AdmittedConnection>>> ServerState::room_makers_locked(
+    const std::string& newcomer) {
+  std::list<std::weak_ptr<AdmittedConnection>>* largest = nullptr;
+  for (auto& [client, held] : connections_by_client_) {
+    if (client != newcomer && (largest == nullptr || held.size() > largest->size())) {
+      largest = &held;
+    }
+  }
+  if (largest == nullptr || static_cast<int64_t>(largest->size()) <= kNewcomerConnections) {
+    return std::nullopt;  // nobody holds many: the service is full of small clients
+  }
+  // Its oldest first; those asked go to the back, so the next newcomer asks others.
+  std::vector<std::shared_ptr<AdmittedConnection>> out;
+  for (int asked = 0; asked < kYieldAsks && !largest->empty(); ++asked) {
+    if (auto c = largest->front().lock()) out.push_back(std::move(c));
+    largest->splice(largest->end(), *largest, largest->begin());
+  }
+  return out;
+}
+
+void ServerState::leave(const std::string& client, const Admission& admission) {
   MutexLock lock(&clients_mu_);
   auto it = connections_by_client_.find(client);
-  if (it != connections_by_client_.end() && --it->second <= 0) connections_by_client_.erase(it);
+  if (it != connections_by_client_.end()) {
+    it->second.erase(admission.slot);
+    if (it->second.empty()) connections_by_client_.erase(it);
+  }
+  open_connections--;
 }
 
 void ServerState::begin_request() {
@@ -144,25 +198,29 @@ void log_request(const std::string& method, const std::string& path, int status,
                out);
 }
 
-class Connection : public std::enable_shared_from_this<Connection> {
+class Connection : public AdmittedConnection, public std::enable_shared_from_this<Connection> {
  public:
   Connection(ServerState& state, tcp::socket socket)
-      : state_(state), client_(client_of(socket)), stream_(std::move(socket)) {
-    const bool within_share = state_.join_client(client_);
-    const int64_t open = ++state_.open_connections;
-    // A client past its share is refused only once the service is half full: alone, a
-    // busy client gets all the room there is.
-    over_share_ = !within_share && open > state_.max_connections / 2;
-    over_capacity_ = over_share_ || open > state_.max_connections;
-  }
-  ~Connection() {
+      : state_(state), client_(client_of(socket)), stream_(std::move(socket)) {}
+  ~Connection() override {
     release_body();
-    state_.leave_client(client_);
-    state_.open_connections--;
+    if (admitted_) state_.leave(client_, admission_);
   }
 
   void start() {
+    admission_ = state_.admit(client_, weak_from_this());
+    admitted_ = true;
+    over_share_ = admission_.over_share;
+    over_capacity_ = admission_.over_capacity;
     net::dispatch(stream_.get_executor(), [self = shared_from_this()] { self->read_request(); });
+  }
+
+  void yield_if_waiting() override {
+    net::post(stream_.get_executor(), [self = shared_from_this()] {
+      if (!self->waiting_) return;
+      self->state_.connections_yielded++;
+      self->close();
+    });
   }
 
   // For an async route's reply, from any thread: sends `res` on the strand (the request's
@@ -182,6 +240,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
  private:
   // A request: its headers, then (within the body budget) its body.
   void read_request();
+  void read_header();
   void on_header(beast::error_code ec);
   void read_body();
   void on_read(beast::error_code ec);
@@ -251,6 +310,10 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // refused), then closed.
   bool over_share_ = false;
   bool over_capacity_ = false;
+  Admission admission_;
+  bool admitted_ = false;
+  bool waiting_ = false;  // (strand) for a request's headers, or idle between requests
+  std::chrono::steady_clock::time_point body_deadline_;  // (strand) the body is in by then
   uint64_t declared_ = 0;       // body bytes the request being read announced (or may send)
   uint64_t reserved_ = 0;       // of the body budget, for the request being answered
   bool linger_ = false;         // its body was refused unread: linger() once answered
@@ -264,6 +327,12 @@ constexpr uint64_t kBodyStep = 64 << 10;
 constexpr uint64_t kBodyCopies = 4;
 // Longest a body may pause between two reads before the connection is closed.
 constexpr std::chrono::seconds kBodyStepTimeout{10};
+// A body must arrive whole within kBodyTime plus a second per kBodyRate bytes it
+// declared: one that trickles in a byte at a time cannot hold its connection forever.
+constexpr std::chrono::seconds kBodyTime{30};
+constexpr uint64_t kBodyRate = 256 << 10;
+// Once a request's first byte is in, its headers must be whole within this.
+constexpr std::chrono::seconds kHeaderTimeout{10};
 
 // How long a connection whose body was refused unread drops what still comes.
 constexpr std::chrono::seconds kLinger{2};
@@ -271,23 +340,40 @@ constexpr std::chrono::seconds kLinger{2};
 // How long a connection opened past --max-connections may take to send its request.
 constexpr std::chrono::seconds kOverCapacityRequestWait{5};
 
+// Idle until a request's first byte (--idle-timeout), then its headers within
+// kHeaderTimeout: a client that trickles them cannot hold its connection for long.
 void Connection::read_request() {
   requests_read_++;
   parser_.emplace();
   parser_->body_limit(state_.max_body_bytes);
   parser_->header_limit(64 * 1024);
+  waiting_ = true;
+  if (buffer_.size() > 0) return read_header();  // a pipelined request has begun
   stream_.expires_after(over_capacity_ ? kOverCapacityRequestWait : state_.idle_timeout);
+  stream_.async_read_some(buffer_.prepare(16 << 10),
+                          [self = shared_from_this()](beast::error_code ec, size_t n) {
+                            if (ec) return self->read_failed(ec);
+                            self->buffer_.commit(n);
+                            self->read_header();
+                          });
+}
+
+void Connection::read_header() {
+  stream_.expires_after(over_capacity_ ? kOverCapacityRequestWait : kHeaderTimeout);
   bhttp::async_read_header(
       stream_, buffer_, *parser_,
       [self = shared_from_this()](beast::error_code ec, size_t) { self->on_header(ec); });
 }
 
 void Connection::on_header(beast::error_code ec) {
+  waiting_ = false;
   if (ec) return read_failed(ec);
   // A length over --max-body-bytes has failed above; a chunked body may be up to it.
   uint64_t bytes =
       parser_->content_length().value_or(parser_->chunked() ? state_.max_body_bytes : 0);
   declared_ = bytes;
+  body_deadline_ =
+      std::chrono::steady_clock::now() + kBodyTime + std::chrono::seconds(bytes / kBodyRate);
   const auto& head = parser_->get();
   const bool wants_go_ahead = beast::iequals(head[bhttp::field::expect], "100-continue");
   if (bytes > 0) {
@@ -334,8 +420,10 @@ bool Connection::reserve_more() {
 
 void Connection::read_body() {
   if (parser_->is_done()) return on_read({});
-  // The body must keep coming: a client that stalls it loses the connection.
-  stream_.expires_after(kBodyStepTimeout);
+  // The body must keep coming, and be whole by its deadline: a client that stalls or
+  // trickles it loses the connection.
+  auto left = body_deadline_ - std::chrono::steady_clock::now();
+  stream_.expires_after(std::min<std::chrono::steady_clock::duration>(kBodyStepTimeout, left));
   bhttp::async_read_some(
       stream_, buffer_, *parser_,
       [self = shared_from_this()](beast::error_code ec, size_t) { self->on_body_bytes(ec); });

@@ -6,11 +6,14 @@
 #include <boost/asio/ip/tcp.hpp>
 #include <chrono>
 #include <cstdint>
+#include <list>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <utility>
+#include <vector>
 
 #include "ecx/common/deadline.h"
 #include "ecx/common/mutex.h"
@@ -24,6 +27,23 @@ struct HttpRoute {
   bool fast = false;  // answered on the I/O thread
   HttpHandler handler;
   AsyncHandler async;  // set for an async route (handler is then empty)
+};
+
+// A connection as admission sees it: one that is only waiting for a request can be asked
+// to make room for a client that holds few connections.
+class AdmittedConnection {
+ public:
+  virtual ~AdmittedConnection() = default;
+  // From any thread: closes the connection (on its strand) if it is waiting for a
+  // request's headers or idle between requests; one reading a body or serving stays.
+  virtual void yield_if_waiting() = 0;
+};
+
+// Where a connection stands once admitted (ServerState::admit).
+struct Admission {
+  bool over_share = false;     // its client holds more than its share
+  bool over_capacity = false;  // one request, work refused, then closed
+  std::list<std::weak_ptr<AdmittedConnection>>::iterator slot;  // for leave()
 };
 
 // Settings and figures of one server; connections hold a reference (the server
@@ -61,10 +81,18 @@ struct ServerState {
   // max_connections, at least 256, so one busy client is not refused while there is room
   // and one greedy client cannot take every connection. Past it, it is refused work.
   int64_t client_share() const;
-  // Counts a connection of `client`; false when the client is past its share (the
-  // connection is still counted: leave_client() when it closes).
-  bool join_client(const std::string& client) ECX_EXCLUDES(clients_mu_);
-  void leave_client(const std::string& client) ECX_EXCLUDES(clients_mu_);
+  // Connections past max_connections kept for clients that hold few (newcomers).
+  int64_t newcomer_room() const;
+  // Counts `conn` of `client` (leave() when it closes) and says how it is served. A
+  // client past its share is refused work once the service is half full. Past
+  // max_connections, a client that holds at most kNewcomerConnections is still served
+  // (within newcomer_room()) when another client holds more, and the client holding the
+  // most connections is asked to give waiting ones up: many addresses that each hold
+  // their share cannot keep a new client out.
+  Admission admit(const std::string& client, std::weak_ptr<AdmittedConnection> conn)
+      ECX_EXCLUDES(clients_mu_);
+  void leave(const std::string& client, const Admission& admission) ECX_EXCLUDES(clients_mu_);
+  std::atomic<uint64_t> connections_yielded{0};  // closed, waiting, to make room
 
   // The budget of request bodies held at once (max_buffered_bytes): takes `bytes` of it,
   // or nothing and false when they would pass it. A body is charged as it arrives (in
@@ -90,8 +118,15 @@ struct ServerState {
   Mutex mu_;
   CondVar idle_cv_;
   int64_t in_flight_ ECX_GUARDED_BY(mu_) = 0;
+  // Up to a few connections of the client holding the most (other than `newcomer`), to
+  // ask to yield, rotating through them; none when no other client holds more than a
+  // newcomer may (nobody to make room from: the newcomer is not let in).
+  std::optional<std::vector<std::shared_ptr<AdmittedConnection>>> room_makers_locked(
+      const std::string& newcomer) ECX_REQUIRES(clients_mu_);
+
   Mutex clients_mu_;
-  std::unordered_map<std::string, int64_t> connections_by_client_ ECX_GUARDED_BY(clients_mu_);
+  std::unordered_map<std::string, std::list<std::weak_ptr<AdmittedConnection>>>
+      connections_by_client_ ECX_GUARDED_BY(clients_mu_);
   std::atomic<uint64_t> buffered_bytes_{0};
 };
 

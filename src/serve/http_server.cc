@@ -153,6 +153,7 @@ std::string HttpServer::render_metrics() const {
   set(kHttpOpenConnections, s.open_connections.load());
   set(kHttpMaxConnections, s.max_connections);
   set(kHttpConnectionsRefused, s.connections_refused.load());
+  set(kHttpConnectionsYielded, s.connections_yielded.load());
   set(kHttpBufferedBytes, s.buffered_bytes());
   set(kHttpMaxBufferedBytes, s.max_buffered_bytes);
   set(kHttpBufferedRejected, s.buffered_rejected.load());

@@ -129,6 +129,9 @@ inline constexpr MetricFamily kHttpMaxConnections{
 inline constexpr MetricFamily kHttpConnectionsRefused{
     "ecx_http_connections_refused_total", kCounter,
     "requests refused with 503 on a connection past the connection limit"};
+inline constexpr MetricFamily kHttpConnectionsYielded{
+    "ecx_http_connections_yielded_total", kCounter,
+    "connections closed while waiting for a request, to make room for a client holding few"};
 inline constexpr MetricFamily kHttpBufferedBytes{
     "ecx_http_buffered_bytes", kGauge, "request bodies held now (being read, waiting or running)"};
 inline constexpr MetricFamily kHttpMaxBufferedBytes{

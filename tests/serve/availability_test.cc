@@ -1,13 +1,17 @@
 // The proxy keeps serving while its upstreams die: /health reports from connection
 // state, an encoder's images go to another encoder, and with no encoder left the PD
 // encodes them itself. Real `ecx serve` processes on loopback, real HTTP.
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <httplib.h>
+#include <poll.h>
 #include <signal.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
 
 #include <atomic>
 #include <condition_variable>
+#include <cstring>
 #include <fstream>
 #include <functional>
 #include <mutex>
@@ -274,6 +278,84 @@ std::string black_image_body(int side) { return json{{"image", black_image_url(s
 double metric_value(const std::string& text, const std::string& line_prefix) {
   auto at = text.find("\n" + line_prefix);
   return at == std::string::npos ? 0 : std::atof(text.c_str() + at + 1 + line_prefix.size());
+}
+
+// A TCP connection to `s` from the loopback address `from` (127.0.0.x), or -1.
+int connect_from(const Service& s, const char* from) {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return -1;
+  sockaddr_in local{};
+  local.sin_family = AF_INET;
+  ::inet_pton(AF_INET, from, &local.sin_addr);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(s.port));
+  ::inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&local), sizeof(local)) != 0 ||
+      ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+// Many addresses that each hold their share of connections, trickling headers they never
+// finish, fill a service to its --max-connections: a new client (another address) is
+// still served, the largest holders' waiting connections making room, and the trickling
+// ones are closed once their headers are late (10 s), not after the 60 s idle timeout.
+TEST(ServiceLimits, TricklingConnectionsFromManyAddressesKeepNoNewClientOut) {
+  rlimit mine{};
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &mine), 0);
+  rlimit raised = mine;
+  raised.rlim_cur = std::min<rlim_t>(mine.rlim_max, 8192);
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &raised), 0);
+  Service encoder;
+  auto flags = service_flags("p2p");
+  flags.insert(flags.end(), {"--max-connections", "1000"});
+  ASSERT_TRUE(start(encoder, "encoder", flags).ok());
+  // Watched through one connection opened first (a new one would be a newcomer itself).
+  httplib::Client watch = encoder.client(30);
+  watch.set_keep_alive(true);
+  auto open_connections = [&] {
+    auto res = watch.Get("/metrics");
+    return res ? metric_value(res->body, "ecx_http_open_connections ") : -1;
+  };
+  ASSERT_EQ(open_connections(), 1);
+  // 4 addresses x 250: the service is full, every address within its share (256).
+  std::vector<int> trickling;
+  for (const char* from : {"127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5"}) {
+    for (int i = 0; i < 250; ++i) {
+      int fd = connect_from(encoder, from);
+      ASSERT_GE(fd, 0) << from << " #" << i << ": " << std::strerror(errno);
+      const char start[] = "POST /v1/encode HTTP/1.1\r\nHost: e\r\n";
+      ASSERT_EQ(::send(fd, start, sizeof(start) - 1, MSG_NOSIGNAL),
+                static_cast<ssize_t>(sizeof(start) - 1));
+      trickling.push_back(fd);
+    }
+  }
+  ASSERT_TRUE(ecx::testing::poll_until(Deadline::after_ms(30000), [&] {
+    return open_connections() >= 1000;
+  })) << open_connections();
+  const auto filled = std::chrono::steady_clock::now();
+  auto served = encoder.client(30).Post("/v1/encode", black_image_body(56), "application/json");
+  ASSERT_TRUE(served) << httplib::to_string(served.error());
+  EXPECT_EQ(served->status, 200) << served->body;
+  EXPECT_GE(metric_value(metrics(encoder), "ecx_http_connections_yielded_total "), 1);
+  // Every trickling connection ends by its header deadline (a read sees the close).
+  int closed = 0;
+  for (int fd : trickling) {
+    pollfd p{fd, POLLIN, 0};
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        filled + std::chrono::seconds(25) - std::chrono::steady_clock::now());
+    char byte;
+    if (::poll(&p, 1, static_cast<int>(std::max<int64_t>(0, left.count()))) == 1 &&
+        ::recv(fd, &byte, 1, 0) <= 0) {
+      ++closed;
+    }
+    ::close(fd);
+  }
+  EXPECT_EQ(closed, static_cast<int>(trickling.size()));
+  ::setrlimit(RLIMIT_NOFILE, &mine);
 }
 
 // Work that cannot be served is not done: an image whose tokens could never fit the

@@ -7,7 +7,14 @@ The C++ core (ecx._ecx) does every byte movement; this package names it for Pyth
     view = agent.buffer(region.id)                 # numpy/torch see it without a copy
     conn = ecx.Connector(json.dumps({"connector": "p2p", "role": "consumer", "extra": {}}))
 
-Errors raise ecx.Error with .code (the Status code name, e.g. "not_found") and .message.
+Errors raise ecx.Error with .code (the Status code name, e.g. "not_found") and .message;
+an argument of the wrong Python type (a negative size, a tuple of the wrong length)
+raises nanobind's TypeError naming the signature.
+
+Arrays over ecx memory never outlive it: agent.deregister(region) raises ecx.Error
+("failed_precondition") while an array from agent.buffer(region) lives, and an array
+from conn.loaded(request, item) holds the item: item_finished / request_finished take
+effect once the last such array is gone.
 """
 
 from ecx._ecx import (  # noqa: F401

@@ -137,6 +137,7 @@ def test_round_trip_between_processes_is_bit_exact_and_zero_copy(producer_proces
         assert not got.flags.writeable, "ecx's memory is handed out read-only"
         # The array is the consumer cache's block itself, not a copy of it.
         assert got.__array_interface__["data"][0] == consumer.loaded_address("req-1", mm_hash)
+    del got  # an array over a loaded item holds it (the request ends once none is left)
     consumer.request_finished("req-1")
     stats = json.loads(command("stats"))
     for _ in range(100):  # the release travels asynchronously
@@ -191,8 +192,19 @@ def test_zero_copy_load_hands_out_the_producers_block_read_only(producer_process
     stats = consumer.stats()
     assert stats["views_held"] == 1, stats
     assert stats["consumer_cache"]["entries"] == 0, "a view takes no block of PD's cache"
+    # The array still views E's block: the request's end waits for it, so it is never
+    # read after E may reuse the block for another item.
+    part = got[:64]  # a view of the view holds it too
+    del got
     consumer.request_finished("req-zc")
+    assert consumer.stats()["views_held"] == 1
+    assert np.array_equal(part, payload(7, 400 * 2048 * 2)[:64])
+    with pytest.raises(ecx.Error) as err:
+        consumer.loaded("req-zc", mm_hash)  # finished: no new array
+    assert err.value.code == "failed_precondition"
+    del part
     assert consumer.stats()["views_held"] == 0
+    assert settled(lambda: producer_pins(command), 0) == 0
 
 
 def producer_pins(command) -> int:
@@ -363,3 +375,67 @@ def test_an_in_place_item_whose_block_e_reused_leaves_vllms_encoder_cache(produc
     assert "image" not in cache
     assert counters.take()["failures"] == {"view_lost": 1}
     assert settled(lambda: conn.stats()["views_held"], 0) == 0  # the request ended too
+
+
+MISUSE = r"""
+import json, sys, numpy as np, ecx
+case = sys.argv[1]
+if case == "buffer":
+    agent = ecx.Agent("misuse-buffer")
+    region = agent.allocate(1 << 20)
+    view = agent.buffer(region.id)[100:200]
+    try:
+        agent.deregister(region.id)
+        print("deregistered")
+    except ecx.Error as e:
+        print("refused", e.code)
+    print(int(view.sum()))
+    del view
+    agent.deregister(region.id)
+    print("deregistered once unviewed")
+elif case == "zero_copy_producer_gone":
+    token = "misuse-secret-0123456789abcdef"
+    producer = ecx.Connector(json.dumps({"connector": "p2p", "role": "producer", "extra": {
+        "engine_id": "misuse-e", "pool_bytes": "16MiB", "auth_token": token}}))
+    data = np.arange(4096, dtype=np.uint8)
+    params = producer.save("misuse-item", "U8", [4096], data)
+    consumer = ecx.Connector(json.dumps({"connector": "p2p", "role": "consumer", "extra": {
+        "engine_id": "misuse-pd", "pool_bytes": "16MiB", "auth_token": token,
+        "zero_copy": True, "keep_loaded": False}}))
+    outcome = consumer.load("r", [("misuse-item", "U8", [4096], params)], 30000)
+    assert outcome["ok"], outcome
+    got = consumer.loaded("r", "misuse-item")
+    consumer.request_finished("r")
+    del producer  # the in-process producer goes, its arena with it
+    import time
+    time.sleep(1)  # the consumer drops a gone peer's mappings on a background thread
+    print("same" if np.array_equal(got, data) else "changed")
+elif case == "bad_arguments":
+    for call in (lambda: ecx.EncoderCachePool("str"),
+                 lambda: ecx.Agent("misuse-args").allocate(-5),
+                 lambda: ecx.Agent("misuse-args2").read("x", [(1, 2)])):
+        try:
+            call()
+            print("accepted")
+        except (ecx.Error, TypeError) as e:
+            print(type(e).__name__)
+"""
+
+
+@pytest.mark.parametrize("case,expected", [
+    ("buffer", ["refused failed_precondition", "0", "deregistered once unviewed"]),
+    ("zero_copy_producer_gone", ["same"]),
+    ("bad_arguments", ["Error", "TypeError", "TypeError"]),
+])
+def test_binding_misuse_raises_and_never_crashes_the_interpreter(case, expected):
+    """Each case in its own interpreter, so a crash fails it (it used to be a SIGSEGV: a
+    region's array read after deregister(), a zero-copy array read after
+    request_finished() once its in-process producer had gone; EncoderCachePool("str")
+    raised RuntimeError std::bad_cast). Arguments of a wrong Python type (a negative
+    size, a tuple of the wrong length) raise nanobind's TypeError; wrong values
+    ecx.Error."""
+    run = subprocess.run([sys.executable, "-c", MISUSE, case], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    said = [line for line in run.stdout.splitlines() if not line.startswith("[")]  # no logs
+    assert said == expected, run.stdout

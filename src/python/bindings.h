@@ -5,8 +5,10 @@
 #include <nanobind/ndarray.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "ecx/common/status.h"
 #include "ecx/transfer/types.h"
@@ -26,6 +28,21 @@ template <typename T>
 T unwrap(Result<T> r) {
   if (!r.ok()) check(r.status());
   return std::move(r).value();
+}
+
+// What keeps a zero-copy array's memory valid, as the array's owner (a capsule): the
+// Python objects that must outlive it, and a token whose live copies count the arrays
+// over that memory, so that its holder refuses, or puts off, ending it while any does.
+// `on_end` runs as the array goes, once its token copy is let go (GIL held).
+struct ViewOwner {
+  std::vector<nb::object> keep;
+  std::shared_ptr<int> token;
+  std::function<void()> on_end;
+};
+nb::object view_owner(ViewOwner owner);
+// How many arrays hold a copy of `token` (view_owner) now.
+inline long live_views(const std::shared_ptr<int>& token) {
+  return token ? token.use_count() - 1 : 0;
 }
 
 // A one-dimensional uint8 ndarray over [data, data + length), kept valid by `owner`.

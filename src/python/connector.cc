@@ -8,6 +8,10 @@
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
+#include <map>
+#include <set>
+
 #include "ecx/cache/encoder_cache_pool.h"
 #include "ecx/common/json_reader.h"
 #include "ecx/connector/ec_connector.h"
@@ -110,9 +114,97 @@ class PyConnector {
 
   EcConnector& get() { return *conn_; }
 
+  // Zero-copy arrays of loaded items: while any array views an item, the request's hold
+  // on it stays, so no array is ever read after its bytes were given back (unmapped, or
+  // reused for another item). item_finished and request_finished put the end off until
+  // the last such array is gone. All of it runs under the GIL.
+  nb::object loaded_view(nb::handle self, const std::string& id, const MmHash& h, nb::handle owner);
+  void finish_item(const std::string& id, const MmHash& h);
+  void finish_request(const std::string& id);
+
  private:
+  struct Held {
+    std::map<MmHash, std::shared_ptr<int>> views;  // tokens of the arrays per item
+    std::set<MmHash> items_ended;                  // item_finished, put off
+    bool request_ended = false;                    // request_finished, put off
+  };
+  bool viewed(const Held& held) const {
+    return std::any_of(held.views.begin(), held.views.end(),
+                       [](const auto& v) { return live_views(v.second) > 0; });
+  }
+  void view_ended(const std::string& id, const MmHash& h);
+  void end_request_now(const std::string& id) {
+    nb::gil_scoped_release release;
+    conn_->request_finished(id);
+  }
+
   std::unique_ptr<EcConnector> conn_;
+  std::map<std::string, Held> held_;  // by request id (GIL)
 };
+
+nb::object PyConnector::loaded_view(nb::handle self, const std::string& id, const MmHash& h,
+                                    nb::handle owner) {
+  auto found = held_.find(id);
+  if (found != held_.end() && (found->second.request_ended || found->second.items_ended.count(h))) {
+    check(Status(StatusCode::kFailedPrecondition,
+                 "request " + id + " has finished with " + h.str() + " (its arrays still live)"));
+  }
+  auto ref = unwrap(conn_->loaded(id, h));
+  auto& token = held_[id].views[h];
+  if (!token) token = std::make_shared<int>(0);
+  std::vector<nb::object> keep{nb::borrow(self)};
+  if (!owner.is_none()) keep.push_back(nb::borrow(owner));
+  nb::object capsule = view_owner({std::move(keep), token, [this, id, h] { view_ended(id, h); }});
+  return nb::cast(read_only_view(ref.payload(), ref.payload_length(), capsule));
+}
+
+void PyConnector::finish_item(const std::string& id, const MmHash& h) {
+  auto found = held_.find(id);
+  if (found != held_.end()) {
+    auto v = found->second.views.find(h);
+    if (v != found->second.views.end() && live_views(v->second) > 0) {
+      found->second.items_ended.insert(h);
+      return;
+    }
+    if (v != found->second.views.end()) found->second.views.erase(v);
+  }
+  Status s;
+  {
+    nb::gil_scoped_release release;
+    s = conn_->item_finished(id, h);
+  }
+  check(s);
+}
+
+void PyConnector::finish_request(const std::string& id) {
+  auto found = held_.find(id);
+  if (found != held_.end()) {
+    if (viewed(found->second)) {
+      found->second.request_ended = true;
+      return;
+    }
+    held_.erase(found);
+  }
+  end_request_now(id);
+}
+
+void PyConnector::view_ended(const std::string& id, const MmHash& h) {
+  auto found = held_.find(id);
+  if (found == held_.end()) return;
+  Held& held = found->second;
+  auto v = held.views.find(h);
+  if (v != held.views.end() && live_views(v->second) == 0) {
+    held.views.erase(v);
+    if (held.items_ended.erase(h) > 0 && !held.request_ended) {
+      nb::gil_scoped_release release;
+      conn_->item_finished(id, h).ignore_error();  // ended, as asked, once unviewed
+    }
+  }
+  if (viewed(held)) return;
+  const bool end = held.request_ended;
+  held_.erase(found);
+  if (end) end_request_now(id);
+}
 
 // Runs `fn` without the GIL and returns its value (errors raise once the GIL is back).
 template <typename Fn>
@@ -131,6 +223,10 @@ void bind_pool(nb::module_& m) {
           "__init__",
           [](PyPool* self, nb::object agent, const std::string& name, uint64_t capacity_bytes,
              int64_t lease_ms, bool require_grant) {
+            if (!nb::isinstance<PyAgent>(agent)) {
+              check(InvalidArgument("EncoderCachePool: agent must be an ecx.Agent, not " +
+                                    std::string(nb::type_name(agent.type()).c_str())));
+            }
             auto& a = nb::cast<PyAgent&>(agent);
             cache::PoolConfig config{.name = name,
                                      .capacity_bytes = capacity_bytes,
@@ -294,15 +390,16 @@ void bind_loaded(nb::class_<PyConnector>& c) {
   c.def(
        "loaded",
        [](nb::handle self, const std::string& id, const std::string& h, nb::handle owner) {
-         auto ref = unwrap(nb::cast<PyConnector&>(self).get().loaded(id, hash_of(h)));
-         return read_only_view(ref.payload(), ref.payload_length(), owner.is_none() ? self : owner);
+         return nb::cast<PyConnector&>(self).loaded_view(self, id, hash_of(h), owner);
        },
        nb::arg("request_id"), nb::arg("mm_hash"), nb::arg("owner") = nb::none(),
        "The loaded bytes, read-only and without a copy (a NumPy array; torch.from_dlpack "
-       "takes it as is): valid until request_finished(request_id). With zero_copy, the "
-       "producer's own block. The array keeps `owner` alive (default: this connector): an "
-       "owner whose end calls item_finished (or request_finished) ties the hold to the "
-       "array's last user.")
+       "takes it as is). With zero_copy, the producer's own block. The request holds the "
+       "item while any such array (or one made from it) lives: item_finished and "
+       "request_finished take effect once the last is gone, so an array never shows bytes "
+       "that were given back. The array keeps this connector and `owner` alive: an owner "
+       "whose end calls item_finished (or request_finished) ties the hold to the array's "
+       "last user.")
       .def(
           "view_intact",
           [](PyConnector& c, const std::string& id, const std::string& h) {
@@ -343,21 +440,17 @@ void bind_ending(nb::class_<PyConnector>& c) {
   c.def(
        "item_finished",
        [](PyConnector& c, const std::string& id, const std::string& h) {
-         check(released([&] { return c.get().item_finished(id, hash_of(h)); }));
+         c.finish_item(id, hash_of(h));
        },
        nb::arg("request_id"), nb::arg("mm_hash"),
        "Ends the request's hold on one item (its view's pins at the producer, or its "
-       "cache pins) before request_finished; the others stay held. Raises ecx.Error "
+       "cache pins) before request_finished; the others stay held. While an array from "
+       "loaded() views the item, the end waits for the last of them. Raises ecx.Error "
        "('failed_precondition') when the request does not hold it.")
       .def(
-          "request_finished",
-          [](PyConnector& c, const std::string& id) {
-            released([&] {
-              c.get().request_finished(id);
-              return 0;
-            });
-          },
-          nb::arg("request_id"))
+          "request_finished", [](PyConnector& c, const std::string& id) { c.finish_request(id); },
+          nb::arg("request_id"),
+          "Ends the request's holds; while arrays from loaded() live, once the last is gone.")
       .def(
           "discard",
           [](PyConnector& c, const std::string& id, const std::vector<ItemTuple>& items) {

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -33,7 +34,8 @@ class PyAgent {
   PyRegion allocate(uint64_t length, bool remote_write, bool require_grant) ECX_EXCLUDES(mu_);
   PyRegion register_memory(nb::ndarray<nb::c_contig> array, bool remote_write) ECX_EXCLUDES(mu_);
   void deregister(uint32_t region) ECX_EXCLUDES(mu_);
-  ByteArray buffer(uint32_t region, nb::handle self) const;
+  // The region's bytes without a copy; deregister() raises while any such array lives.
+  ByteArray buffer(uint32_t region, nb::handle self) ECX_EXCLUDES(mu_);
   std::string connect(const std::string& metadata, const std::string& backend,
                       std::optional<int64_t> timeout_ms);
   transfer::TransferHandle read(const std::string& peer, const std::vector<DescriptorTuple>& batch,
@@ -51,6 +53,7 @@ class PyAgent {
   mutable Mutex mu_;
   std::map<uint32_t, std::pair<std::byte*, uint64_t>> regions_ ECX_GUARDED_BY(mu_);
   std::map<uint32_t, nb::object> kept_ ECX_GUARDED_BY(mu_);
+  std::map<uint32_t, std::shared_ptr<int>> view_tokens_ ECX_GUARDED_BY(mu_);  // buffer()'s
 };
 
 }  // namespace ecx::python

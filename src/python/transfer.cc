@@ -25,6 +25,21 @@ void check(const Status& s) {
   if (!s.ok()) throw StatusError{s};
 }
 
+nb::object view_owner(ViewOwner owner) {
+  auto* held = new ViewOwner(std::move(owner));
+  return nb::capsule(held, [](void* p) noexcept {
+    auto* held = static_cast<ViewOwner*>(p);
+    held->token.reset();  // this array no longer views the memory
+    if (held->on_end) {
+      try {
+        held->on_end();
+      } catch (...) {  // a destructor cannot raise: the end is best effort, as a finalizer's
+      }
+    }
+    delete held;  // lets go of `keep` last
+  });
+}
+
 ByteArray byte_view(std::byte* data, uint64_t length, nb::handle owner) {
   size_t shape[1] = {static_cast<size_t>(length)};
   return ByteArray(data, 1, shape, owner);
@@ -93,6 +108,17 @@ PyRegion PyAgent::register_memory(nb::ndarray<nb::c_contig> array, bool remote_w
 }
 
 void PyAgent::deregister(uint32_t region) {
+  {
+    MutexLock lock(&mu_);
+    auto token = view_tokens_.find(region);
+    if (token != view_tokens_.end() && live_views(token->second) > 0) {
+      check(Status(StatusCode::kFailedPrecondition,
+                   "region " + std::to_string(region) + " is still viewed by " +
+                       std::to_string(live_views(token->second)) +
+                       " array(s) from Agent.buffer(): let them go before deregister()"));
+    }
+    view_tokens_.erase(region);
+  }
   check(agent_->deregister(region));
   MutexLock lock(&mu_);
   regions_.erase(region);
@@ -106,9 +132,17 @@ std::pair<std::byte*, uint64_t> PyAgent::local(uint32_t region) const {
   return it->second;
 }
 
-ByteArray PyAgent::buffer(uint32_t region, nb::handle self) const {
+ByteArray PyAgent::buffer(uint32_t region, nb::handle self) {
   auto [data, length] = local(region);
-  return byte_view(data, length, self);
+  std::shared_ptr<int> token;
+  {
+    MutexLock lock(&mu_);
+    auto& t = view_tokens_[region];
+    if (!t) t = std::make_shared<int>(0);
+    token = t;
+  }
+  nb::object owner = view_owner({{nb::borrow(self)}, std::move(token), {}});
+  return byte_view(data, length, owner);
 }
 
 std::vector<transfer::TransferDescriptor> PyAgent::descriptors(
@@ -252,7 +286,7 @@ void bind_agent(nb::module_& m) {
       .def(
           "buffer",
           [](nb::handle self, uint32_t region) {
-            return nb::cast<const PyAgent&>(self).buffer(region, self);
+            return nb::cast<PyAgent&>(self).buffer(region, self);
           },
           nb::arg("region"), "The region's bytes, without a copy (numpy/torch/DLPack).")
       .def(

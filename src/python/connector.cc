@@ -158,16 +158,17 @@ nb::object PyConnector::loaded_view(nb::handle self, const std::string& id, cons
   return nb::cast(read_only_view(ref.payload(), ref.payload_length(), capsule));
 }
 
+// An item or request being ended keeps its mark (items_ended, request_ended) while the
+// connector ends it without the GIL: loaded() refuses it meanwhile, so no array is made
+// over what is being given back. Entries are found again by key afterwards (another
+// thread may have changed held_ while the GIL was free).
 void PyConnector::finish_item(const std::string& id, const MmHash& h) {
-  auto found = held_.find(id);
-  if (found != held_.end()) {
-    auto v = found->second.views.find(h);
-    if (v != found->second.views.end() && live_views(v->second) > 0) {
-      found->second.items_ended.insert(h);
-      return;
-    }
-    if (v != found->second.views.end()) found->second.views.erase(v);
-  }
+  Held& held = held_[id];
+  auto v = held.views.find(h);
+  const bool viewed_now = v != held.views.end() && live_views(v->second) > 0;
+  held.items_ended.insert(h);
+  if (viewed_now) return;  // ends with its last array (view_ended)
+  if (v != held.views.end()) held.views.erase(v);
   Status s;
   {
     nb::gil_scoped_release release;
@@ -177,33 +178,34 @@ void PyConnector::finish_item(const std::string& id, const MmHash& h) {
 }
 
 void PyConnector::finish_request(const std::string& id) {
-  auto found = held_.find(id);
-  if (found != held_.end()) {
-    if (viewed(found->second)) {
-      found->second.request_ended = true;
-      return;
-    }
-    held_.erase(found);
-  }
+  Held& held = held_[id];
+  held.request_ended = true;
+  if (viewed(held)) return;  // ends with its last array (view_ended)
   end_request_now(id);
+  held_.erase(id);
 }
 
 void PyConnector::view_ended(const std::string& id, const MmHash& h) {
   auto found = held_.find(id);
   if (found == held_.end()) return;
   Held& held = found->second;
+  bool end_item = false;
   auto v = held.views.find(h);
   if (v != held.views.end() && live_views(v->second) == 0) {
     held.views.erase(v);
-    if (held.items_ended.erase(h) > 0 && !held.request_ended) {
-      nb::gil_scoped_release release;
-      conn_->item_finished(id, h).ignore_error();  // ended, as asked, once unviewed
-    }
+    end_item = held.items_ended.count(h) > 0 && !held.request_ended;
   }
-  if (viewed(held)) return;
-  const bool end = held.request_ended;
-  held_.erase(found);
-  if (end) end_request_now(id);
+  const bool unviewed = !viewed(held);
+  const bool end_request = unviewed && held.request_ended;
+  if (unviewed && !held.request_ended && held.items_ended.empty()) held_.erase(found);
+  if (end_item) {
+    nb::gil_scoped_release release;
+    conn_->item_finished(id, h).ignore_error();  // ended, as asked, once unviewed
+  }
+  if (end_request) {
+    end_request_now(id);
+    held_.erase(id);
+  }
 }
 
 // Runs `fn` without the GIL and returns its value (errors raise once the GIL is back).

@@ -59,19 +59,23 @@ Status check_png_chunks(std::string_view b) {
   return Status::Ok();
 }
 
-Result<Image> decode_png(std::string_view bytes, const ImageLimits& limits) {
+// Reads a PNG's header into `img` under `limits`; on success the caller frees `img`
+// (png_image_free, or a finished read).
+Status begin_png(std::string_view bytes, const ImageLimits& limits, png_image& img) {
   ECX_RETURN_IF_ERROR(check_png_chunks(bytes));
-  png_image img;
   std::memset(&img, 0, sizeof(img));
   img.version = PNG_IMAGE_VERSION;
   if (!png_image_begin_read_from_memory(&img, bytes.data(), bytes.size())) {
     return InvalidArgument(std::string("cannot decode PNG: ") + img.message);
   }
   Status dims = check_dims(img.width, img.height, limits);
-  if (!dims.ok()) {
-    png_image_free(&img);
-    return dims;
-  }
+  if (!dims.ok()) png_image_free(&img);
+  return dims;
+}
+
+Result<Image> decode_png(std::string_view bytes, const ImageLimits& limits) {
+  png_image img;
+  ECX_RETURN_IF_ERROR(begin_png(bytes, limits, img));
   img.format = PNG_FORMAT_RGB;
   Image out;
   out.width = static_cast<int>(img.width);
@@ -170,17 +174,10 @@ Result<Image> decode_jpeg(std::string_view bytes, const ImageLimits& limits) {
 }
 
 Result<ImageSize> read_png_size(std::string_view bytes, const ImageLimits& limits) {
-  ECX_RETURN_IF_ERROR(check_png_chunks(bytes));
   png_image img;
-  std::memset(&img, 0, sizeof(img));
-  img.version = PNG_IMAGE_VERSION;
-  if (!png_image_begin_read_from_memory(&img, bytes.data(), bytes.size())) {
-    return InvalidArgument(std::string("cannot decode PNG: ") + img.message);
-  }
+  ECX_RETURN_IF_ERROR(begin_png(bytes, limits, img));
   ImageSize size{static_cast<int>(img.width), static_cast<int>(img.height)};
-  Status dims = check_dims(img.width, img.height, limits);
   png_image_free(&img);
-  ECX_RETURN_IF_ERROR(dims);
   return size;
 }
 

@@ -78,6 +78,19 @@ class SplitInstanceTest : public ::testing::Test {
 
   MmHash hash_of(const std::string& name) const { return MmHash::sha256_of({tag_, name}); }
 
+  // A consumer scheduler that loaded item "a" (saved by the worker, pattern 5) for request
+  // "r"; null (the failure reported) otherwise.
+  std::unique_ptr<EcConnector> scheduler_that_loaded_a() {
+    auto params = worker_->save(hash_of("a"), 5, kItem);
+    EXPECT_TRUE(params.ok()) << params.status().to_string();
+    auto scheduler = make(Role::kConsumer, extra_for("pd-sched-" + tag_));
+    if (!params.ok() || scheduler == nullptr) return nullptr;
+    auto out = scheduler->load({.request_id = "r", .items = {{hash_of("a"), kItem, *params}}},
+                               Deadline::after_ms(30000));
+    EXPECT_TRUE(out.status.ok()) << out.status.to_string();
+    return out.status.ok() ? std::move(scheduler) : nullptr;
+  }
+
   std::string tag_;
   std::optional<ecx::testing::ConnectorPeer> worker_;
   std::string worker_metadata_;
@@ -194,13 +207,8 @@ TEST_F(SplitInstanceTest, AnUnreachableWorkerFailsTheCallByItsDeadline) {
 }
 
 TEST_F(SplitInstanceTest, ALoadIsSharedWithEachWorkerWhoGiveTheirPinsBack) {
-  auto params = worker_->save(hash_of("a"), 5, kItem);
-  ASSERT_TRUE(params.ok());
-  auto scheduler = make(Role::kConsumer, extra_for("pd-sched-" + tag_));
+  auto scheduler = scheduler_that_loaded_a();
   ASSERT_NE(scheduler, nullptr);
-  auto out = scheduler->load({.request_id = "r", .items = {{hash_of("a"), kItem, *params}}},
-                             Deadline::after_ms(30000));
-  ASSERT_TRUE(out.status.ok()) << out.status.to_string();
   uint64_t own = pins_of(*scheduler);  // the request's hold on its load
   auto shared = scheduler->share_loaded("r", hash_of("a"), 2);
   ASSERT_TRUE(shared.ok()) << shared.status().to_string();
@@ -255,13 +263,8 @@ TEST_F(SplitInstanceTest, OnlyALoadedItemIsSharedWithABoundedNumberOfReaders) {
 // gave back end with the request, not with their lease (600 s here): a caller looping on
 // it cannot pile pins up in the cache.
 TEST_F(SplitInstanceTest, SharedReaderPinsAreCappedPerRequestAndEndWithIt) {
-  auto params = worker_->save(hash_of("a"), 5, kItem);
-  ASSERT_TRUE(params.ok());
-  auto scheduler = make(Role::kConsumer, extra_for("pd-sched-" + tag_));
+  auto scheduler = scheduler_that_loaded_a();
   ASSERT_NE(scheduler, nullptr);
-  auto out = scheduler->load({.request_id = "r", .items = {{hash_of("a"), kItem, *params}}},
-                             Deadline::after_ms(30000));
-  ASSERT_TRUE(out.status.ok()) << out.status.to_string();
   const uint64_t own = pins_of(*scheduler);
   for (int call = 0; call < 16; ++call) {
     auto shared = scheduler->share_loaded("r", hash_of("a"), 256);

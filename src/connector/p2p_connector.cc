@@ -7,6 +7,7 @@
 #include <optional>
 #include <set>
 
+#include "cache/pin_table.h"
 #include "connector/control_messages.h"
 #include "connector/copy_crew.h"
 #include "ecx/cache/block_header.h"
@@ -168,6 +169,7 @@ Status P2pDriver::start() {
   pc.name = options().engine_id;
   pc.capacity_bytes = options().pool_bytes;
   pc.lease = std::chrono::milliseconds(options().lease_ms);
+  pc.max_pins_per_holder = static_cast<size_t>(options().max_pins_per_holder);
   pc.require_grant = options().require_grants;  // peers read only what they were handed
   ECX_ASSIGN_OR_RETURN(producer_pool_, cache::EncoderCachePool::create(agent(), pc));
   agent()->set_call_handler([this](const transfer::Caller& caller, std::string_view body) {
@@ -311,12 +313,13 @@ bool P2pDriver::release_granted(uint64_t pin, const transfer::Capability& capabi
   return true;
 }
 
-// The params pins a caller holds count against its own quota (max_pins_per_holder), not
-// against those E issues itself, so no caller can keep E from issuing params; an item
-// asked for twice in one call is pinned once, and both answers carry that pin.
+// The params pins a caller holds count against a quota of its own (the params' 16 x
+// max_pins_per_holder), not against those E issues itself, so no caller can keep E, or
+// another caller, from params; an item asked for twice in one call is pinned once, and
+// both answers carry that pin.
 ItemsReply P2pDriver::handle_params(const transfer::Caller& caller, const ParamsRequest& req) {
   Deadline wait = Deadline::after_ms(std::min<int64_t>(req.wait_ms, kMaxLookupWaitMs));
-  const std::string quota_holder = "params-op:" + caller.holder;
+  const std::string quota_holder = std::string(cache::PinTable::kParamsOpPrefix) + caller.holder;
   std::map<MmHash, size_t> answered;  // mm_hash -> its first reply
   ItemsReply reply;
   for (const auto& mm_hash : req.items) {

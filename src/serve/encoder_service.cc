@@ -37,13 +37,15 @@ struct EncodeBody {
 };
 
 constexpr int64_t kMaxImageSide = 1 << 20;
+// Sizes one encode call may list: the proxy's --max-images may be above this E's.
+constexpr size_t kMaxChatImageSizes = 4096;
 
-Result<std::vector<engine::ImageSize>> read_image_sizes(const json* sizes, int max_images) {
+Result<std::vector<engine::ImageSize>> read_image_sizes(const json* sizes) {
   std::vector<engine::ImageSize> out;
   if (sizes == nullptr) return out;
-  if (sizes->size() > static_cast<size_t>(max_images)) {
+  if (sizes->size() > kMaxChatImageSizes) {
     return InvalidArgument("chat_image_sizes lists " + std::to_string(sizes->size()) +
-                           " images; a chat holds at most " + std::to_string(max_images));
+                           " images; at most " + std::to_string(kMaxChatImageSizes));
   }
   for (const json& size : *sizes) {
     const bool pair = size.is_array() && size.size() == 2 && size[0].is_number_integer() &&
@@ -58,7 +60,7 @@ Result<std::vector<engine::ImageSize>> read_image_sizes(const json* sizes, int m
   return out;
 }
 
-Result<EncodeBody> read_encode_body(const std::string& body, int max_images) {
+Result<EncodeBody> read_encode_body(const std::string& body) {
   static const std::string kShape =
       "body must be {\"image\": \"data:image/...;base64,...\"} (and optionally "
       "\"chat_image_sizes\": [[width, height], ...])";
@@ -69,7 +71,7 @@ Result<EncodeBody> read_encode_body(const std::string& body, int max_images) {
   if (!image.ok()) return InvalidArgument(kShape);
   auto sizes = reader.array("chat_image_sizes", Presence::kOptional);
   if (!sizes.ok()) return InvalidArgument(kShape);
-  ECX_ASSIGN_OR_RETURN(auto chat_image_sizes, read_image_sizes(*sizes, max_images));
+  ECX_ASSIGN_OR_RETURN(auto chat_image_sizes, read_image_sizes(*sizes));
   return EncodeBody{std::move(*image), std::move(chat_image_sizes)};
 }
 
@@ -282,7 +284,7 @@ std::optional<RequestError> EncoderService::encode(const engine::PreparedImage& 
 
 void EncoderService::handle_encode(const HttpRequest& req, HttpResponse& res) {
   auto t0 = Clock::now();
-  auto body = read_encode_body(req.body, config_.common.max_images);
+  auto body = read_encode_body(req.body);
   if (!body.ok()) {
     metrics_.add(metric::kEncodeFailures, 1, {{"reason", "bad_request"}});
     return send_error(res, 400, "invalid_request_error", body.status().message());

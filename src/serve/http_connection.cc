@@ -39,6 +39,9 @@ constexpr int64_t kNewcomerConnections = 4;
 constexpr int64_t kMinNewcomerRoom = 64;
 // Waiting connections of the largest client asked to close per newcomer let in.
 constexpr int kYieldAsks = 4;
+// A connection whose request's headers began this long ago and are not whole may be
+// asked to make room for a newcomer (ServerState::admit).
+constexpr std::chrono::seconds kYieldableHeaderAge{1};
 
 // A quarter of physical memory (4 GiB when unknown): the default budget of request bodies.
 uint64_t quarter_of_memory() {
@@ -217,7 +220,13 @@ class Connection : public AdmittedConnection, public std::enable_shared_from_thi
 
   void yield_if_waiting() override {
     net::post(stream_.get_executor(), [self = shared_from_this()] {
-      if (!self->waiting_) return;
+      // Idle, or its request's headers begun over kYieldableHeaderAge ago (a client sends
+      // them at once; one that trickles them gives its place up). A request whose headers
+      // are coming now is never cut.
+      const bool late =
+          self->header_begun_ &&
+          std::chrono::steady_clock::now() - *self->header_begun_ > kYieldableHeaderAge;
+      if (!self->waiting_ || (self->header_begun_ && !late)) return;
       self->state_.connections_yielded++;
       self->close();
     });
@@ -313,6 +322,8 @@ class Connection : public AdmittedConnection, public std::enable_shared_from_thi
   Admission admission_;
   bool admitted_ = false;
   bool waiting_ = false;  // (strand) for a request's headers, or idle between requests
+  // (strand) when the request being read sent its first byte; none while idle.
+  std::optional<std::chrono::steady_clock::time_point> header_begun_;
   std::chrono::steady_clock::time_point body_deadline_;  // (strand) the body is in by then
   uint64_t declared_ = 0;       // body bytes the request being read announced (or may send)
   uint64_t reserved_ = 0;       // of the body budget, for the request being answered
@@ -348,6 +359,7 @@ void Connection::read_request() {
   parser_->body_limit(state_.max_body_bytes);
   parser_->header_limit(64 * 1024);
   waiting_ = true;
+  header_begun_.reset();
   if (buffer_.size() > 0) return read_header();  // a pipelined request has begun
   stream_.expires_after(over_capacity_ ? kOverCapacityRequestWait : state_.idle_timeout);
   stream_.async_read_some(buffer_.prepare(16 << 10),
@@ -359,6 +371,7 @@ void Connection::read_request() {
 }
 
 void Connection::read_header() {
+  header_begun_ = std::chrono::steady_clock::now();
   stream_.expires_after(over_capacity_ ? kOverCapacityRequestWait : kHeaderTimeout);
   bhttp::async_read_header(
       stream_, buffer_, *parser_,

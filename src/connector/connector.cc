@@ -72,6 +72,7 @@ Status Connector::init(const ConnectorKind& kind) {
   ac.compat_hash = o.compat_hash;
   ac.tcp_host = o.tcp_host;
   ac.tcp_port = o.tcp_port;
+  ac.tcp_advertise_host = o.tcp_advertise_host;
   ac.transfer_timeout_ms = o.load_timeout_ms;
   ac.auth_secret = o.auth_secret;
   ac.max_connections = o.max_connections;

@@ -40,6 +40,7 @@ const std::set<std::string> kKnownKeys = {"engine_id",
                                           "ucx_error_mode",
                                           "tcp_host",
                                           "tcp_port",
+                                          "tcp_advertise_host",
                                           "root",
                                           "ttl_s",
                                           "max_bytes",
@@ -178,6 +179,12 @@ Status read_specific(const JsonReader& r, ConnectorOptions& o) {
   o.copy_threads = static_cast<int>(copy_threads);
   ECX_ASSIGN_OR_RETURN(o.tcp_host, r.string("tcp_host", Presence::kOptional, 4096, o.tcp_host));
   ECX_RETURN_IF_ERROR(check_tcp_host(o.tcp_host));
+  ECX_ASSIGN_OR_RETURN(o.tcp_advertise_host, r.string("tcp_advertise_host", Presence::kOptional,
+                                                      4096, o.tcp_advertise_host));
+  if (!o.tcp_advertise_host.empty()) {
+    ECX_RETURN_IF_ERROR(
+        check_tcp_host(o.tcp_advertise_host).with_context("tcp_advertise_host"));
+  }
   ECX_ASSIGN_OR_RETURN(int64_t port, r.i64("tcp_port", 0, 65535));
   o.tcp_port = static_cast<uint16_t>(port);
   ECX_ASSIGN_OR_RETURN(o.root, r.string("root", Presence::kOptional, 4096, o.root));

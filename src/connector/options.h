@@ -71,8 +71,9 @@ struct ConnectorOptions {
   // "ucx": true (or backend "ucx") enables the agent's ucx backend; "ucx_tls",
   // "ucx_library" and "ucx_error_mode" set the rest of it (transfer::UcxConfig).
   transfer::UcxConfig ucx;
-  std::string tcp_host = "127.0.0.1";
+  std::string tcp_host = "127.0.0.1";  // the address the agent's tcp listener binds
   uint16_t tcp_port = 0;
+  std::string tcp_advertise_host;  // the address peers dial; empty: tcp_host
   // disk
   std::string root;  // default <tmp>/ecx-disk-cache
   int64_t ttl_s = 3600;

@@ -645,6 +645,16 @@ Result<std::unique_ptr<Agent>> Agent::create(AgentConfig config) {
         "not {}",
         config.name, config.tcp_host);
     config.tcp_host = "127.0.0.1";
+    config.tcp_advertise_host.clear();
+  }
+  if (config.enable_tcp && config.tcp_advertise_host.empty() && config.tcp_host == "0.0.0.0") {
+    return InvalidArgument("agent '" + config.name +
+                           "': tcp_host 0.0.0.0 listens on every address, which peers cannot "
+                           "dial: set tcp_advertise_host to the address they reach");
+  }
+  if (config.tcp_advertise_host == "0.0.0.0") {
+    return InvalidArgument("agent '" + config.name +
+                           "': tcp_advertise_host 0.0.0.0 is no address a peer can dial");
   }
   auto agent = std::make_unique<AgentImpl>(std::move(config));
   ECX_RETURN_IF_ERROR(agent->start());

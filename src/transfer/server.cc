@@ -82,7 +82,9 @@ Result<std::unique_ptr<Server>> Server::start(const AgentConfig& config, RegionT
   if (config.enable_tcp) {
     ECX_ASSIGN_OR_RETURN(auto listener, listen_tcp(config.tcp_host, config.tcp_port));
     server->tcp_listener_ = std::move(listener.first);
-    server->tcp_endpoint_ = config.tcp_host + ":" + std::to_string(listener.second);
+    const std::string& dialed =
+        config.tcp_advertise_host.empty() ? config.tcp_host : config.tcp_advertise_host;
+    server->tcp_endpoint_ = dialed + ":" + std::to_string(listener.second);
   }
   return server;
 }

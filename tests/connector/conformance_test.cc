@@ -553,7 +553,9 @@ TEST(ConnectorConfig, ParsesVllmStyleJsonAndNames) {
                                                         {"engine_id", ""},
                                                         {"tcp_host", "999.1.2.3"},
                                                         {"tcp_host", "host_name"},
-                                                        {"tcp_host", "-bad.example"}}) {
+                                                        {"tcp_host", "-bad.example"},
+                                                        {"tcp_advertise_host", "999.1.2.3"},
+                                                        {"tcp_advertise_host", "host_name"}}) {
     ConnectorConfig bad;
     bad.connector = "p2p";
     bad.extra = {{key, value}};

@@ -517,6 +517,45 @@ TEST(AgentConnect, AutoPicksShmOnTheSameHostAndTcpWhenForced) {
   EXPECT_EQ(*consumer->peer_backend("producer"), Backend::kTcp);
 }
 
+// A wildcard bind with the address peers dial published apart: the peer dials the
+// advertised address, not 0.0.0.0, and reads over tcp.
+TEST(AgentConnect, AWildcardBindPublishesTheAdvertisedAddressAndIsReadThere) {
+  AgentConfig wildcard = local_config("producer");
+  wildcard.auth_secret = "deployment-secret";  // without one the agent stays on loopback
+  wildcard.tcp_host = "0.0.0.0";
+  wildcard.tcp_advertise_host = "127.0.0.1";
+  auto producer = std::move(Agent::create(wildcard).value());
+  AgentConfig reader = local_config("consumer");
+  reader.auth_secret = wildcard.auth_secret;
+  auto consumer = std::move(Agent::create(reader).value());
+  const std::string endpoint = producer->metadata().endpoints.at(Backend::kTcp);
+  EXPECT_EQ(endpoint.rfind("127.0.0.1:", 0), 0u) << endpoint;
+  auto src = producer->allocate(4096).value();
+  fill_pattern(src.data, src.length, 77);
+  std::vector<std::byte> dst(4096);
+  ASSERT_TRUE(consumer->connect(producer->metadata(), {.backend = Backend::kTcp}).ok());
+  std::vector<TransferDescriptor> descs{{.local = dst.data(),
+                                          .remote_region = src.id,
+                                          .length = dst.size()}};
+  auto h = consumer->read("producer", descs, Deadline::after_ms(20000));
+  ASSERT_TRUE(h.ok()) << h.status().to_string();
+  ASSERT_TRUE(h->wait(Deadline::after_ms(20000)).ok());
+  EXPECT_EQ(std::memcmp(dst.data(), src.data, dst.size()), 0);
+}
+
+TEST(AgentCreate, AWildcardBindWithoutAnAdvertisedAddressIsRefusedNamingTheFix) {
+  AgentConfig wildcard = local_config("x");
+  wildcard.auth_secret = "s";
+  wildcard.tcp_host = "0.0.0.0";
+  auto refused = Agent::create(wildcard);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("tcp_advertise_host"), std::string::npos)
+      << refused.status().to_string();
+  wildcard.tcp_advertise_host = "0.0.0.0";
+  EXPECT_FALSE(Agent::create(wildcard).ok());
+}
+
 TEST(AgentConnect, IncompatibleHashIsRefusedNamingBothHashes) {
   auto cfg = local_config("producer");
   cfg.compat_hash = "model-b";

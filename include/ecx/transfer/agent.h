@@ -48,8 +48,11 @@ struct AgentConfig {
   std::string compat_hash = "ecx";  // peers with a different hash are refused
   bool enable_shm = true;           // listen on an abstract unix socket
   bool enable_tcp = true;           // listen on tcp_host:tcp_port
-  std::string tcp_host = "127.0.0.1";
+  std::string tcp_host = "127.0.0.1";  // the address tcp binds (0.0.0.0: every address)
   uint16_t tcp_port = 0;                // 0 = any free port
+  // The address peers dial, published in this agent's metadata: empty means tcp_host.
+  // Needed where tcp_host is not what peers reach: a wildcard bind (0.0.0.0) or a NAT.
+  std::string tcp_advertise_host;
   uint64_t tcp_slice_bytes = 4 << 20;   // large reads/writes are split in slices this size...
   int tcp_streams = 2;                  // ...spread over this many connections per peer
   int tcp_socket_buffer = 4 << 20;      // SO_SNDBUF / SO_RCVBUF of data connections

@@ -59,6 +59,7 @@ from ._common import (
     ecx_key,
     instance_config,
     io_threads_unbound,
+    log_start,
     logger,
     names_items_by_counter,
     scheduler_agent,
@@ -139,29 +140,33 @@ class ECXConnector(ECConnectorBase):
         # The scheduler's own cache holds loads until their requests finish; a producer-
         # only scheduler needs none (it only asks its worker for params).
         pool = {} if c.is_consumer else {"pool_bytes": "1MiB", "loader_threads": 1}
-        self._conn = ecx.Connector(c.ecx_config("consumer", scheduler_agent(c), **pool))
+        offset = c.process_offset(None)
+        self._conn = ecx.Connector(c.ecx_config("consumer", scheduler_agent(c), offset, **pool))
         if c.is_producer:
             self._producer_scheduler = ProducerScheduler(
                 c, self._conn, Rendezvous(c.rendezvous_dir), self._counters, vllm_config)
         if c.is_consumer:
             self._consumer_scheduler = ConsumerScheduler(
                 c, self._conn, self._counters, vllm_config, Rendezvous(c.rendezvous_dir))
-        self._export("scheduler", 0)
+        log_start(c, "scheduler", offset, self._conn)
+        self._export("scheduler", offset)
 
     def _start_worker(self) -> None:
         c = self._config
         self._rank = rank = tensor_parallel_rank()
         self._rendezvous = Rendezvous(c.rendezvous_dir)
         # A worker's cache holds one step's loads until they are copied into vLLM's.
+        offset = c.process_offset(rank)
         with io_threads_unbound():
-            self._conn = ecx.Connector(c.ecx_config(c.role, worker_agent(c, rank),
+            self._conn = ecx.Connector(c.ecx_config(c.role, worker_agent(c, rank), offset,
                                                     keep_loaded=False))
         if c.is_producer:
             self._producer_worker = ProducerWorker(c, self._conn, rank, self._rendezvous,
                                                    self._counters)
         if c.is_consumer:
             self._consumer_worker = ConsumerWorker(c, self._conn, rank, self._counters)
-        self._export(f"worker{rank}", 1 + rank)
+        log_start(c, f"worker {rank}", offset, self._conn)
+        self._export(f"worker{rank}", offset)
 
     def start_worker_services(self) -> None:
         """Right after vLLM loaded the model, in each worker: what its encoder puts in

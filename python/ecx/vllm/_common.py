@@ -80,6 +80,7 @@ class InstanceConfig:
     metrics_host: str  # the exporter's bind address
     rendezvous_dir: str | None
     tp_size: int
+    dp_local_rank: int = 0  # data parallel: this engine's rank among those on its host
 
     @property
     def is_producer(self) -> bool:
@@ -89,9 +90,21 @@ class InstanceConfig:
     def is_consumer(self) -> bool:
         return self.role in ("consumer", "both")
 
-    def ecx_config(self, role: str, agent: str, **overrides) -> str:
-        """The JSON config of one ecx connector of this instance."""
+    def process_offset(self, worker_rank: int | None) -> int:
+        """This process's place among the instance's processes on its host: 0 its scheduler
+        (EngineCore), 1 + rank each worker, one such run per data-parallel engine. A fixed
+        port (tcp_port, metrics_port) is a base, and each process takes base + offset."""
+        own = 0 if worker_rank is None else 1 + worker_rank
+        return self.dp_local_rank * (1 + self.tp_size) + own
+
+    def ecx_config(self, role: str, agent: str, offset: int, **overrides) -> str:
+        """The JSON config of the ecx connector of this instance's process at `offset`."""
         extra = {**self.extra, **overrides, "engine_id": agent}
+        if extra.get("tcp_port"):  # a base: every process listens on a port of its own
+            extra["tcp_port"] = extra["tcp_port"] + offset
+            if extra["tcp_port"] > 65535:
+                raise ValueError(f"ECXConnector: 'tcp_port' {self.extra['tcp_port']} + {offset} "
+                                 f"(this process's offset) is past 65535: pick a lower base")
         return json.dumps({"connector": "p2p", "role": role, "extra": extra})
 
 
@@ -129,18 +142,40 @@ def instance_config(vllm_config) -> InstanceConfig:
     if type(load_timeout) is not int or policy not in ("recompute", "fail"):
         raise ValueError("ECXConnector: 'load_timeout_ms' must be an integer and "
                          "'failure_policy' 'recompute' or 'fail'")
+    tcp_port = extra.get("tcp_port", 0)
+    if type(tcp_port) is not int or not 0 <= tcp_port <= 65535:
+        raise ValueError("ECXConnector: 'tcp_port' must be an integer port (0: any free one; "
+                         f"else the base of this instance's ports), not {tcp_port!r}")
     name = extra.pop("engine_id", None) or f"vllm-{ec.engine_id}"
     parallel = vllm_config.parallel_config
     if getattr(parallel, "pipeline_parallel_size", 1) > 1:
         raise ValueError("ECXConnector: pipeline parallel is not supported (tensor parallel is)")
+    dp_local_rank = 0
     if getattr(parallel, "data_parallel_size", 1) > 1:
         name = f"{name}-dp{parallel.data_parallel_rank}"
+        dp_local_rank = int(getattr(parallel, "data_parallel_rank_local", None) or 0)
     return InstanceConfig(name=name, role=role, extra=extra, policy=policy,
                           load_timeout_ms=load_timeout, params_timeout_ms=params_timeout,
                           first_look_wait_ms=first_look,
                           metrics_port=metrics_port, metrics_host=metrics_host,
                           rendezvous_dir=rendezvous,
-                          tp_size=getattr(parallel, "tensor_parallel_size", 1))
+                          tp_size=getattr(parallel, "tensor_parallel_size", 1),
+                          dp_local_rank=dp_local_rank)
+
+
+def log_start(config: InstanceConfig, process: str, offset: int, conn) -> None:
+    """One line per process at start: its agent, where peers reach it, and the memory its
+    pools hold (committed at start), so that the instance's sum can be checked."""
+    stats = conn.stats()
+    pools = sum(stats[k]["capacity_bytes"] for k in ("consumer_cache", "producer_pool")
+                if stats.get(k))
+    host = config.extra.get("tcp_host", "127.0.0.1")
+    port = config.extra.get("tcp_port") or 0
+    dialed = config.extra.get("tcp_advertise_host") or host
+    logger.info("ECXConnector: %s of %s: agent %s, tcp %s:%s (peers dial %s), pools %.1f MiB "
+                "in this process (docs/VLLM.md, \"Memory\": the instance holds its scheduler's "
+                "and each worker's)", process, config.name, conn.name, host,
+                port + offset if port else "any", dialed, pools / (1 << 20))
 
 
 def _is_ip_address(text: str) -> bool:

@@ -230,6 +230,7 @@ def run_row(row: str, args, w: dict, model: Path, run_dir: Path, fixed: list[dic
                 result["ec_load_after_alloc_ms"] = stats["from_alloc"]
                 result["ec_load_requests"] = stats["requests"]
                 result["ec_load_not_loaded"] = stats["not_loaded"]
+                result["step_ms"] = timing.step_stats(events, t0, t1)
         except Exception as exc:  # noqa: BLE001 - the row reports it, the run goes on
             result["error"] = rt.describe(exc, procs)
             log(f"{row}: {result['error']}")

@@ -395,7 +395,7 @@ def empty_row(connector: str, row: str) -> dict:
             "layout": "single instance" if row == "single" else "E + PD, vLLM's EPD proxy",
             "ttft_ms": None, "tpot_ms": None, "req_per_s": None, "completed": None,
             "failed": None, "ec_load_ms_per_item": None, "ec_load_requests": None,
-            "ec_load_not_loaded": None, "ec_load_after_alloc_ms": None,
+            "ec_load_not_loaded": None, "ec_load_after_alloc_ms": None, "step_ms": None,
             "pd_encoder_iterations": None, "item_digests": None, "correct": None,
             "total": None, "bench_texts_equal": None, "error": None}
 
@@ -434,16 +434,19 @@ def print_table(results: list[dict], w: dict) -> None:
           f"tokens, temperature 0; correctness: {w['correctness_prompts']} fixed requests")
     head = (f"{'connector':<20} {'TTFT ms mean/med/p99':>22} {'TPOT ms mean/med/p99':>21} "
             f"{'req/s':>6} {'EC load ms/item p50/p99/mean':>29} {'in-step p50':>11} "
-            f"{'PD enc':>6} {'correct':>8}")
+            f"{'step ms p50/mean':>16} {'PD enc':>6} {'correct':>8}")
     print(head)
     for r in results:
         correct = "-" if r["correct"] is None else f"{r['correct']}/{r['total']}"
         ec, step = r["ec_load_ms_per_item"], r["ec_load_after_alloc_ms"]
         ec_text = "-" if not ec else " / ".join(f"{ec[k]:.2f}" for k in ("p50", "p99", "mean"))
         step_text = "-" if not step else f"{step['p50']:.2f}"
+        engine = r.get("step_ms")
+        engine_text = "-" if not engine else f"{engine['p50']:.0f} / {engine['mean']:.0f}"
         print(f"{r['connector']:<20} {_triple(r['ttft_ms']):>22} "
               f"{_triple(r['tpot_ms']):>21} {_fmt(r['req_per_s'], '.2f'):>6} {ec_text:>29} "
-              f"{step_text:>11} {_fmt(r['pd_encoder_iterations'], 'd'):>6} {correct:>8}")
+              f"{step_text:>11} {engine_text:>16} {_fmt(r['pd_encoder_iterations'], 'd'):>6} "
+              f"{correct:>8}")
         if r["error"]:
             print(f"    error: {r['error']}")
         if r.get("item_digests"):
@@ -451,7 +454,8 @@ def print_table(results: list[dict], w: dict) -> None:
             print(f"    items as E computed them: {d['equal']} of {d['items']} equal, "
                   f"{len(d['differ'])} differ, {d['not_saved']} not saved by E")
     print("EC load: first sight of the request on PD's scheduler -> its last item in vLLM's "
-          "encoder cache, / items; in-step: per item, from the step that schedules it")
+          "encoder cache, / items; in-step: per item, from the step that schedules it; "
+          "step: PD's engine steps that scheduled work, end of one schedule() to the next")
 
 
 def _quoted(text: str) -> str:

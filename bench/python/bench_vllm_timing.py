@@ -20,7 +20,11 @@ interleave):
                   scheduler skip it, the request's first `update_state_after_alloc` or the
                   first `has_cache_item` of one of its items stands in (`hook` says which).
                   Besides, {"ev": "alloc", "t", "req", "item"} at every
-                  `update_state_after_alloc`: the step that schedules the item.
+                  `update_state_after_alloc`: the step that schedules the item; and
+                  {"ev": "step", "t", "tokens"} at every `build_connector_meta`, which
+                  vLLM calls once at the end of each `schedule()` (tokens: what the step
+                  scheduled). The time from one to the next is the engine's step (its
+                  forward pass and the next schedule, connector waits included): `step_stats`.
   worker side     {"ev": "filled", "t", "items": [mm_hash, ...]} when `start_load_caches`
                   returned, with the items it put into vLLM's `encoder_cache` in that call
                   (its keys after the call minus before: a local encode never counts).
@@ -138,6 +142,13 @@ def timed(base: type) -> type:
                 self._ecx_log.emit(ev="alloc", t=time.time(), req=request.request_id,
                                    item=items[index], consumer=bool(self.is_consumer))
             return super().update_state_after_alloc(request, index)
+
+        def build_connector_meta(self, scheduler_output):
+            self._ecx_log.emit(ev="step", t=time.time(),
+                               tokens=int(getattr(scheduler_output,
+                                                  "total_num_scheduled_tokens", 0) or 0),
+                               consumer=bool(self.is_consumer))
+            return super().build_connector_meta(scheduler_output)
 
         def has_cache_item(self, identifier):
             if identifier not in self._ecx_seen_items:  # an item of an unsighted request
@@ -268,6 +279,21 @@ def ec_load_stats(events: list[dict], t_from: float = 0.0, t_to: float = float("
             per_item.append((t_fill - t_alloc) * 1000.0)
     return {"from_sight": _summary(per_request), "from_alloc": _summary(per_item),
             "requests": len(per_request), "items": items_total, "not_loaded": not_loaded}
+
+
+def step_stats(events: list[dict], t_from: float = 0.0, t_to: float = float("inf")) -> dict | None:
+    """The consumer engine's steps that scheduled work in [t_from, t_to]: from each one's
+    `build_connector_meta` to the next one's, in ms ({"p50", "p99", "mean", "steps"}), or
+    None without two such events. A step that scheduled nothing (every request waiting)
+    is not counted: the engine loops at once."""
+    steps = sorted((e["t"], e.get("tokens", 0)) for e in events
+                   if e.get("ev") == "step" and e.get("consumer", True)
+                   and t_from <= e["t"] <= t_to)
+    spans = [(b[0] - a[0]) * 1000.0 for a, b in zip(steps, steps[1:]) if a[1] > 0]
+    out = _summary(spans)
+    if out is not None:
+        out["steps"] = len(spans)
+    return out
 
 
 def item_digests(events: list[dict]) -> dict | None:

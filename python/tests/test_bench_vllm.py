@@ -103,6 +103,17 @@ class Request:
     mm_features = [Feature("x")]
 
 
+def test_engine_steps_are_timed_from_one_schedule_to_the_next_that_did_work():
+    events = [{"ev": "step", "t": 1.0, "tokens": 100}, {"ev": "step", "t": 1.5, "tokens": 0},
+              {"ev": "step", "t": 1.6, "tokens": 8}, {"ev": "step", "t": 2.0, "tokens": 8},
+              {"ev": "step", "t": 3.0, "tokens": 8, "consumer": False}]
+    stats = timing.step_stats(events)
+    # 1.0 -> 1.5 (a step with work), 1.6 -> 2.0; 1.5 -> 1.6 scheduled nothing; E's apart.
+    assert stats["steps"] == 2
+    assert stats["mean"] == pytest.approx(450.0)
+    assert timing.step_stats(events, t_from=1.9) is None  # one step left in the window
+
+
 def test_timed_subclass_calls_the_real_methods_and_records_events(tmp_path, monkeypatch):
     path = tmp_path / "t.jsonl"
     monkeypatch.setenv(timing.ENV, str(path))

@@ -232,7 +232,7 @@ def zero_copy_worker(name: str, token: str, lease_ms: int):
     config = InstanceConfig(name=f"{name}-{os.getpid()}", role="consumer",
                             extra={"auth_token": token, "zero_copy": True, "lease_ms": lease_ms},
                             policy="recompute", load_timeout_ms=30000, params_timeout_ms=2000,
-                            first_look_wait_ms=10, metrics_port=None,
+                            first_look_wait_ms=10, first_look_step_ms=50, metrics_port=None,
                             metrics_host="127.0.0.1", rendezvous_dir=None, tp_size=1)
     conn = ecx.Connector(config.ecx_config("consumer", f"{config.name}-w0", 1, keep_loaded=False,
                                            pool_bytes="64MiB"))

@@ -37,7 +37,7 @@ _ROLES = {"ec_producer": "producer", "ec_consumer": "consumer", "ec_both": "both
 # ec_connector_extra_config keys read here; every other key is an ecx connector option
 # (docs/CONNECTORS.md), checked by ecx itself.
 _OWN_OPTIONS = ("connector", "metrics_port", "metrics_host", "rendezvous_dir",
-                "params_timeout_ms", "first_look_wait_ms")
+                "params_timeout_ms", "first_look_wait_ms", "first_look_step_ms")
 # The fields of ecx's params in an ec_transfer_params entry (vLLM adds "metadata" and
 # "item_indices" beside them).
 PARAMS_FIELDS = frozenset({
@@ -76,6 +76,7 @@ class InstanceConfig:
     load_timeout_ms: int
     params_timeout_ms: int  # the producer scheduler's ask to its worker
     first_look_wait_ms: int  # the consumer scheduler's wait for a load it just started
+    first_look_step_ms: int  # ... and for all those of one step together
     metrics_port: int | None
     metrics_host: str  # the exporter's bind address
     rendezvous_dir: str | None
@@ -137,6 +138,9 @@ def instance_config(vllm_config) -> InstanceConfig:
     first_look = extra.pop("first_look_wait_ms", 10)
     if type(first_look) is not int or not 0 <= first_look <= 1000:
         raise ValueError("ECXConnector: 'first_look_wait_ms' must be an integer of 0 to 1000")
+    first_look_step = extra.pop("first_look_step_ms", 50)
+    if type(first_look_step) is not int or not 0 <= first_look_step <= 5000:
+        raise ValueError("ECXConnector: 'first_look_step_ms' must be an integer of 0 to 5000")
     load_timeout = extra.get("load_timeout_ms", 10000)
     policy = extra.get("failure_policy", "recompute")
     if type(load_timeout) is not int or policy not in ("recompute", "fail"):
@@ -156,7 +160,7 @@ def instance_config(vllm_config) -> InstanceConfig:
         dp_local_rank = int(getattr(parallel, "data_parallel_rank_local", None) or 0)
     return InstanceConfig(name=name, role=role, extra=extra, policy=policy,
                           load_timeout_ms=load_timeout, params_timeout_ms=params_timeout,
-                          first_look_wait_ms=first_look,
+                          first_look_wait_ms=first_look, first_look_step_ms=first_look_step,
                           metrics_port=metrics_port, metrics_host=metrics_host,
                           rendezvous_dir=rendezvous,
                           tp_size=getattr(parallel, "tensor_parallel_size", 1),

@@ -90,7 +90,7 @@ class ConsumerScheduler:
         except ValueError as e:
             logger.info("ECXConnector: the encoder's measure is not there yet (%s)", e)
         self._resolver = None  # vLLM's PlaceholderMetadataResolver, made on first use
-        self._first_look_left_ms = float(config.first_look_wait_ms)  # this step's, left
+        self._first_look_left_ms = float(config.first_look_step_ms)  # this step's, left
 
     # ---- ensure_cache_available ----
 
@@ -98,14 +98,18 @@ class ConsumerScheduler:
         load = self._loads.get(request.request_id)
         if load is None:
             load = self._start(request, num_computed_tokens)
-            if load.started and not load.done and self._first_look_left_ms >= 1:
+            wait_ms = min(self._config.first_look_wait_ms, self._first_look_left_ms)
+            if load.started and not load.done and wait_ms >= 1:
                 # On one host a load ends within a millisecond or two: waited for here, a
                 # little, the request is scheduled in this step rather than the next one
-                # (a whole engine step later). A load still running by then is not waited
-                # for further: vLLM asks again next step. The waits of one step share
-                # first_look_wait_ms, so a burst of new requests cannot hold the step.
+                # (a whole engine step later). The wait ends with the load, so a step
+                # waits about as long as its new loads take (what the disk connector
+                # spends reading its files in the step); each request waits at most
+                # first_look_wait_ms, and the requests of one step first_look_step_ms
+                # together, so a burst or a slow producer cannot hold the step. A load
+                # still running then is not waited for further: vLLM asks again next step.
                 started = time.monotonic()
-                self._conn.wait_for_load(request.request_id, int(self._first_look_left_ms))
+                self._conn.wait_for_load(request.request_id, int(wait_ms))
                 self._first_look_left_ms -= (time.monotonic() - started) * 1e3
         if not load.done:
             self._settle_finished()
@@ -317,7 +321,7 @@ class ConsumerScheduler:
     def step_loads(self) -> list[WorkerLoad]:
         """The loaded items this step's requests use (vLLM calls it once per step, after
         scheduling: the next step's first looks get their whole wait again)."""
-        self._first_look_left_ms = float(self._config.first_look_wait_ms)
+        self._first_look_left_ms = float(self._config.first_look_step_ms)
         step, self._step = self._step, []
         out = []
         for holder, name, key in step:

@@ -21,10 +21,14 @@ interleave):
                   first `has_cache_item` of one of its items stands in (`hook` says which).
                   Besides, {"ev": "alloc", "t", "req", "item"} at every
                   `update_state_after_alloc`: the step that schedules the item; and
-                  {"ev": "step", "t", "tokens"} at every `build_connector_meta`, which
-                  vLLM calls once at the end of each `schedule()` (tokens: what the step
-                  scheduled). The time from one to the next is the engine's step (its
-                  forward pass and the next schedule, connector waits included): `step_stats`.
+                  {"ev": "step", "t", "tokens", "ensure_ms"} at every `build_connector_meta`,
+                  which vLLM calls once at the end of each `schedule()` (tokens: what the
+                  step scheduled; ensure_ms: the time this schedule() spent inside the
+                  connector's `ensure_cache_available`, e.g. ECX's first-look waits), and
+                  {"ev": "stepped", "t"} at every `get_ec_connector_stats`, which vLLM
+                  calls once per step when the step's output is back. `step_stats`: the
+                  engine's step as the connector makes it, step -> stepped (the forward
+                  pass, in-step loads included) plus ensure_ms (idle time never counts).
   worker side     {"ev": "filled", "t", "items": [mm_hash, ...]} when `start_load_caches`
                   returned, with the items it put into vLLM's `encoder_cache` in that call
                   (its keys after the call minus before: a local encode never counts).
@@ -118,6 +122,7 @@ def timed(base: type) -> type:
             self._ecx_digests = os.environ.get(DIGESTS_ENV) == "1"
             self._ecx_seen: set[str] = set()  # requests already sighted
             self._ecx_seen_items: set[str] = set()
+            self._ecx_ensure_s = 0.0  # this schedule()'s time in ensure_cache_available
             super().__init__(*args, **kwargs)
 
         def _ecx_sight(self, request, hook: str) -> None:
@@ -133,7 +138,11 @@ def timed(base: type) -> type:
         # ---- scheduler side
         def ensure_cache_available(self, request, num_computed_tokens):
             self._ecx_sight(request, "ensure_cache_available")
-            return super().ensure_cache_available(request, num_computed_tokens)
+            started = time.monotonic()
+            try:
+                return super().ensure_cache_available(request, num_computed_tokens)
+            finally:
+                self._ecx_ensure_s += time.monotonic() - started
 
         def update_state_after_alloc(self, request, index):
             self._ecx_sight(request, "update_state_after_alloc")
@@ -147,8 +156,14 @@ def timed(base: type) -> type:
             self._ecx_log.emit(ev="step", t=time.time(),
                                tokens=int(getattr(scheduler_output,
                                                   "total_num_scheduled_tokens", 0) or 0),
+                               ensure_ms=self._ecx_ensure_s * 1000.0,
                                consumer=bool(self.is_consumer))
+            self._ecx_ensure_s = 0.0
             return super().build_connector_meta(scheduler_output)
+
+        def get_ec_connector_stats(self):
+            self._ecx_log.emit(ev="stepped", t=time.time(), consumer=bool(self.is_consumer))
+            return super().get_ec_connector_stats()
 
         def has_cache_item(self, identifier):
             if identifier not in self._ecx_seen_items:  # an item of an unsighted request
@@ -282,17 +297,24 @@ def ec_load_stats(events: list[dict], t_from: float = 0.0, t_to: float = float("
 
 
 def step_stats(events: list[dict], t_from: float = 0.0, t_to: float = float("inf")) -> dict | None:
-    """The consumer engine's steps that scheduled work in [t_from, t_to]: from each one's
-    `build_connector_meta` to the next one's, in ms ({"p50", "p99", "mean", "steps"}), or
-    None without two such events. A step that scheduled nothing (every request waiting)
-    is not counted: the engine loops at once."""
-    steps = sorted((e["t"], e.get("tokens", 0)) for e in events
-                   if e.get("ev") == "step" and e.get("consumer", True)
-                   and t_from <= e["t"] <= t_to)
-    spans = [(b[0] - a[0]) * 1000.0 for a, b in zip(steps, steps[1:]) if a[1] > 0]
-    out = _summary(spans)
+    """The consumer engine's steps that scheduled work in [t_from, t_to], as the connector
+    makes them: from the end of the step's schedule() to its output (the forward pass and
+    any in-step load) plus the time its schedule() spent in ensure_cache_available, in ms:
+    {"p50", "p99", "mean", "steps", "ensure_mean"}, or None without such a step."""
+    timeline = sorted((e["t"], e["ev"], e) for e in events
+                      if e.get("ev") in ("step", "stepped") and e.get("consumer", True))
+    totals, ensures = [], []
+    for (t, ev, e), (t_next, ev_next, _) in zip(timeline, timeline[1:]):
+        if ev != "step" or ev_next != "stepped" or e.get("tokens", 0) <= 0:
+            continue
+        if not t_from <= t <= t_to:
+            continue
+        ensures.append(float(e.get("ensure_ms", 0.0)))
+        totals.append((t_next - t) * 1000.0 + ensures[-1])
+    out = _summary(totals)
     if out is not None:
-        out["steps"] = len(spans)
+        out["steps"] = len(totals)
+        out["ensure_mean"] = sum(ensures) / len(ensures)
     return out
 
 

@@ -103,15 +103,21 @@ class Request:
     mm_features = [Feature("x")]
 
 
-def test_engine_steps_are_timed_from_one_schedule_to_the_next_that_did_work():
-    events = [{"ev": "step", "t": 1.0, "tokens": 100}, {"ev": "step", "t": 1.5, "tokens": 0},
-              {"ev": "step", "t": 1.6, "tokens": 8}, {"ev": "step", "t": 2.0, "tokens": 8},
-              {"ev": "step", "t": 3.0, "tokens": 8, "consumer": False}]
+def test_engine_steps_are_the_forward_pass_plus_the_connectors_time_in_schedule():
+    events = [{"ev": "step", "t": 1.0, "tokens": 100, "ensure_ms": 20.0},
+              {"ev": "stepped", "t": 1.5},
+              {"ev": "step", "t": 1.6, "tokens": 0, "ensure_ms": 0.0},  # nothing scheduled
+              {"ev": "stepped", "t": 1.61},
+              # idle: no schedule() until a request comes; the gap is never a step
+              {"ev": "step", "t": 9.0, "tokens": 8, "ensure_ms": 0.0},
+              {"ev": "stepped", "t": 9.3},
+              {"ev": "step", "t": 9.4, "tokens": 8, "consumer": False},
+              {"ev": "stepped", "t": 9.9, "consumer": False}]
     stats = timing.step_stats(events)
-    # 1.0 -> 1.5 (a step with work), 1.6 -> 2.0; 1.5 -> 1.6 scheduled nothing; E's apart.
-    assert stats["steps"] == 2
-    assert stats["mean"] == pytest.approx(450.0)
-    assert timing.step_stats(events, t_from=1.9) is None  # one step left in the window
+    assert stats["steps"] == 2  # 520 ms (500 + 20 in ensure) and 300 ms
+    assert stats["mean"] == pytest.approx(410.0)
+    assert stats["ensure_mean"] == pytest.approx(10.0)
+    assert timing.step_stats(events, t_from=9.5) is None
 
 
 def test_timed_subclass_calls_the_real_methods_and_records_events(tmp_path, monkeypatch):

@@ -301,9 +301,9 @@ def test_a_fixed_tcp_port_is_a_base_and_each_process_listens_on_its_own(tmp_path
                 pass
         # Each process says at start what it holds and where peers reach it.
         starts = [r.getMessage() for r in records if "pools" in r.getMessage()]
-        assert any(f"scheduler of pd-ports-{os.getpid()}" in m and f":{base} " in m
+        assert any(f"scheduler of pd-ports-{os.getpid()}" in m and f"127.0.0.1:{base} " in m
                    and "8.0 MiB" in m for m in starts), starts
-        assert any("worker 0" in m and f":{base + 1} " in m for m in starts), starts
+        assert any("worker 0" in m and f"127.0.0.1:{base + 1} " in m for m in starts), starts
     finally:
         scheduler.shutdown()
         worker.shutdown()
@@ -334,5 +334,58 @@ def test_a_wildcard_bind_needs_the_address_peers_dial(tmp_path):
     with pytest.raises(ecx.Error) as err:
         connector("ec_consumer", extra, SCHEDULER)
     assert "tcp_advertise_host" in err.value.message
-    ok = connector("ec_consumer", {**extra, "tcp_advertise_host": "127.0.0.1"}, SCHEDULER)
-    ok.shutdown()
+    ok = connector("ec_consumer", {**extra, "tcp_advertise_host": "127.0.0.2"}, SCHEDULER)
+    try:  # peers are told the advertised address, never the wildcard
+        endpoint = json.loads(ok._conn.agent_metadata())["endpoints"]["tcp"]
+        assert endpoint.startswith("127.0.0.2:"), endpoint
+    finally:
+        ok.shutdown()
+    # Without a secret the agent stays on loopback, and says so to its peers too.
+    plain = {k: v for k, v in extra.items() if k != "auth_token"}
+    alone = connector("ec_consumer", {**plain, "tcp_advertise_host": "10.0.0.7"}, SCHEDULER)
+    try:
+        endpoint = json.loads(alone._conn.agent_metadata())["endpoints"]["tcp"]
+        assert endpoint.startswith("127.0.0.1:"), endpoint
+    finally:
+        alone.shutdown()
+
+
+def test_each_new_request_gets_its_first_look_within_the_steps_total(tmp_path, monkeypatch):
+    """The first-look waits, on a fake clock: each request waits at most first_look_wait_ms
+    for its own load, one step's requests first_look_step_ms together, and the next step
+    starts afresh. (Loads that never end here: every wait runs to its bound.)"""
+    from types import SimpleNamespace
+
+    from ecx.vllm import _consumer
+    from ecx.vllm._common import Rendezvous, instance_config
+    from ecx.vllm._metrics import Counters
+
+    config = vllm_config("ec_consumer", {"first_look_wait_ms": 10, "first_look_step_ms": 35,
+                                         "rendezvous_dir": str(tmp_path)})
+    c = instance_config(config)
+    clock = [100.0]
+    asked: list[int] = []
+
+    class SlowLoads:
+        def wait_for_load(self, request_id, timeout_ms):
+            asked.append(timeout_ms)
+            clock[0] += timeout_ms / 1000.0  # runs to its bound: the load is not done
+            return {"items": [], "bytes": 0, "load_ms": 0.0}
+
+        def get_finished(self):
+            return []
+
+    monkeypatch.setattr(_consumer, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    scheduler = _consumer.ConsumerScheduler(c, SlowLoads(), Counters(), config,
+                                            Rendezvous(str(tmp_path)))
+    monkeypatch.setattr(scheduler, "_start",
+                        lambda request, n: _consumer._Load(started=True))
+    request = lambda i: SimpleNamespace(request_id=f"r{i}", mm_features=[1])  # noqa: E731
+    assert not any(scheduler.ensure(request(i), 0) for i in range(6))
+    # The second request waits too; the step's total holds (35 - 30 left: 5, or 4 after
+    # the float clock's rounding); then no more waits this step.
+    assert asked[:3] == [10, 10, 10] and asked[3] in (4, 5) and len(asked) == 4, asked
+    scheduler.step_loads()  # vLLM's next step
+    asked.clear()
+    scheduler.ensure(request(6), 0)
+    assert asked == [10]

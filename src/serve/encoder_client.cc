@@ -185,6 +185,18 @@ UpstreamList encoder_order(const UpstreamList& encoders, uint64_t key) {
   return order;
 }
 
+UpstreamList encoder_turn(const UpstreamList& encoders, uint64_t turn) {
+  UpstreamList live;
+  for (const auto& e : encoders) {
+    if (e->reachable()) live.push_back(e);
+  }
+  if (!live.empty()) {
+    std::rotate(live.begin(), live.begin() + static_cast<ptrdiff_t>(turn % live.size()),
+                live.end());
+  }
+  return live;
+}
+
 namespace {
 
 // One image's way through its encoders, one call at a time.

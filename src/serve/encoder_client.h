@@ -79,6 +79,10 @@ struct ImageEncode {
 // reach the same encoder while it lives, and the next-best one when it does not.
 UpstreamList encoder_order(const UpstreamList& encoders, uint64_t key);
 
+// The live encoders in turn, starting at the turn-th (modulo their number), whatever the
+// image: round robin (the others follow in order, for failover).
+UpstreamList encoder_turn(const UpstreamList& encoders, uint64_t turn);
+
 // Tries the encoders of `order` until one encodes the image, all within one encode
 // deadline, and calls `done` once with the outcome. A client error (bad image) ends the
 // search: another encoder would say the same.

@@ -228,6 +228,8 @@ class Proxy {
   const ProxyServiceConfig& config_;
   UpstreamSet upstreams_;
   const bool use_encoders_;  // false with --connector local: the PDs encode
+  // --encoder-routing round-robin: the images encoded so far, each the next one's turn.
+  mutable std::atomic<uint64_t> encoder_turns_{0};
   Metrics metrics_;
   std::shared_ptr<void> alive_ = std::make_shared<int>(0);  // reset first, by ~Proxy
   http::HttpClient client_;                                 // stopped next, by ~Proxy
@@ -262,7 +264,10 @@ std::vector<ImageJob> Proxy::image_jobs(ChatCall& call) const {
       std::string().swap(part.media_bytes);  // hashed: the forwarded request holds the image
       // (In vllm mode an image is its bytes and its uuid: E must see each uuid the PD does.)
       if (!use_encoders_ || encoders.empty() || !sent.emplace(key, encode.uuid).second) continue;
-      jobs.push_back({encoder_order(encoders, key), std::move(encode)});
+      jobs.push_back({config_.encoder_routing == EncoderRouting::kRoundRobin
+                          ? encoder_turn(encoders, encoder_turns_.fetch_add(1))
+                          : encoder_order(encoders, key),
+                      std::move(encode)});
     }
   }
   return jobs;

@@ -645,7 +645,16 @@ Result<std::unique_ptr<Agent>> Agent::create(AgentConfig config) {
         "not {}",
         config.name, config.tcp_host);
     config.tcp_host = "127.0.0.1";
-    config.tcp_advertise_host.clear();
+  }
+  const bool loopback_bind = config.tcp_host == "127.0.0.1" || config.tcp_host == "localhost";
+  if (config.auth_secret.empty() || (loopback_bind && !config.tcp_advertise_host.empty() &&
+                                     config.tcp_advertise_host != "127.0.0.1" &&
+                                     config.tcp_advertise_host != "localhost")) {
+    if (!config.tcp_advertise_host.empty() && config.tcp_advertise_host != config.tcp_host) {
+      spdlog::warn("agent {}: listening on {} only: peers dial that, not tcp_advertise_host {}",
+                   config.name, config.tcp_host, config.tcp_advertise_host);
+    }
+    config.tcp_advertise_host.clear();  // peers dial where it listens
   }
   if (config.enable_tcp && config.tcp_advertise_host.empty() && config.tcp_host == "0.0.0.0") {
     return InvalidArgument("agent '" + config.name +

@@ -314,6 +314,44 @@ TEST_F(StackTest, TheSameImageTwiceInOneRequestIsEncodedOnce) {
       << metrics->body;
 }
 
+// The image's encodes (misses) an encoder counted, from its /metrics.
+int encode_misses(const Service& e) {
+  httplib::Client client(e.host, e.port);
+  auto metrics = client.Get("/metrics");
+  if (!metrics) return -1;
+  const std::string name = "ecx_encode_requests_total{cache=\"miss\"} ";
+  auto at = metrics->body.find(name);
+  return at == std::string::npos ? 0 : std::atoi(metrics->body.c_str() + at + name.size());
+}
+
+// Two encoders, one image sent 4 times: routed by content it is encoded once (the same
+// encoder holds it for the repeats); round robin sends the repeats to the other encoder
+// too, which encodes it again.
+TEST_F(StackTest, ContentRoutingSendsARepeatedImageToTheEncoderThatHoldsIt) {
+  for (const std::string routing : {"content", "round-robin"}) {
+    json ec = {{"connector", "p2p"}, {"extra", {{"pool_bytes", "96MiB"}}}};
+    const std::vector<std::string> common = {"--port", "0", "--ec-config", ec.dump()};
+    Service e1, e2, pd, proxy;
+    ASSERT_TRUE(Stack::launch(e1, "encoder", common).ok());
+    ASSERT_TRUE(Stack::launch(e2, "encoder", common).ok());
+    ASSERT_TRUE(Stack::launch(pd, "pd", common).ok());
+    std::vector<std::string> flags = common;
+    flags.insert(flags.end(), {"--pd", pd.url(), "--encoders", e1.url() + "," + e2.url(),
+                               "--encoder-routing", routing});
+    ASSERT_TRUE(Stack::launch(proxy, "proxy", flags).ok());
+    const json body =
+        chat(json::array({{{"type", "image_url"}, {"image_url", {{"url", png_url(96, 96, 5)}}}},
+                          {{"type", "text"}, {"text", "what is it"}}}));
+    for (int i = 0; i < 4; ++i) {
+      // (The proxy listens once its first probe round reached its encoders.)
+      auto res = post(proxy, "/v1/chat/completions", body.dump());
+      ASSERT_TRUE(res && res->status == 200) << routing << " " << i;
+    }
+    const int misses = encode_misses(e1) + encode_misses(e2);
+    EXPECT_EQ(misses, routing == "content" ? 1 : 2) << routing;
+  }
+}
+
 TEST_F(StackTest, BenchServeMeasuresEveryRequest) {
   Stack stack;
   ASSERT_TRUE(stack.start("p2p", dir_).ok());

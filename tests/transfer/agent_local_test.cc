@@ -523,13 +523,13 @@ TEST(AgentConnect, AWildcardBindPublishesTheAdvertisedAddressAndIsReadThere) {
   AgentConfig wildcard = local_config("producer");
   wildcard.auth_secret = "deployment-secret";  // without one the agent stays on loopback
   wildcard.tcp_host = "0.0.0.0";
-  wildcard.tcp_advertise_host = "127.0.0.1";
+  wildcard.tcp_advertise_host = "127.0.0.2";  // loopback too, but not what it would guess
   auto producer = std::move(Agent::create(wildcard).value());
   AgentConfig reader = local_config("consumer");
   reader.auth_secret = wildcard.auth_secret;
   auto consumer = std::move(Agent::create(reader).value());
   const std::string endpoint = producer->metadata().endpoints.at(Backend::kTcp);
-  EXPECT_EQ(endpoint.rfind("127.0.0.1:", 0), 0u) << endpoint;
+  EXPECT_EQ(endpoint.rfind("127.0.0.2:", 0), 0u) << endpoint;
   auto src = producer->allocate(4096).value();
   fill_pattern(src.data, src.length, 77);
   std::vector<std::byte> dst(4096);
@@ -541,6 +541,21 @@ TEST(AgentConnect, AWildcardBindPublishesTheAdvertisedAddressAndIsReadThere) {
   ASSERT_TRUE(h.ok()) << h.status().to_string();
   ASSERT_TRUE(h->wait(Deadline::after_ms(20000)).ok());
   EXPECT_EQ(std::memcmp(dst.data(), src.data, dst.size()), 0);
+}
+
+// An agent that listens on loopback only tells its peers so, whatever it was asked to
+// advertise: without a secret (it stays on loopback) and on a loopback bind.
+TEST(AgentCreate, ALoopbackListenerAdvertisesLoopback) {
+  AgentConfig no_secret = local_config("x");
+  no_secret.tcp_host = "0.0.0.0";
+  no_secret.tcp_advertise_host = "10.0.0.7";
+  auto a = std::move(Agent::create(no_secret).value());
+  EXPECT_EQ(a->metadata().endpoints.at(Backend::kTcp).rfind("127.0.0.1:", 0), 0u);
+  AgentConfig loopback = local_config("y");
+  loopback.auth_secret = "s";
+  loopback.tcp_advertise_host = "10.0.0.7";
+  auto b = std::move(Agent::create(loopback).value());
+  EXPECT_EQ(b->metadata().endpoints.at(Backend::kTcp).rfind("127.0.0.1:", 0), 0u);
 }
 
 TEST(AgentCreate, AWildcardBindWithoutAnAdvertisedAddressIsRefusedNamingTheFix) {

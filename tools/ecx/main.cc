@@ -179,6 +179,7 @@ struct ServeCommands {
   ecx::serve::ProxyServiceConfig proxy;
   std::string encoder_urls, pd_urls;  // the proxy's, comma-separated
   std::string upstream_api = "ecx";   // the proxy's: ecx | vllm
+  std::string encoder_routing = "content";  // the proxy's: content | round-robin
   std::string unused_text;
   int64_t unused_number = 0;
 };
@@ -247,12 +248,21 @@ void add_proxy_command(CLI::App* serve, ServeCommands& cmds, std::string& log_le
       ->check(CLI::IsMember({"ecx", "vllm"}))
       ->capture_default_str()
       ->envname("ECX_UPSTREAM_API");
+  s->add_option("--encoder-routing", cmds.encoder_routing,
+                "How an image's encoder is picked: content (by its bytes, so a repeated image "
+                "reaches the encoder that holds it) or round-robin")
+      ->check(CLI::IsMember({"content", "round-robin"}))
+      ->capture_default_str()
+      ->envname("ECX_ENCODER_ROUTING");
   s->callback([&cmds, &log_level, exit_code] {
     cmds.proxy.common.log_level = log_level;
     cmds.proxy.encoders = split_urls(cmds.encoder_urls);
     cmds.proxy.pd = split_urls(cmds.pd_urls);
     cmds.proxy.upstream_api = cmds.upstream_api == "vllm" ? ecx::serve::UpstreamApi::kVllm
                                                           : ecx::serve::UpstreamApi::kEcx;
+    cmds.proxy.encoder_routing = cmds.encoder_routing == "round-robin"
+                                     ? ecx::serve::EncoderRouting::kRoundRobin
+                                     : ecx::serve::EncoderRouting::kContent;
     *exit_code = ecx::serve::run_proxy_service(cmds.proxy);
   });
 }

@@ -96,9 +96,17 @@ enum class UpstreamApi {
   kVllm,  // POST /v1/chat/completions holding the image, answered with ec_transfer_params
 };
 
+// How the proxy picks an image's encoder.
+enum class EncoderRouting {
+  kContent,     // by the image's bytes (rendezvous hashing): a repeated image meets the
+                // encoder that holds it
+  kRoundRobin,  // the next encoder, whatever the image (what vLLM's example proxy does)
+};
+
 struct ProxyServiceConfig {
   CommonServiceConfig common;
   UpstreamApi upstream_api = UpstreamApi::kEcx;
+  EncoderRouting encoder_routing = EncoderRouting::kContent;
   // "local": the PDs encode images themselves and the encoders are not used.
   std::string connector = "p2p";
   std::vector<std::string> encoders;  // E URLs (static; etcd may add more)

@@ -148,7 +148,7 @@ class ECXConnector(ECConnectorBase):
         if c.is_consumer:
             self._consumer_scheduler = ConsumerScheduler(
                 c, self._conn, self._counters, vllm_config, Rendezvous(c.rendezvous_dir))
-        log_start(c, "scheduler", offset, self._conn)
+        log_start(c, "scheduler", self._conn)
         self._export("scheduler", offset)
 
     def _start_worker(self) -> None:
@@ -165,7 +165,7 @@ class ECXConnector(ECConnectorBase):
                                                    self._counters)
         if c.is_consumer:
             self._consumer_worker = ConsumerWorker(c, self._conn, rank, self._counters)
-        log_start(c, f"worker {rank}", offset, self._conn)
+        log_start(c, f"worker {rank}", self._conn)
         self._export(f"worker{rank}", offset)
 
     def start_worker_services(self) -> None:
@@ -177,6 +177,10 @@ class ECXConnector(ECConnectorBase):
 
     def _export(self, process: str, offset: int) -> None:
         if self._config.metrics_port is not None:
+            if self._config.metrics_port + offset > 65535:
+                raise ValueError(f"ECXConnector: 'metrics_port' {self._config.metrics_port} + "
+                                 f"{offset} (this process's offset) is past 65535: pick a "
+                                 "lower base")
             conn = self._conn
             self._exporter = Exporter(self._config.metrics_port + offset, process,
                                       lambda: conn.stats(), host=self._config.metrics_host)

@@ -167,21 +167,18 @@ def instance_config(vllm_config) -> InstanceConfig:
                           dp_local_rank=dp_local_rank)
 
 
-def log_start(config: InstanceConfig, process: str, offset: int, conn) -> None:
-    """One line per process at start: its agent, where peers reach it, and the memory its
-    pools hold (committed at start), so that the instance's sum can be checked."""
+def log_start(config: InstanceConfig, process: str, conn) -> None:
+    """One line per process at start: its agent, the address peers dial (as the agent
+    published it), and the memory its pools hold (committed at start), so that the
+    instance's sum can be checked."""
     stats = conn.stats()
     pools = sum(stats[k]["capacity_bytes"] for k in ("consumer_cache", "producer_pool")
                 if stats.get(k))
-    host = config.extra.get("tcp_host", "127.0.0.1")
-    port = config.extra.get("tcp_port") or 0
-    dialed = config.extra.get("tcp_advertise_host") or host
-    logger.info("ECXConnector: %s of %s: agent %s, tcp %s:%s (peers dial %s), pools %.1f MiB "
-                "in this process (docs/VLLM.md, \"Memory\": the instance holds its scheduler's "
-                "and each worker's)", process, config.name, conn.name, host,
-                port + offset if port else "any", dialed, pools / (1 << 20))
-
-
+    dialed = json.loads(conn.agent_metadata()).get("endpoints", {}).get("tcp", "no tcp")
+    logger.info("ECXConnector: %s of %s: agent %s, peers dial tcp %s (bound on %s), pools "
+                "%.1f MiB in this process (docs/VLLM.md, \"Memory\": the instance holds its "
+                "scheduler's and each worker's)", process, config.name, conn.name, dialed,
+                config.extra.get("tcp_host", "127.0.0.1"), pools / (1 << 20))
 def _is_ip_address(text: str) -> bool:
     try:
         ipaddress.ip_address(text)

@@ -12,6 +12,8 @@
 #include <sstream>
 
 #include "charts.h"
+#include "http/http_client.h"
+#include "serve/http_server.h"
 #include "ecx/common/subprocess.h"
 #include "ecx/engine/image.h"
 #include "ecx/serve/services.h"
@@ -37,6 +39,7 @@ struct EpdOptions {
   int pds = 1;
   std::string hosts;     // network namespaces (scripts/hosts), comma-separated
   std::string ec_extra;  // JSON merged into every service's connector "extra"
+  std::string encoder_routing = "content";  // the proxy's, comma-separated: a row each
 };
 
 std::vector<std::string> split_commas(const std::string& text) {
@@ -49,18 +52,47 @@ std::vector<std::string> split_commas(const std::string& text) {
   return out;
 }
 
-StackLayout layout_of(const EpdOptions& o) {
+StackLayout layout_of(const EpdOptions& o, const std::string& routing) {
   return StackLayout{.encoders = o.encoders,
                      .pds = o.pds,
                      .hosts = split_commas(o.hosts),
-                     .extra_json = o.ec_extra};
+                     .extra_json = o.ec_extra,
+                     .encoder_routing = routing};
+}
+
+// The encoders' work: images each encoded (cache misses) and found held (hits), summed
+// over the stack's encoders from their /metrics.
+json encoder_work(const StackProcs& stack) {
+  http::HttpClient client(http::HttpClient::Options{.threads = 1});
+  double encoded = 0, held = 0;
+  for (const auto& e : stack.encoders) {
+    auto at = serve::parse_url(e->url);
+    if (!at.ok()) continue;
+    http::ClientRequest request;
+    request.method = "GET";
+    request.target = "/metrics";
+    request.timeout = std::chrono::seconds(10);
+    auto res = client.call(at->first, at->second, std::move(request));
+    if (!res.ok() || res.status != 200) continue;
+    std::istringstream lines(res.body);
+    std::string line;
+    const std::string miss = "ecx_encode_requests_total{cache=\"miss\"} ";
+    const std::string hit = "ecx_encode_requests_total{cache=\"hit\"} ";
+    while (std::getline(lines, line)) {
+      if (line.rfind(miss, 0) == 0) encoded += std::stod(line.substr(miss.size()));
+      if (line.rfind(hit, 0) == 0) held += std::stod(line.substr(hit.size()));
+    }
+  }
+  return {{"images_encoded", encoded}, {"images_held", held}};
 }
 
 Result<json> run_connector(const EpdOptions& o, const std::string& connector,
-                           const std::string& redis, const std::filesystem::path& dir) {
+                           const std::string& routing, const std::string& redis,
+                           const std::filesystem::path& dir) {
   const std::string exe = current_executable();
   StackProcs stack;
-  ECX_RETURN_IF_ERROR(start_stack(connector, o.pool_bytes, redis, dir, stack, layout_of(o)));
+  ECX_RETURN_IF_ERROR(
+      start_stack(connector, o.pool_bytes, redis, dir, stack, layout_of(o, routing)));
   Proc& proxy = stack.proxy;
   std::string out_path =
       (dir / ("serve-" + std::to_string(std::hash<std::string>()(connector)) + ".json")).string();
@@ -86,6 +118,8 @@ Result<json> run_connector(const EpdOptions& o, const std::string& connector,
   json j = std::move(*parsed);
   if (code != 0) j["note"] = "some requests failed";
   j["connector"] = connector;
+  j["encoder_routing"] = routing;
+  if (!stack.encoders.empty()) j["encoders_work"] = encoder_work(stack);
   return j;
 }
 
@@ -127,8 +161,9 @@ void print_table(const EpdOptions& o, const std::vector<json>& rows) {
   }
   std::printf("\nworkload %s, %d prompts, rate %s, %d output tokens\n", o.workload.c_str(),
               o.num_prompts, o.request_rate.c_str(), o.output_len);
-  std::printf("%-15s %6s %11s %11s %11s %11s %11s %9s %s\n", "connector", "ok", "mean TTFT",
-              "median", "p99 TTFT", "mean EC ld", "p99 EC ld", "req/s", "TTFT vs pull-2step");
+  std::printf("%-15s %6s %11s %11s %11s %11s %11s %9s %8s %s\n", "connector", "ok", "mean TTFT",
+              "median", "p99 TTFT", "mean EC ld", "p99 EC ld", "req/s", "E encs",
+              "TTFT vs pull-2step");
   for (const auto& r : rows) {
     std::string name = r["connector"];
     if (r.contains("error")) {
@@ -140,6 +175,11 @@ void print_table(const EpdOptions& o, const std::vector<json>& rows) {
                 r["median_ttft_ms"].get<double>(), r["p99_ttft_ms"].get<double>(),
                 r["mean_ec_load_ms"].get<double>(), r["p99_ec_load_ms"].get<double>(),
                 r["request_throughput"].get<double>());
+    if (r.contains("encoders_work")) {
+      std::printf("%8.0f ", r["encoders_work"]["images_encoded"].get<double>());
+    } else {
+      std::printf("%8s ", "-");
+    }
     if (ref > 0) std::printf("%.2fx", r["mean_ttft_ms"].get<double>() / ref);
     std::printf("\n");
   }
@@ -152,16 +192,23 @@ int run_epd(const EpdOptions& o) {
   std::optional<RedisForBench> redis = redis_for(o, dir);
   const std::string redis_address = redis ? redis->address() : o.redis;
   std::vector<json> rows;
+  const std::vector<std::string> routings = split_commas(o.encoder_routing);
   for (const std::string& c : split_commas(o.connectors)) {
-    std::printf("ecx bench epd: %s ...\n", c.c_str());
-    std::fflush(stdout);
-    auto r = run_connector(o, c, redis_address, dir);
-    if (!r.ok()) {
-      std::printf("  failed: %s\n", r.status().to_string().c_str());
-      rows.push_back({{"connector", c}, {"error", r.status().to_string()}});
-      continue;
+    for (const std::string& routing : routings) {
+      // One row per connector and routing; named by the connector alone unless several
+      // routings are compared.
+      const std::string name = routings.size() > 1 ? c + " " + routing : c;
+      std::printf("ecx bench epd: %s ...\n", name.c_str());
+      std::fflush(stdout);
+      auto r = run_connector(o, c, routing, redis_address, dir);
+      if (!r.ok()) {
+        std::printf("  failed: %s\n", r.status().to_string().c_str());
+        rows.push_back({{"connector", name}, {"error", r.status().to_string()}});
+        continue;
+      }
+      (*r)["connector"] = name;
+      rows.push_back(*r);
     }
-    rows.push_back(*r);
   }
   std::error_code ec;
   std::filesystem::remove_all(dir, ec);
@@ -187,7 +234,11 @@ void add_epd_command(CLI::App& bench, int* exit_code) {
   CLI::App* s =
       bench.add_subcommand("epd", "A stack per connector, the same workload on each, compared");
   s->add_option("--connectors", o->connectors, "Connectors to compare")->capture_default_str();
-  s->add_option("--workload", o->workload, "seed, heavy or shared")->capture_default_str();
+  s->add_option("--workload", o->workload, "seed, heavy, shared or repeat")
+      ->capture_default_str();
+  s->add_option("--encoder-routing", o->encoder_routing,
+                "The proxy's encoder routing, comma-separated to compare (content, round-robin)")
+      ->capture_default_str();
   s->add_option("--num-prompts", o->num_prompts, "Requests per connector")->capture_default_str();
   s->add_option("--output-len", o->output_len, "Generated tokens per request")
       ->capture_default_str();

@@ -24,11 +24,13 @@ namespace {
 using nlohmann::json;
 struct Workload {
   int images = 3, width = 560, height = 560, distinct = 0;  // distinct 0 = every image new
+  double repeat = 0;  // the chance that an image is one sent before (distinct 0 only)
 };
 
 Workload workload_for(const std::string& name) {
   if (name == "heavy") return {4, 1920, 1080, 0};
   if (name == "shared") return {3, 560, 560, 20};
+  if (name == "repeat") return {3, 560, 560, 0, 0.5};
   return {3, 560, 560, 0};
 }
 
@@ -178,12 +180,21 @@ Result<std::vector<std::string>> build_requests(const ServeBenchOptions& o, cons
     pool.push_back(engine::make_data_url(png, "image/png"));
   }
   std::vector<std::string> bodies;
+  std::vector<size_t> sent;  // repeat: the images sent so far
+  std::uniform_real_distribution<double> chance(0.0, 1.0);
+  auto pick = [&](int r, int i) -> size_t {
+    if (w.distinct > 0) return rng() % pool.size();
+    if (w.repeat <= 0) return static_cast<size_t>(r * w.images + i);
+    if (!sent.empty() && chance(rng) < w.repeat) return sent[rng() % sent.size()];
+    sent.push_back(sent.size());  // the next new image
+    return sent.back();
+  };
   for (int r = 0; r < o.num_prompts; ++r) {
     std::string text;
     for (int i = 0; i < o.input_len; ++i) text.push_back(static_cast<char>('a' + rng() % 26));
     json content = json::array({{{"type", "text"}, {"text", text}}});
     for (int i = 0; i < w.images; ++i) {
-      size_t idx = w.distinct > 0 ? rng() % pool.size() : static_cast<size_t>(r * w.images + i);
+      size_t idx = pick(r, i);
       content.push_back({{"type", "image_url"}, {"image_url", {{"url", pool[idx]}}}});
     }
     bodies.push_back(json{{"model", o.model},
@@ -399,7 +410,8 @@ void add_serve_command(CLI::App& bench, int* exit_code) {
   s->add_option("--base-url", o->base_url, "Server URL")->capture_default_str();
   s->add_option("--model", o->model, "Model name")->capture_default_str();
   s->add_option("--workload", o->workload,
-                "seed (3 x 560x560), heavy (4 x 1920x1080), shared (20 images reused)")
+                "seed (3 x 560x560), heavy (4 x 1920x1080), shared (20 images reused), repeat (each "
+                "image one sent before with a chance of 1/2)")
       ->capture_default_str();
   s->add_option("--num-prompts", o->num_prompts, "Requests")->capture_default_str();
   s->add_option("--request-rate", o->request_rate, "Requests per second (Poisson), or inf")

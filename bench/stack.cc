@@ -115,7 +115,10 @@ Status start_stack(const std::string& connector, const std::string& pool_bytes,
       in_netns(where.netns,
                {exe, "serve", "proxy", "--host", where.address, "--port", "0", "--pd",
                 join_urls(s.pds), "--connector", local ? "local" : "p2p", "--log-level", "error"});
-  if (!local) proxy_argv.insert(proxy_argv.end(), {"--encoders", join_urls(s.encoders)});
+  if (!local) {
+    proxy_argv.insert(proxy_argv.end(), {"--encoders", join_urls(s.encoders), "--encoder-routing",
+                                         layout.encoder_routing});
+  }
   proxy_argv.insert(proxy_argv.end(), secret_flags.begin(), secret_flags.end());
   return launch(s.proxy, proxy_argv).with_context(connector + " proxy");
 }

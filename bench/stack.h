@@ -41,6 +41,7 @@ struct StackLayout {
   std::vector<std::string> hosts;
   // Merged into every service's connector config "extra" (e.g. {"ucx": true}).
   std::string extra_json;
+  std::string encoder_routing = "content";  // the proxy's --encoder-routing
 };
 
 // Starts proxy + E + PD (PD alone for local) for `connector` ("p2p", "p2p:push", "disk",

@@ -228,6 +228,7 @@ def run_row(row: str, args, w: dict, model: Path, run_dir: Path, fixed: list[dic
                 result["item_digests"] = timing.item_digests(events)
                 result["ec_load_ms_per_item"] = stats["from_sight"]
                 result["ec_load_after_alloc_ms"] = stats["from_alloc"]
+                result["ec_load_worker_call_ms"] = stats["worker_call"]
                 result["ec_load_requests"] = stats["requests"]
                 result["ec_load_not_loaded"] = stats["not_loaded"]
                 result["step_ms"] = timing.step_stats(events, t0, t1)

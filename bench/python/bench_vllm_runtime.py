@@ -395,7 +395,8 @@ def empty_row(connector: str, row: str) -> dict:
             "layout": "single instance" if row == "single" else "E + PD, vLLM's EPD proxy",
             "ttft_ms": None, "tpot_ms": None, "req_per_s": None, "completed": None,
             "failed": None, "ec_load_ms_per_item": None, "ec_load_requests": None,
-            "ec_load_not_loaded": None, "ec_load_after_alloc_ms": None, "step_ms": None,
+            "ec_load_not_loaded": None, "ec_load_after_alloc_ms": None,
+            "ec_load_worker_call_ms": None, "step_ms": None,
             "pd_encoder_iterations": None, "item_digests": None, "correct": None,
             "total": None, "bench_texts_equal": None, "error": None}
 

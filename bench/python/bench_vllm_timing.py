@@ -176,6 +176,7 @@ def timed(base: type) -> type:
         # ---- worker side
         def start_load_caches(self, encoder_cache, **kwargs):
             before = set(encoder_cache.keys()) if encoder_cache is not None else set()
+            called = time.time()
             try:
                 return super().start_load_caches(encoder_cache, **kwargs)
             finally:
@@ -185,7 +186,10 @@ def timed(base: type) -> type:
                         t = time.time()
                         digests = {k: _digest(encoder_cache[k]) for k in filled} \
                             if self._ecx_digests else None
-                        self._ecx_log.emit(ev="filled", t=t, items=filled, digests=digests)
+                        # call_ms: the connector's own time in this call (the rest of
+                        # from_alloc is vLLM's, between its scheduler and this worker)
+                        self._ecx_log.emit(ev="filled", t=t, items=filled, digests=digests,
+                                           call_ms=(t - called) * 1000.0)
 
         def save_caches(self, encoder_cache, mm_hash, **kwargs):
             out = super().save_caches(encoder_cache, mm_hash, **kwargs)
@@ -250,7 +254,8 @@ def _first_after(times: list[float], t0: float) -> float | None:
 
 
 def ec_load_stats(events: list[dict], t_from: float = 0.0, t_to: float = float("inf")) -> dict:
-    """{"from_sight", "from_alloc", "requests", "items", "not_loaded"} for the requests first
+    """{"from_sight", "from_alloc", "worker_call", "requests", "items", "not_loaded"} for the
+    requests first
     seen in [t_from, t_to] (see the module's docstring); each of from_sight (per request:
     last item filled - first sight, / items) and from_alloc (per item: filled - its alloc) is
     {"p50", "p99", "mean"} in ms, or None when nothing loaded through the connector."""
@@ -287,12 +292,16 @@ def ec_load_stats(events: list[dict], t_from: float = 0.0, t_to: float = float("
             continue
         items_total += len(items)
         per_request.append((max(done) - t0) * 1000.0 / len(items))
+    calls = [e["call_ms"] / len(e["items"]) for e in events
+             if e.get("ev") == "filled" and "call_ms" in e and e.get("items")
+             and t_from <= e["t"] <= t_to]
     per_item = []
     for t_alloc, item in allocs:
         t_fill = _first_after(fills.get(item, []), t_alloc)
         if t_fill is not None:
             per_item.append((t_fill - t_alloc) * 1000.0)
     return {"from_sight": _summary(per_request), "from_alloc": _summary(per_item),
+            "worker_call": _summary(calls),
             "requests": len(per_request), "items": items_total, "not_loaded": not_loaded}
 
 

@@ -103,6 +103,13 @@ class Request:
     mm_features = [Feature("x")]
 
 
+def test_the_workers_call_is_timed_per_item_it_filled():
+    events = [sight(1.0, "a", ["x", "y"]),
+              {"ev": "filled", "t": 1.5, "items": ["x", "y"], "call_ms": 8.0},
+              {"ev": "filled", "t": 2.5, "items": ["z"], "call_ms": 3.0}]
+    assert timing.ec_load_stats(events)["worker_call"]["mean"] == pytest.approx(3.5)
+
+
 def test_engine_steps_are_the_forward_pass_plus_the_connectors_time_in_schedule():
     events = [{"ev": "step", "t": 1.0, "tokens": 100, "ensure_ms": 20.0},
               {"ev": "stepped", "t": 1.5},

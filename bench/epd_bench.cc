@@ -12,12 +12,12 @@
 #include <sstream>
 
 #include "charts.h"
-#include "http/http_client.h"
-#include "serve/http_server.h"
 #include "ecx/common/subprocess.h"
 #include "ecx/engine/image.h"
 #include "ecx/serve/services.h"
+#include "http/http_client.h"
 #include "progress.h"
+#include "serve/http_server.h"
 #include "stack.h"
 
 namespace ecx::bench {
@@ -37,8 +37,8 @@ struct EpdOptions {
   std::string json_path;
   int encoders = 1;
   int pds = 1;
-  std::string hosts;     // network namespaces (scripts/hosts), comma-separated
-  std::string ec_extra;  // JSON merged into every service's connector "extra"
+  std::string hosts;                        // network namespaces (scripts/hosts), comma-separated
+  std::string ec_extra;                     // JSON merged into every service's connector "extra"
   std::string encoder_routing = "content";  // the proxy's, comma-separated: a row each
 };
 
@@ -234,8 +234,7 @@ void add_epd_command(CLI::App& bench, int* exit_code) {
   CLI::App* s =
       bench.add_subcommand("epd", "A stack per connector, the same workload on each, compared");
   s->add_option("--connectors", o->connectors, "Connectors to compare")->capture_default_str();
-  s->add_option("--workload", o->workload, "seed, heavy, shared or repeat")
-      ->capture_default_str();
+  s->add_option("--workload", o->workload, "seed, heavy, shared or repeat")->capture_default_str();
   s->add_option("--encoder-routing", o->encoder_routing,
                 "The proxy's encoder routing, comma-separated to compare (content, round-robin)")
       ->capture_default_str();

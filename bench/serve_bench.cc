@@ -409,9 +409,10 @@ void add_serve_command(CLI::App& bench, int* exit_code) {
       "serve", "Load generator against an OpenAI-compatible URL (vllm bench serve-like)");
   s->add_option("--base-url", o->base_url, "Server URL")->capture_default_str();
   s->add_option("--model", o->model, "Model name")->capture_default_str();
-  s->add_option("--workload", o->workload,
-                "seed (3 x 560x560), heavy (4 x 1920x1080), shared (20 images reused), repeat (each "
-                "image one sent before with a chance of 1/2)")
+  s->add_option(
+       "--workload", o->workload,
+       "seed (3 x 560x560), heavy (4 x 1920x1080), shared (20 images reused), repeat (each "
+       "image one sent before with a chance of 1/2)")
       ->capture_default_str();
   s->add_option("--num-prompts", o->num_prompts, "Requests")->capture_default_str();
   s->add_option("--request-rate", o->request_rate, "Requests per second (Poisson), or inf")

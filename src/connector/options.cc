@@ -182,8 +182,7 @@ Status read_specific(const JsonReader& r, ConnectorOptions& o) {
   ECX_ASSIGN_OR_RETURN(o.tcp_advertise_host, r.string("tcp_advertise_host", Presence::kOptional,
                                                       4096, o.tcp_advertise_host));
   if (!o.tcp_advertise_host.empty()) {
-    ECX_RETURN_IF_ERROR(
-        check_tcp_host(o.tcp_advertise_host).with_context("tcp_advertise_host"));
+    ECX_RETURN_IF_ERROR(check_tcp_host(o.tcp_advertise_host).with_context("tcp_advertise_host"));
   }
   ECX_ASSIGN_OR_RETURN(int64_t port, r.i64("tcp_port", 0, 65535));
   o.tcp_port = static_cast<uint16_t>(port);

@@ -647,9 +647,9 @@ Result<std::unique_ptr<Agent>> Agent::create(AgentConfig config) {
     config.tcp_host = "127.0.0.1";
   }
   const bool loopback_bind = config.tcp_host == "127.0.0.1" || config.tcp_host == "localhost";
-  if (config.auth_secret.empty() || (loopback_bind && !config.tcp_advertise_host.empty() &&
-                                     config.tcp_advertise_host != "127.0.0.1" &&
-                                     config.tcp_advertise_host != "localhost")) {
+  if (config.auth_secret.empty() ||
+      (loopback_bind && !config.tcp_advertise_host.empty() &&
+       config.tcp_advertise_host != "127.0.0.1" && config.tcp_advertise_host != "localhost")) {
     if (!config.tcp_advertise_host.empty() && config.tcp_advertise_host != config.tcp_host) {
       spdlog::warn("agent {}: listening on {} only: peers dial that, not tcp_advertise_host {}",
                    config.name, config.tcp_host, config.tcp_advertise_host);

@@ -534,9 +534,8 @@ TEST(AgentConnect, AWildcardBindPublishesTheAdvertisedAddressAndIsReadThere) {
   fill_pattern(src.data, src.length, 77);
   std::vector<std::byte> dst(4096);
   ASSERT_TRUE(consumer->connect(producer->metadata(), {.backend = Backend::kTcp}).ok());
-  std::vector<TransferDescriptor> descs{{.local = dst.data(),
-                                          .remote_region = src.id,
-                                          .length = dst.size()}};
+  std::vector<TransferDescriptor> descs{
+      {.local = dst.data(), .remote_region = src.id, .length = dst.size()}};
   auto h = consumer->read("producer", descs, Deadline::after_ms(20000));
   ASSERT_TRUE(h.ok()) << h.status().to_string();
   ASSERT_TRUE(h->wait(Deadline::after_ms(20000)).ok());

@@ -177,8 +177,8 @@ struct ServeCommands {
   ecx::serve::EncoderServiceConfig encoder;
   ecx::serve::PdServiceConfig pd;
   ecx::serve::ProxyServiceConfig proxy;
-  std::string encoder_urls, pd_urls;  // the proxy's, comma-separated
-  std::string upstream_api = "ecx";   // the proxy's: ecx | vllm
+  std::string encoder_urls, pd_urls;        // the proxy's, comma-separated
+  std::string upstream_api = "ecx";         // the proxy's: ecx | vllm
   std::string encoder_routing = "content";  // the proxy's: content | round-robin
   std::string unused_text;
   int64_t unused_number = 0;

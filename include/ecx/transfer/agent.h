@@ -44,12 +44,12 @@ struct UcxConfig {
 };
 
 struct AgentConfig {
-  std::string name;                 // unique among the agents that talk to each other
-  std::string compat_hash = "ecx";  // peers with a different hash are refused
-  bool enable_shm = true;           // listen on an abstract unix socket
-  bool enable_tcp = true;           // listen on tcp_host:tcp_port
+  std::string name;                    // unique among the agents that talk to each other
+  std::string compat_hash = "ecx";     // peers with a different hash are refused
+  bool enable_shm = true;              // listen on an abstract unix socket
+  bool enable_tcp = true;              // listen on tcp_host:tcp_port
   std::string tcp_host = "127.0.0.1";  // the address tcp binds (0.0.0.0: every address)
-  uint16_t tcp_port = 0;                // 0 = any free port
+  uint16_t tcp_port = 0;               // 0 = any free port
   // The address peers dial, published in this agent's metadata: empty means tcp_host.
   // Needed where tcp_host is not what peers reach: a wildcard bind (0.0.0.0) or a NAT.
   std::string tcp_advertise_host;

@@ -24,7 +24,7 @@ namespace {
 using nlohmann::json;
 struct Workload {
   int images = 3, width = 560, height = 560, distinct = 0;  // distinct 0 = every image new
-  double repeat = 0;  // the chance that an image is one sent before (distinct 0 only)
+  double repeat = 0;  // the share of images that are ones sent before (distinct 0 only)
 };
 
 Workload workload_for(const std::string& name) {
@@ -180,12 +180,18 @@ Result<std::vector<std::string>> build_requests(const ServeBenchOptions& o, cons
     pool.push_back(engine::make_data_url(png, "image/png"));
   }
   std::vector<std::string> bodies;
-  std::vector<size_t> sent;  // repeat: the images sent so far
-  std::uniform_real_distribution<double> chance(0.0, 1.0);
+  // repeat: the images sent so far; an image is a repeat (one of them, at random) while
+  // the repeats are fewer than `repeat` of the images so far, so the share is exact.
+  std::vector<size_t> sent;
+  int repeats = 0, slots = 0;
   auto pick = [&](int r, int i) -> size_t {
     if (w.distinct > 0) return rng() % pool.size();
     if (w.repeat <= 0) return static_cast<size_t>(r * w.images + i);
-    if (!sent.empty() && chance(rng) < w.repeat) return sent[rng() % sent.size()];
+    ++slots;
+    if (!sent.empty() && repeats < w.repeat * slots) {
+      ++repeats;
+      return sent[rng() % sent.size()];
+    }
     sent.push_back(sent.size());  // the next new image
     return sent.back();
   };
@@ -411,8 +417,8 @@ void add_serve_command(CLI::App& bench, int* exit_code) {
   s->add_option("--model", o->model, "Model name")->capture_default_str();
   s->add_option(
        "--workload", o->workload,
-       "seed (3 x 560x560), heavy (4 x 1920x1080), shared (20 images reused), repeat (each "
-       "image one sent before with a chance of 1/2)")
+       "seed (3 x 560x560), heavy (4 x 1920x1080), shared (20 images reused), repeat (half "
+       "the images are ones sent before)")
       ->capture_default_str();
   s->add_option("--num-prompts", o->num_prompts, "Requests")->capture_default_str();
   s->add_option("--request-rate", o->request_rate, "Requests per second (Poisson), or inf")

@@ -627,6 +627,38 @@ Result<RemoteView> AgentImpl::view(const std::string& peer_name, uint32_t region
                           Deadline::after_ms(config_.connect_timeout_ms));
 }
 
+bool is_loopback(const std::string& host) { return host == "127.0.0.1" || host == "localhost"; }
+
+// Where the agent's tcp listener binds and what peers are told to dial. Without a secret
+// it listens on loopback only; an agent that listens on loopback only advertises that
+// (whatever tcp_advertise_host said); a wildcard bind needs an address peers can dial.
+Status settle_tcp_addresses(AgentConfig& config) {
+  if (config.auth_secret.empty() && config.enable_tcp && !is_loopback(config.tcp_host)) {
+    spdlog::warn(
+        "agent {}: no deployment secret (auth_token) configured: listening on 127.0.0.1 only, "
+        "not {}",
+        config.name, config.tcp_host);
+    config.tcp_host = "127.0.0.1";
+  }
+  std::string& advertised = config.tcp_advertise_host;
+  if (!advertised.empty() && is_loopback(config.tcp_host) && !is_loopback(advertised)) {
+    spdlog::warn("agent {}: listening on {} only: peers dial that, not tcp_advertise_host {}",
+                 config.name, config.tcp_host, advertised);
+    advertised.clear();
+  }
+  if (config.auth_secret.empty()) advertised.clear();  // peers dial where it listens
+  if (config.enable_tcp && advertised.empty() && config.tcp_host == "0.0.0.0") {
+    return InvalidArgument("agent '" + config.name +
+                           "': tcp_host 0.0.0.0 listens on every address, which peers cannot "
+                           "dial: set tcp_advertise_host to the address they reach");
+  }
+  if (advertised == "0.0.0.0") {
+    return InvalidArgument("agent '" + config.name +
+                           "': tcp_advertise_host 0.0.0.0 is no address a peer can dial");
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 Result<std::unique_ptr<Agent>> Agent::create(AgentConfig config) {
@@ -638,33 +670,7 @@ Result<std::unique_ptr<Agent>> Agent::create(AgentConfig config) {
   if (!config.enable_shm && !config.enable_tcp) {
     return InvalidArgument("agent '" + config.name + "' has neither shm nor tcp enabled");
   }
-  if (config.auth_secret.empty() && config.enable_tcp && config.tcp_host != "127.0.0.1" &&
-      config.tcp_host != "localhost") {
-    spdlog::warn(
-        "agent {}: no deployment secret (auth_token) configured: listening on 127.0.0.1 only, "
-        "not {}",
-        config.name, config.tcp_host);
-    config.tcp_host = "127.0.0.1";
-  }
-  const bool loopback_bind = config.tcp_host == "127.0.0.1" || config.tcp_host == "localhost";
-  if (config.auth_secret.empty() ||
-      (loopback_bind && !config.tcp_advertise_host.empty() &&
-       config.tcp_advertise_host != "127.0.0.1" && config.tcp_advertise_host != "localhost")) {
-    if (!config.tcp_advertise_host.empty() && config.tcp_advertise_host != config.tcp_host) {
-      spdlog::warn("agent {}: listening on {} only: peers dial that, not tcp_advertise_host {}",
-                   config.name, config.tcp_host, config.tcp_advertise_host);
-    }
-    config.tcp_advertise_host.clear();  // peers dial where it listens
-  }
-  if (config.enable_tcp && config.tcp_advertise_host.empty() && config.tcp_host == "0.0.0.0") {
-    return InvalidArgument("agent '" + config.name +
-                           "': tcp_host 0.0.0.0 listens on every address, which peers cannot "
-                           "dial: set tcp_advertise_host to the address they reach");
-  }
-  if (config.tcp_advertise_host == "0.0.0.0") {
-    return InvalidArgument("agent '" + config.name +
-                           "': tcp_advertise_host 0.0.0.0 is no address a peer can dial");
-  }
+  ECX_RETURN_IF_ERROR(settle_tcp_addresses(config));
   auto agent = std::make_unique<AgentImpl>(std::move(config));
   ECX_RETURN_IF_ERROR(agent->start());
   return std::unique_ptr<Agent>(std::move(agent));

@@ -62,6 +62,7 @@ from ._common import (
     log_start,
     logger,
     names_items_by_counter,
+    port_at,
     scheduler_agent,
     tensor_parallel_rank,
     worker_agent,
@@ -177,13 +178,10 @@ class ECXConnector(ECConnectorBase):
 
     def _export(self, process: str, offset: int) -> None:
         if self._config.metrics_port is not None:
-            if self._config.metrics_port + offset > 65535:
-                raise ValueError(f"ECXConnector: 'metrics_port' {self._config.metrics_port} + "
-                                 f"{offset} (this process's offset) is past 65535: pick a "
-                                 "lower base")
+            port = port_at("metrics_port", self._config.metrics_port, offset)
             conn = self._conn
-            self._exporter = Exporter(self._config.metrics_port + offset, process,
-                                      lambda: conn.stats(), host=self._config.metrics_host)
+            self._exporter = Exporter(port, process, lambda: conn.stats(),
+                                      host=self._config.metrics_host)
 
     def shutdown(self) -> None:
         if self._exporter is not None:

@@ -102,11 +102,16 @@ class InstanceConfig:
         """The JSON config of the ecx connector of this instance's process at `offset`."""
         extra = {**self.extra, **overrides, "engine_id": agent}
         if extra.get("tcp_port"):  # a base: every process listens on a port of its own
-            extra["tcp_port"] = extra["tcp_port"] + offset
-            if extra["tcp_port"] > 65535:
-                raise ValueError(f"ECXConnector: 'tcp_port' {self.extra['tcp_port']} + {offset} "
-                                 f"(this process's offset) is past 65535: pick a lower base")
+            extra["tcp_port"] = port_at("tcp_port", extra["tcp_port"], offset)
         return json.dumps({"connector": "p2p", "role": role, "extra": extra})
+
+
+def port_at(key: str, base: int, offset: int) -> int:
+    """The port of the process at `offset` for a base port; a ValueError past 65535."""
+    if base + offset > 65535:
+        raise ValueError(f"ECXConnector: '{key}' {base} + {offset} (this process's offset) is "
+                         "past 65535: pick a lower base")
+    return base + offset
 
 
 def instance_config(vllm_config) -> InstanceConfig:

@@ -41,6 +41,9 @@ struct VllmOptions {
   bool item_digests = false;
   bool no_install = false;
   bool keep_logs = false;
+  bool hosts = false;     // E and PD on two test hosts (scripts/hosts)
+  std::string rtt_ms;     // --hosts: the script's default (1)
+  std::string rate;       // --hosts: the script's default (10gbit)
   int timeout_s = 6 * 3600;
 };
 
@@ -67,6 +70,9 @@ std::vector<std::string> script_argv(const VllmOptions& o, const PythonHarness& 
   if (o.item_digests) argv.push_back("--item-digests");
   if (o.no_install) argv.push_back("--no-install");
   if (o.keep_logs) argv.push_back("--keep-logs");
+  if (o.hosts) argv.push_back("--hosts");
+  add("--rtt-ms", o.rtt_ms);
+  add("--rate", o.rate);
   return argv;
 }
 
@@ -140,6 +146,11 @@ void add_vllm_command(CLI::App& bench, int* exit_code) {
               "Load the connectors themselves, not the timed subclasses (no EC load figure)");
   s->add_flag("--no-install", o->no_install, "Do not pip-install Mooncake when it is missing");
   s->add_flag("--keep-logs", o->keep_logs, "Keep the servers' logs (kept anyway on an error)");
+  s->add_flag("--hosts", o->hosts,
+              "E on test host ecx-h1, PD on ecx-h2 (scripts/hosts, made for the run; root): "
+              "the items cross a network, against its physical limit");
+  s->add_option("--rtt-ms", o->rtt_ms, "--hosts: RTT between the hosts (default 1)");
+  s->add_option("--rate", o->rate, "--hosts: each host's egress, tc's units (default 10gbit)");
   s->add_option("--timeout-s", o->timeout_s, "Stop the whole run after this long")
       ->capture_default_str();
   s->callback([o, exit_code] { *exit_code = run_vllm(*o); });

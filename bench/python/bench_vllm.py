@@ -38,6 +38,14 @@ Before starting engines for a configuration, the run takes an exclusive flock on
 /tmp/ecx-vllm-engines.lock and holds it until they are stopped, so no two engine runs
 share the CPUs. Every server runs in its own process group (PR_SET_PDEATHSIG set) and is
 stopped by SIGTERM to the group, then SIGKILL after 10 s. Ports are on 127.0.0.1.
+With --hosts (root), the run first makes two test hosts (scripts/hosts up 2 --rtt-ms X
+--rate R: network namespaces, X ms apart, each host's egress capped at R) and removes them
+after: E runs on ecx-h1 (10.77.0.1), PD and the single instance on ecx-h2 (10.77.0.2), each
+serving on its host's address (ECXConnector's agents bind it: tcp), the proxy and `vllm
+bench serve` on this machine. ECExampleConnector's shared folder is then still one
+machine's filesystem, which no two real hosts share: its row is labelled a best case. The
+table is followed by the physical limit per item (its bytes at R, plus one RTT) and each
+row's EC load as a multiple of it.
 
 Writes the JSON (`{"results": [...], "workload": {...}, "versions": {...}}`), prints a
 table, and draws a PNG beside the JSON (gnuplot): TTFT and EC load per connector. A row
@@ -46,10 +54,12 @@ that cannot run keeps its place with `error`; the run exits 0 unless it failed i
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import importlib.util
 import json
 import os
+import re
 import secrets
 import shutil
 import subprocess
@@ -97,6 +107,11 @@ WORKLOADS = {
                         max_concurrency=None),
 }
 POOL_BYTES = 512 << 20  # every connector's pool / buffer / region
+# Where each instance runs and the address it serves on: this machine, or with --hosts two
+# test hosts (scripts/hosts; E on ecx-h1, PD and the single instance on ecx-h2; the proxy
+# and `vllm bench serve` here, which reaches every host directly).
+ONE_MACHINE = {"ec_producer": ("127.0.0.1", None), "ec_consumer": ("127.0.0.1", None)}
+TEST_HOSTS = {"ec_producer": ("10.77.0.1", "ecx-h1"), "ec_consumer": ("10.77.0.2", "ecx-h2")}
 
 
 def log(msg: str) -> None:
@@ -108,6 +123,7 @@ def log(msg: str) -> None:
 def ec_config(row: str, role: str, cfg: dict, timed: bool) -> dict:
     """--ec-transfer-config for an instance of `row` (role "ec_producer"/"ec_consumer")."""
     name = CONNECTOR_CLASS[row]
+    host = cfg["place"][role][0]
     out = {"ec_connector": f"Timed{name}" if timed else name, "ec_role": role,
            "ec_buffer_device": "cpu"}
     if timed:
@@ -120,7 +136,7 @@ def ec_config(row: str, role: str, cfg: dict, timed: bool) -> dict:
         out["ec_connector_extra_config"] = {"ec_enable_nixl": True, "ec_cpu_bytes": POOL_BYTES}
     elif row == "mooncake":
         port = cfg["mooncake_e_port"] if role == "ec_producer" else cfg["mooncake_pd_port"]
-        out.update(ec_ip="127.0.0.1", ec_port=port, ec_buffer_size=POOL_BYTES)
+        out.update(ec_ip=host, ec_port=port, ec_buffer_size=POOL_BYTES)
         out["ec_connector_extra_config"] = {"mooncake_protocol": "tcp"}
     elif row in ("ecx", "ecx-zc"):
         out["ec_connector_extra_config"] = {"auth_token_file": str(cfg["token_file"]),
@@ -128,15 +144,18 @@ def ec_config(row: str, role: str, cfg: dict, timed: bool) -> dict:
                                             "failure_policy": "recompute"}
         if row == "ecx-zc" and role == "ec_consumer":
             out["ec_connector_extra_config"]["zero_copy"] = True
+        if host != "127.0.0.1":  # its agents listen on its host's address
+            out["ec_connector_extra_config"]["tcp_host"] = host
     return out
 
 
 def row_env(row: str, role: str, cfg: dict) -> dict:
-    env = {}
+    host = cfg["place"][role][0]
+    env = {"VLLM_HOST_IP": host}
     if row == "cpu":
         env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
         if role == "ec_producer":
-            env.update(VLLM_EC_SIDE_CHANNEL_HOST="127.0.0.1",
+            env.update(VLLM_EC_SIDE_CHANNEL_HOST=host,
                        VLLM_EC_SIDE_CHANNEL_PORT=str(cfg["side_channel_port"]))
     if role == "ec_consumer" and cfg["timed"]:
         env[timing.ENV] = str(cfg["timing_file"])  # only PD's scheduler sights loads
@@ -148,6 +167,9 @@ def row_env(row: str, role: str, cfg: dict) -> dict:
 
 def run_row(row: str, args, w: dict, model: Path, run_dir: Path, fixed: list[dict]) -> dict:
     label = "ECXConnector zero_copy" if row == "ecx-zc" else CONNECTOR_CLASS[row] or "single"
+    place = TEST_HOSTS if args.hosts else ONE_MACHINE
+    if args.hosts and row == "example":
+        label += " (one machine's folder: a best case)"
     result = rt.empty_row(label, row)
     d = run_dir / row
     d.mkdir(parents=True, exist_ok=True)
@@ -156,7 +178,8 @@ def run_row(row: str, args, w: dict, model: Path, run_dir: Path, fixed: list[dic
            "shared_dir": d / "ec_cache",
            "token_file": run_dir / "ecx_token", "timing_file": d / "timing.jsonl",
            "mooncake_e_port": rt.free_port(), "mooncake_pd_port": rt.free_port(),
-           "side_channel_port": rt.free_port()}
+           "side_channel_port": rt.free_port(), "place": place}
+    (e_host, e_ns), (pd_host, pd_ns) = place["ec_producer"], place["ec_consumer"]
     cfg["shared_dir"].mkdir(exist_ok=True)
     common = ["--max-model-len", str(w["max_model_len"]),
               "--limit-mm-per-prompt", json.dumps(rt.mm_limits(w))]
@@ -166,8 +189,9 @@ def run_row(row: str, args, w: dict, model: Path, run_dir: Path, fixed: list[dic
             if row == "single":
                 port = rt.free_port()
                 pd = rt.Proc("single", rt.serve_argv(model, port, *common,
-                             "--enable-logging-iteration-details"), rt.vllm_env(), port,
-                             d / "single.log")
+                             "--enable-logging-iteration-details", host=pd_host),
+                             rt.vllm_env(VLLM_HOST_IP=pd_host), port, d / "single.log",
+                             host=pd_host, netns=pd_ns)
                 procs.append(pd.start())
                 rt.wait_all([pd], args.start_timeout)
                 front = pd
@@ -177,14 +201,18 @@ def run_row(row: str, args, w: dict, model: Path, run_dir: Path, fixed: list[dic
                     model, e_port, *common, "--no-enable-prefix-caching",
                     "--max-num-batched-tokens", "16384", "--enable-request-id-headers",
                     "--ec-transfer-config", json.dumps(ec_config(row, "ec_producer", cfg,
-                                                                 cfg["timed"]))),
-                    rt.vllm_env(**row_env(row, "ec_producer", cfg)), e_port, d / "e.log")
+                                                                 cfg["timed"])),
+                    host=e_host),
+                    rt.vllm_env(**row_env(row, "ec_producer", cfg)), e_port, d / "e.log",
+                    host=e_host, netns=e_ns)
                 pd = rt.Proc("PD", rt.serve_argv(
                     model, pd_port, *common, "--enable-request-id-headers",
                     "--enable-logging-iteration-details",
                     "--ec-transfer-config", json.dumps(ec_config(row, "ec_consumer", cfg,
-                                                                 cfg["timed"]))),
-                    rt.vllm_env(**row_env(row, "ec_consumer", cfg)), pd_port, d / "pd.log")
+                                                                 cfg["timed"])),
+                    host=pd_host),
+                    rt.vllm_env(**row_env(row, "ec_consumer", cfg)), pd_port, d / "pd.log",
+                    host=pd_host, netns=pd_ns)
                 procs += [e.start(), pd.start()]
                 rt.wait_all([e, pd], args.start_timeout)
                 proxy_port = rt.free_port()
@@ -193,7 +221,7 @@ def run_row(row: str, args, w: dict, model: Path, run_dir: Path, fixed: list[dic
                               "--decode-servers-urls", pd.url]
                 if row == "mooncake":
                     proxy_argv += ["--ec-consumer-zmq-addrs",
-                                   f"tcp://127.0.0.1:{cfg['mooncake_pd_port']}"]
+                                   f"tcp://{pd_host}:{cfg['mooncake_pd_port']}"]
                 front = rt.Proc("proxy", proxy_argv, rt.vllm_env(), proxy_port,
                                 d / "proxy.log")
                 procs.append(front.start())
@@ -241,6 +269,72 @@ def run_row(row: str, args, w: dict, model: Path, run_dir: Path, fixed: list[dic
             # ECExampleConnector never deletes its files (1600 KiB per item): drop them.
             shutil.rmtree(cfg["shared_dir"], ignore_errors=True)
     return result
+
+
+# ---------------------------------------------------------------- test hosts
+
+HOSTS_SCRIPT = HERE.parents[1] / "scripts" / "hosts"
+
+
+class TestHosts:
+    """ecx-h1 and ecx-h2 for the run (`scripts/hosts up 2`), RTT and egress rate as given;
+    down at its end, however it ends."""
+
+    def __init__(self, rtt_ms: float, rate: str):
+        self.rtt_ms, self.rate = rtt_ms, rate
+
+    def _run(self, *args: str) -> None:
+        out = subprocess.run([str(HOSTS_SCRIPT), *args], capture_output=True, text=True,
+                             timeout=300)
+        if out.returncode != 0:
+            raise RuntimeError(f"scripts/hosts {' '.join(args)}: {out.stdout}{out.stderr}")
+        log(out.stdout.strip().splitlines()[0] if out.stdout.strip() else "scripts/hosts")
+
+    def __enter__(self) -> "TestHosts":
+        self._run("up", "2", "--rtt-ms", f"{self.rtt_ms:g}", "--rate", self.rate)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._run("down")
+
+
+def rate_bits(rate: str) -> float:
+    """tc's rate ("10gbit", "800mbit"): bits per second (SI prefixes, as tc's)."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgt]?)bit", rate.strip().lower())
+    if not m:
+        raise ValueError(f"--rate {rate!r}: give bits per second as tc does, e.g. 10gbit")
+    return float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[m.group(2)]
+
+
+def item_bytes(model: Path, w: dict) -> int:
+    """One item's bytes in vLLM's encoder cache under this workload: Qwen2-VL's merged
+    patches (28 px a side, two frames a temporal patch) x the model's width, bf16."""
+    config = json.loads((model / "config.json").read_text())
+    width = config.get("hidden_size") or config["text_config"]["hidden_size"]
+    return (w["image_side"] // 28) ** 2 * max(1, w["frames"] // 2) * width * 2
+
+
+def physical_limit(model: Path, w: dict, rtt_ms: float, rate: str) -> dict:
+    """The least an item can take from E's host to PD's: its bytes at the egress rate,
+    plus one round trip (the request for them)."""
+    size = item_bytes(model, w)
+    return {"item_bytes": size, "rate": rate, "rtt_ms": rtt_ms,
+            "limit_ms": size * 8 / rate_bits(rate) * 1e3 + rtt_ms}
+
+
+def against_limit(results: list[dict], limit: dict) -> None:
+    """Each row's EC load per item as a multiple of the physical limit."""
+    for r in results:
+        ec = r.get("ec_load_ms_per_item")
+        if ec:
+            r["ec_load_vs_limit"] = {k: ec[k] / limit["limit_ms"] for k in ("p50", "mean")}
+    print(f"physical limit per item between the hosts: {limit['limit_ms']:.2f} ms "
+          f"({limit['item_bytes']} bytes at {limit['rate']} + 1 RTT of {limit['rtt_ms']:g} ms)")
+    for r in results:
+        if r.get("ec_load_vs_limit"):
+            v = r["ec_load_vs_limit"]
+            print(f"  {r['connector']:<44} EC load p50 {v['p50']:.2f}x, mean {v['mean']:.2f}x "
+                  "the limit")
 
 
 # ---------------------------------------------------------------- the run
@@ -333,7 +427,19 @@ def main(argv=None) -> int:
     p.add_argument("--bench-timeout", type=float, default=3600)
     p.add_argument("--request-timeout", type=float, default=600)
     p.add_argument("--lock-timeout", type=float, default=7200)
+    p.add_argument("--hosts", action="store_true",
+                   help="E on test host ecx-h1, PD on ecx-h2 (scripts/hosts, made for the run "
+                        "and removed after; root): the items cross a network")
+    p.add_argument("--rtt-ms", type=float, default=1.0, help="--hosts: RTT between the hosts")
+    p.add_argument("--rate", default="10gbit", help="--hosts: each host's egress (tc's units)")
     args = p.parse_args(argv)
+    if args.hosts:
+        try:
+            rate_bits(args.rate)
+        except ValueError as e:
+            p.error(str(e))
+        if os.geteuid() != 0:
+            p.error("--hosts needs root (network namespaces)")
 
     rows = [r.strip() for r in args.connectors.split(",") if r.strip()]
     unknown = [r for r in rows if r not in ROWS]
@@ -370,17 +476,24 @@ def main(argv=None) -> int:
     log(f"workload: {json.dumps(w)}; model {model}; logs {run_dir}")
 
     results = []
-    for row in rows:
-        log(f"{row}: starting")
-        results.append(run_row(row, args, w, model, run_dir, fixed))
+    with TestHosts(args.rtt_ms, args.rate) if args.hosts else contextlib.nullcontext():
+        for row in rows:
+            log(f"{row}: starting")
+            results.append(run_row(row, args, w, model, run_dir, fixed))
     rt.score(results, w)
+    limit = physical_limit(model, w, args.rtt_ms, args.rate) if args.hosts else None
     report = {"results": results,
               "workload": {**w, "modality": args.workload, "model": str(model),
                            "request_rate": "inf", "temperature": 0,
                            "dataset": "random-mm", "backend": "openai-chat",
                            "proxy": str(args.proxy), "timed": not args.no_timing},
+              "placement": ({"E": "ecx-h1 (10.77.0.1)", "PD": "ecx-h2 (10.77.0.2)",
+                             "proxy": "this machine", **(limit or {})} if args.hosts else
+                            {"all": "this machine, 127.0.0.1"}),
               "versions": versions(args)}
     rt.print_table(results, w)
+    if limit:
+        against_limit(results, limit)
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")

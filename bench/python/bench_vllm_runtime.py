@@ -62,8 +62,8 @@ def vllm_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def serve_argv(model: Path, port: int, *extra: str) -> list[str]:
-    return [str(VENV_BIN / "vllm"), "serve", str(model), "--host", "127.0.0.1",
+def serve_argv(model: Path, port: int, *extra: str, host: str = "127.0.0.1") -> list[str]:
+    return [str(VENV_BIN / "vllm"), "serve", str(model), "--host", host,
             "--port", str(port), "--served-model-name", MODEL_NAME, "--enforce-eager", *extra]
 
 
@@ -86,8 +86,11 @@ class Proc:
     """A server (vllm serve, the proxy): its own process group, its output in a log file.
     Start it from the main thread (PR_SET_PDEATHSIG fires when the starting thread ends)."""
 
-    def __init__(self, name: str, argv: list[str], env: dict, port: int, log_path: Path):
+    def __init__(self, name: str, argv: list[str], env: dict, port: int, log_path: Path,
+                 host: str = "127.0.0.1", netns: str | None = None):
         self.name, self.argv, self.env, self.port, self.log_path = name, argv, env, port, log_path
+        self.host = host  # the address it serves on
+        self.netns = netns  # the test host (scripts/hosts) it runs on; None: this one
         self.proc: subprocess.Popen | None = None
         self.ready = threading.Event()
         self.done = threading.Event()
@@ -95,11 +98,12 @@ class Proc:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def start(self) -> "Proc":
         parent = os.getpid()
-        self.proc = subprocess.Popen(self.argv, env=self.env, stdin=subprocess.DEVNULL,
+        argv = ["ip", "netns", "exec", self.netns, *self.argv] if self.netns else self.argv
+        self.proc = subprocess.Popen(argv, env=self.env, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      preexec_fn=lambda: _own_group(parent))
         _live.add(self)

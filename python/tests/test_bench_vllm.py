@@ -209,3 +209,23 @@ def test_item_digests_compare_what_e_computed_with_what_pd_cached():
     assert timing.item_digests(events) == {"items": 3, "equal": 1, "differ": ["b"],
                                            "not_saved": 1}
     assert timing.item_digests([{"ev": "filled", "t": 1.0, "items": ["a"]}]) is None
+
+
+def test_across_hosts_the_limit_is_the_items_bytes_at_the_rate_plus_one_rtt(tmp_path):
+    bench = _load("bench_vllm")
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"hidden_size": 2048}}))
+    w = dict(bench.WORKLOADS["full"])
+    # The seed geometry's item: 400 tokens x 2048 bf16 = 1600 KiB.
+    assert bench.item_bytes(tmp_path, w) == 1600 << 10
+    assert bench.item_bytes(tmp_path, dict(bench.WORKLOADS["video"])) == 8 * 1600 << 10
+    limit = bench.physical_limit(tmp_path, w, 1.0, "10gbit")
+    assert limit["limit_ms"] == pytest.approx((1600 << 10) * 8 / 10e9 * 1e3 + 1.0)
+    assert bench.rate_bits("800mbit") == 800e6 and bench.rate_bits("1.5Gbit") == 1.5e9
+    with pytest.raises(ValueError, match="10gbit"):
+        bench.rate_bits("10 GB/s")
+    rows = [{"connector": "ECXConnector", "ec_load_ms_per_item": {"p50": limit["limit_ms"],
+                                                                  "mean": 2 * limit["limit_ms"]}},
+            {"connector": "single", "ec_load_ms_per_item": None}]
+    bench.against_limit(rows, limit)
+    assert rows[0]["ec_load_vs_limit"] == pytest.approx({"p50": 1.0, "mean": 2.0})
+    assert "ec_load_vs_limit" not in rows[1]

@@ -105,6 +105,8 @@ class Engine:
     port: int
     log_path: Path
     metrics_port: int | None = None  # ECXConnector's exporter: scheduler, then worker 0, ...
+    host: str = "127.0.0.1"  # where it serves (its API and ECXConnector's exporters)
+    netns: str | None = None  # a test host (scripts/hosts) it runs on, else this one
     ready_marker: bytes = b"Application startup complete"  # uvicorn's: vllm serve listens
     log_mark: int = 0  # encoder_iterations() counts from here (mark_log)
     proc: subprocess.Popen | None = None
@@ -113,12 +115,13 @@ class Engine:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def start(self) -> "Engine":
         log = open(self.log_path, "wb")
         parent = os.getpid()
-        self.proc = subprocess.Popen(self.argv, env=self.env, stdin=subprocess.DEVNULL,
+        argv = ["ip", "netns", "exec", self.netns, *self.argv] if self.netns else self.argv
+        self.proc = subprocess.Popen(argv, env=self.env, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      preexec_fn=lambda: _die_with_parent(parent))
         threading.Thread(target=self._pump, args=(log,), daemon=True,
@@ -207,7 +210,7 @@ class Engine:
                    if int(m.group(1)) > 0)
 
     def metrics(self, port: int | None = None) -> str:
-        url = f"http://127.0.0.1:{port}/metrics" if port else self.url + "/metrics"
+        url = f"http://{self.host}:{port}/metrics" if port else self.url + "/metrics"
         with urllib.request.urlopen(url, timeout=30) as r:
             return r.read().decode()
 
@@ -248,12 +251,12 @@ def metric(text: str, name: str, **labels: str) -> float:
     return total
 
 
-def serve_argv(model: Path, port: int, *extra: str) -> list[str]:
+def serve_argv(model: Path, port: int, *extra: str, host: str = "127.0.0.1") -> list[str]:
     """`vllm serve` for the tiny model on this CPU (docs/VLLM.md says why each flag)."""
     # --kv-cache-memory-bytes: by default vLLM's CPU backend reserves most of NUMA node
     # 0's memory for the KV cache, which leaves no room for a second instance (or fails
     # outright where node 0 is small); the tiny model needs little.
-    return [str(VENV_BIN / "vllm"), "serve", str(model), "--host", "127.0.0.1",
+    return [str(VENV_BIN / "vllm"), "serve", str(model), "--host", host,
             "--port", str(port), "--served-model-name", "tiny-vlm",
             "--kv-cache-memory-bytes", "256M", *extra]
 

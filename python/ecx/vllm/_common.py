@@ -179,11 +179,14 @@ def log_start(config: InstanceConfig, process: str, conn) -> None:
     stats = conn.stats()
     pools = sum(stats[k]["capacity_bytes"] for k in ("consumer_cache", "producer_pool")
                 if stats.get(k))
-    dialed = json.loads(conn.agent_metadata()).get("endpoints", {}).get("tcp", "no tcp")
+    metadata = json.loads(conn.agent_metadata())
+    dialed = metadata.get("endpoints", {}).get("tcp", "no tcp")
     logger.info("ECXConnector: %s of %s: agent %s, peers dial tcp %s (bound on %s), pools "
                 "%.1f MiB in this process (docs/VLLM.md, \"Memory\": the instance holds its "
-                "scheduler's and each worker's)", process, config.name, conn.name, dialed,
+                "scheduler's and each worker's)", process, config.name, metadata.get("name"), dialed,
                 config.extra.get("tcp_host", "127.0.0.1"), pools / (1 << 20))
+
+
 def _is_ip_address(text: str) -> bool:
     try:
         ipaddress.ip_address(text)

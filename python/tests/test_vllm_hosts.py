@@ -1,0 +1,301 @@
+"""ECXConnector inside real `vllm serve` engines on two test hosts, and a network that
+fails (scripts/hosts: network namespaces on one bridge, 1 ms RTT through ecx's relay).
+
+E (ec_producer) runs on ecx-h1, PD (ec_consumer, policy recompute) on ecx-h2, each with
+its agents bound to its host's address and a fixed tcp_port, over tcp with a deployment
+secret; the proxies and the test run in the root namespace, which reaches every host
+directly. The answers are compared with the session's single instance. In order (the
+engines are shared; each test leaves them serving):
+
+- served: through `ecx serve proxy --upstream-api vllm` and through vLLM's example EPD
+  proxy, every answer is the single instance's, PD runs no encoder, each item is loaded
+  from the other host, and E's pins go back to 0;
+- the link cut: PD's host drops everything to and from E's (nft) for 10 s while requests
+  run: each ends within its deadline with the right text (PD encodes what it could not
+  load), no engine dies, and once the link is back PD loads from E again;
+- E killed and started again with the same command on the same address: while it is
+  down, requests still get the right text (the proxy leaves the images to PD); once it is
+  up, PD loads from the new E, and nothing else was restarted;
+- PD killed mid-load: E's pins for it end by the lease, and E serves on.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from vllm_engines import (
+    Engine,
+    ec_config,
+    encode_on,
+    free_port,
+    metric,
+    png,
+    post,
+    running,
+    serve_argv,
+    vllm_env,
+    wait_until,
+    warm_up,
+)
+from vllm_reference import chat_body, fresh, images_of
+
+from ecx_stack import REPO_ROOT, EcxStack
+
+HOSTS = REPO_ROOT / "scripts" / "hosts"
+EXAMPLE_PROXY = Path(os.environ.get("ECX_VLLM_EPD_PROXY") or Path(
+    sys.executable).parent.parent / "share" / "vllm-examples" / "disagg_epd_proxy.py")
+E_HOST, PD_HOST = "10.77.0.1", "10.77.0.2"
+LOAD_TIMEOUT_MS = 4000  # PD's: a load over the cut link gives up by then
+LEASE_MS = 6000  # E's: the pins of a PD that died end by then
+CUT_S = 10
+
+
+def hosts(*args: str, ecx: Path) -> str:
+    out = subprocess.run([str(HOSTS), *args], env={**os.environ, "ECX_BIN": str(ecx)},
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, f"scripts/hosts {' '.join(args)}: {out.stdout}{out.stderr}"
+    return out.stdout
+
+
+@pytest.fixture(scope="module")
+def test_hosts(ecx_binary):
+    """ecx-h1 and ecx-h2, 1 ms apart; removed at the end, however the module ends."""
+    if os.geteuid() != 0:
+        pytest.fail("the test hosts need root (network namespaces)", pytrace=False)
+    hosts("up", "2", "--rtt-ms", "1", ecx=ecx_binary)
+    try:
+        yield
+    finally:
+        hosts("down", ecx=ecx_binary)
+
+
+def e_engine(model, secret, logs: Path, port: int, tcp_port: int, metrics_port: int,
+             name: str = "e") -> Engine:
+    extra = {"auth_token_file": secret, "pool_bytes": "256MiB", "tcp_host": E_HOST,
+             "tcp_port": tcp_port, "lease_ms": LEASE_MS, "metrics_port": metrics_port,
+             "metrics_host": E_HOST}
+    return Engine(name, serve_argv(model, port, "--ec-transfer-config",
+                                   ec_config("ec_producer", extra), host=E_HOST),
+                  vllm_env(), port, logs / f"{name}.log", metrics_port=metrics_port,
+                  host=E_HOST, netns="ecx-h1")
+
+
+@pytest.fixture(scope="module")
+def epd_hosts(test_hosts, tiny_model, deployment_secret, reference, tmp_path_factory):
+    """E on ecx-h1 and PD on ecx-h2 (each host has all its ports to itself)."""
+    logs = tmp_path_factory.mktemp("epd-hosts")
+    e = e_engine(tiny_model, deployment_secret, logs, 8000, 7100, 9100)
+    pd_extra = {"auth_token_file": deployment_secret, "pool_bytes": "256MiB",
+                "tcp_host": PD_HOST, "tcp_port": 7100, "load_timeout_ms": LOAD_TIMEOUT_MS,
+                "lease_ms": LEASE_MS, "metrics_port": 9100, "metrics_host": PD_HOST}
+    pd = Engine("pd", serve_argv(tiny_model, 8000, "--enable-logging-iteration-details",
+                                 "--ec-transfer-config", ec_config("ec_consumer", pd_extra),
+                                 host=PD_HOST),
+                vllm_env(), 8000, logs / "pd.log", metrics_port=9100, host=PD_HOST,
+                netns="ecx-h2")
+    engines = {"e": e, "pd": pd, "logs": logs, "model": tiny_model,
+               "secret": deployment_secret}
+    try:
+        with running(e, pd):
+            reference.engine.wait_ready()
+            warm_up(e, pd, png(434343))  # PD's first connection to E
+            yield engines
+    finally:  # E may have been replaced by its restart
+        engines["e"].stop()
+
+
+def text_of(body: dict) -> str:
+    return body["choices"][0]["message"]["content"]
+
+
+def loads(pd: Engine) -> float:
+    return metric(pd.metrics(), "vllm:ecx_loads_total")
+
+
+def e_pins(e: Engine) -> float:
+    return metric(e.worker_metrics(0), "ecx_vllm_producer_pool_pins")
+
+
+def pins_settle(e: Engine, timeout: float = 30) -> None:
+    wait_until(lambda: e_pins(e) == 0, timeout, "E's pins back to 0")
+
+
+def ecx_proxy(stack: EcxStack, e: Engine, pd: Engine):
+    return stack.start("proxy", "--upstream-api", "vllm", "--encoders", e.url, "--pd", pd.url,
+                       "--model", "tiny-vlm")
+
+
+def proxy_health(proxy) -> dict:
+    with urllib.request.urlopen(proxy.url + "/health", timeout=10) as r:
+        return json.loads(r.read())
+
+
+def ask(url: str, index: int, timeout: float = 300) -> tuple[int, dict, float]:
+    started = time.monotonic()
+    status, body = post(url + "/v1/chat/completions", chat_body(index), timeout=timeout)
+    return status, body, time.monotonic() - started
+
+
+def test_across_hosts_both_proxies_serve_with_items_loaded_from_the_other_host(
+        epd_hosts, reference, ecx_binary, tmp_path):
+    e, pd = epd_hosts["e"], epd_hosts["pd"]
+    # The agent each process logged: E's agents listen on E's host, at the fixed ports.
+    assert f"{E_HOST}:7100" in e.log_text() and f"{E_HOST}:7101" in e.log_text(), \
+        e.log_tail()
+    pd.mark_log()
+    before = loads(pd)
+    with EcxStack(ecx_binary, tmp_path) as stack:
+        proxy = ecx_proxy(stack, e, pd)
+        for i in (0, 2, 3):
+            status, body, _ = ask(proxy.url, i)
+            assert status == 200, body
+            assert text_of(body) == reference.text(i), f"request {i} through ecx's proxy"
+    port = free_port()
+    example = Engine("vllm-proxy", [sys.executable, str(EXAMPLE_PROXY), "--host", "127.0.0.1",
+                                    "--port", str(port), "--encode-servers-urls", e.url,
+                                    "--decode-servers-urls", pd.url],
+                     vllm_env(), port, tmp_path / "proxy.log", ready_marker=b"Uvicorn running on")
+    with running(example):
+        for i in (1, 5):
+            status, body, _ = ask(example.url, i)
+            assert status == 200, body
+            assert text_of(body) == reference.text(i), f"request {i} through vLLM's proxy"
+    assert pd.encoder_iterations() == 0, "PD ran its encoder"
+    # 1 + 2 + 3 images (ecx's proxy), 1 + 2 (vLLM's): each read from E's host.
+    wait_until(lambda: loads(pd) >= before + 9, 30, "PD counted 9 loads")
+    pins_settle(e)
+
+
+def cut(netns: str, peer: str) -> None:
+    """Everything between `netns` and the host at `peer` dropped, both ways."""
+    rules = (f"table inet ecx_cut {{\n"
+             f"  chain out {{ type filter hook output priority 0; ip daddr {peer} drop; }}\n"
+             f"  chain in {{ type filter hook input priority 0; ip saddr {peer} drop; }}\n"
+             f"}}\n")
+    subprocess.run(["ip", "netns", "exec", netns, "nft", "-f", "-"], input=rules, text=True,
+                   check=True, timeout=30)
+
+
+def uncut(netns: str) -> None:
+    subprocess.run(["ip", "netns", "exec", netns, "nft", "delete", "table", "inet", "ecx_cut"],
+                   check=True, timeout=30)
+
+
+def asked_together(url: str, indices: list[int]) -> list[tuple[int, dict, float]]:
+    out: list = [None] * len(indices)
+
+    def one(k: int) -> None:
+        try:
+            out[k] = ask(url, indices[k], timeout=120)
+        except Exception as e:  # noqa: BLE001 (reported by the assertions below)
+            out[k] = (0, {"error": repr(e)}, 0.0)
+
+    threads = [threading.Thread(target=one, args=(k,)) for k in range(len(indices))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    return out
+
+
+def test_a_cut_link_under_load_ends_every_request_in_time_and_pd_loads_again_after(
+        epd_hosts, reference, ecx_binary, tmp_path):
+    e, pd = epd_hosts["e"], epd_hosts["pd"]
+    batch = [fresh(200 + k, n_images=2) for k in range(4)]
+    after = fresh(210)
+    for i in (*batch, after):
+        reference.text(i)
+    local = metric(pd.metrics(), "vllm:ecx_local_encodes_total")
+    with EcxStack(ecx_binary, tmp_path) as stack:
+        proxy = ecx_proxy(stack, e, pd)
+        cut("ecx-h2", E_HOST)
+        try:
+            started = time.monotonic()
+            answers = asked_together(proxy.url, batch)
+            assert time.monotonic() - started < CUT_S + 60, "the batch outlived its deadline"
+        finally:
+            uncut("ecx-h2")
+        for i, (status, body, seconds) in zip(batch, answers):
+            assert status == 200, body
+            assert text_of(body) == reference.text(i), f"request {i} during the cut"
+            # The load deadline, then PD's own encode and decode (two images, 8 tokens).
+            assert seconds < LOAD_TIMEOUT_MS / 1000 + 60, f"request {i} took {seconds:.1f} s"
+        # What PD could not load it encoded (each request's two images).
+        wait_until(lambda: metric(pd.metrics(), "vllm:ecx_local_encodes_total") >= local + 8,
+                   30, "PD counted 8 local encodes")
+        assert e.alive() and pd.alive()
+        # The link back: the next request's items are loaded from E again.
+        pd.mark_log()
+        before = loads(pd)
+        status, body, _ = ask(proxy.url, after)
+        assert status == 200, body
+        assert text_of(body) == reference.text(after)
+    assert pd.encoder_iterations() == 0, "PD encoded after the link came back"
+    wait_until(lambda: loads(pd) >= before + 1, 30, "PD loaded after the cut")
+    pins_settle(e, LEASE_MS / 1000 + 30)
+
+
+def test_an_encoder_restarted_on_its_address_is_used_again(epd_hosts, reference, ecx_binary,
+                                                           tmp_path):
+    e, pd = epd_hosts["e"], epd_hosts["pd"]
+    down, back = fresh(220, n_images=2), fresh(221, n_images=2)
+    for i in (down, back):
+        reference.text(i)
+    with EcxStack(ecx_binary, tmp_path) as stack:
+        proxy = ecx_proxy(stack, e, pd)
+        e.kill()
+        # E down: the proxy finds no encoder for the images and leaves them to PD.
+        status, body, seconds = ask(proxy.url, down)
+        assert seconds < 60, f"with E down, PD took {seconds:.1f} s to encode and answer"
+        assert status == 200, body
+        assert text_of(body) == reference.text(down)
+        assert pd.alive()
+        # E again, with the same command: the same host, ports and agent addresses.
+        new = e_engine(epd_hosts["model"], epd_hosts["secret"], epd_hosts["logs"], e.port,
+                       7100, e.metrics_port, name="e-restarted")
+        epd_hosts["e"] = new
+        new.start().wait_ready()
+        # The proxy finds it by its health checks (every 250 ms), nobody tells it.
+        wait_until(lambda: proxy_health(proxy)["encoders_reachable"] == 1, 30,
+                   "the proxy sees the restarted E")
+        pd.mark_log()
+        before = loads(pd)
+        status, body, _ = ask(proxy.url, back)
+        assert status == 200, body
+        assert text_of(body) == reference.text(back)
+    assert pd.encoder_iterations() == 0, "PD encoded what the restarted E holds"
+    wait_until(lambda: loads(pd) >= before + 2, 30, "PD loaded from the restarted E")
+    pins_settle(new)
+
+
+def test_a_pd_killed_mid_load_leaves_no_pin_at_the_encoder(epd_hosts, reference):
+    """Runs last: PD does not come back."""
+    e, pd = epd_hosts["e"], epd_hosts["pd"]
+    requests = [fresh(230 + k, n_images=3) for k in range(3)]
+    params = [encode_on(e, images_of(i)) for i in requests]
+    assert e_pins(e) >= 9, "E pins each item it handed out"
+    def send(index: int, given: dict) -> None:
+        try:
+            post(pd.url + "/v1/chat/completions", chat_body(index, ec_transfer_params=given),
+                 timeout=30)
+        except OSError:
+            pass  # PD died under it: what is tested is E's side
+
+    sent = [threading.Thread(target=send, args=(i, p), daemon=True)
+            for i, p in zip(requests, params)]
+    for t in sent:
+        t.start()
+    time.sleep(0.2)
+    pd.kill()
+    # Nobody gives those pins back: the lease ends them.
+    pins_settle(e, LEASE_MS / 1000 + 30)
+    assert e.alive()
+    assert json.dumps(encode_on(e, images_of(requests[0])))  # E still answers
+    pins_settle(e, LEASE_MS / 1000 + 30)

@@ -41,9 +41,9 @@ struct VllmOptions {
   bool item_digests = false;
   bool no_install = false;
   bool keep_logs = false;
-  bool hosts = false;     // E and PD on two test hosts (scripts/hosts)
-  std::string rtt_ms;     // --hosts: the script's default (1)
-  std::string rate;       // --hosts: the script's default (10gbit)
+  bool hosts = false;  // E and PD on two test hosts (scripts/hosts)
+  std::string rtt_ms;  // --hosts: the script's default (1)
+  std::string rate;    // --hosts: the script's default (10gbit)
   int timeout_s = 6 * 3600;
 };
 

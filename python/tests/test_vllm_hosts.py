@@ -46,7 +46,7 @@ from vllm_engines import (
 )
 from vllm_reference import chat_body, fresh, images_of
 
-from ecx_stack import REPO_ROOT, EcxStack
+from ecx_stack import REPO_ROOT, EcxStack, Service, service_argv
 
 HOSTS = REPO_ROOT / "scripts" / "hosts"
 EXAMPLE_PROXY = Path(os.environ.get("ECX_VLLM_EPD_PROXY") or Path(
@@ -170,6 +170,108 @@ def test_across_hosts_both_proxies_serve_with_items_loaded_from_the_other_host(
     assert pd.encoder_iterations() == 0, "PD ran its encoder"
     # 1 + 2 + 3 images (ecx's proxy), 1 + 2 (vLLM's): each read from E's host.
     wait_until(lambda: loads(pd) >= before + 9, 30, "PD counted 9 loads")
+    pins_settle(e)
+
+
+@pytest.fixture(scope="module")
+def etcd(test_hosts, tmp_path_factory):
+    """An etcd the test hosts reach (on the root namespace's address on their bridge)."""
+    data = tmp_path_factory.mktemp("etcd")
+    port, peer = free_port(), free_port()
+    url = f"http://10.77.0.253:{port}"
+    log = open(data / "etcd.log", "wb")
+    proc = subprocess.Popen(["etcd", "--data-dir", str(data / "data"), "--listen-client-urls", url,
+                             "--advertise-client-urls", url, "--listen-peer-urls",
+                             f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls",
+                             f"http://127.0.0.1:{peer}", "--initial-cluster",
+                             f"default=http://127.0.0.1:{peer}"],
+                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: _answers(url + "/health"), 30, "etcd serves")
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        log.close()
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def sidecar(ecx: Path, logs: Path, engine: Engine, role: str, etcd_url: str,
+            secret: str) -> Service:
+    """`ecx serve sidecar` on the engine's host, registering it for `role`."""
+    argv = ["ip", "netns", "exec", engine.netns,
+            *service_argv(ecx, "sidecar", ["--host", engine.host, "--role", role,
+                                           "--instance-url", engine.url, "--model", "tiny-vlm",
+                                           "--etcd", etcd_url, "--auth-token-file", secret,
+                                           "--log-level", "info"])]
+    service = Service("sidecar", argv, logs)
+    try:
+        service.wait_until_listening()
+    except BaseException:
+        service.stop()
+        raise
+    return service
+
+
+def upstreams(proxy) -> list[dict]:
+    with urllib.request.urlopen(proxy.url + "/v1/upstreams", timeout=10) as r:
+        return json.loads(r.read())["upstreams"]
+
+
+def members_up(proxy, role: str) -> int:
+    return sum(1 for u in upstreams(proxy) if u["role"] == role and u["reachable"] and
+               u.get("proven", True))
+
+
+def test_vllm_instances_join_and_leave_the_membership_through_their_sidecars(
+        epd_hosts, etcd, reference, ecx_binary, tmp_path):
+    """A proxy that knows no instance but etcd: each engine's sidecar registers it, the
+    proxy proves them and routes; a sidecar stopped takes its engine out, a new one puts
+    it back, and the proxy is never restarted."""
+    e, pd, secret = epd_hosts["e"], epd_hosts["pd"], epd_hosts["secret"]
+    first, during, back = fresh(240), fresh(241), fresh(242)
+    for i in (first, during, back):
+        reference.text(i)
+    e_side = sidecar(ecx_binary, tmp_path, e, "encoder", etcd, secret)
+    pd_side = sidecar(ecx_binary, tmp_path, pd, "pd", etcd, secret)
+    try:
+        with EcxStack(ecx_binary, tmp_path) as stack:
+            proxy = stack.start("proxy", "--upstream-api", "vllm", "--etcd", etcd, "--model",
+                                "tiny-vlm", "--auth-token-file", secret)
+            wait_until(lambda: members_up(proxy, "encoder") == 1 and members_up(proxy, "pd") == 1,
+                       30, "the proxy routes to both engines, found in etcd")
+            listed = {u["role"]: u["url"] for u in upstreams(proxy)}
+            assert listed == {"encoder": e.url, "pd": pd.url}, listed
+            pd.mark_log()
+            status, body, _ = ask(proxy.url, first)
+            assert status == 200, body
+            assert text_of(body) == reference.text(first)
+            assert pd.encoder_iterations() == 0, "the item was not loaded from E"
+            # E's sidecar stops: E leaves; the proxy leaves the images to PD.
+            e_side.stop()
+            wait_until(lambda: not any(u["role"] == "encoder" for u in upstreams(proxy)), 30,
+                       "E left the proxy's members")
+            status, body, _ = ask(proxy.url, during)
+            assert status == 200, body
+            assert text_of(body) == reference.text(during)
+            # A new sidecar: E is back, proven again, and used.
+            e_side = sidecar(ecx_binary, tmp_path, e, "encoder", etcd, secret)
+            wait_until(lambda: members_up(proxy, "encoder") == 1, 30, "E back in the members")
+            pd.mark_log()
+            status, body, _ = ask(proxy.url, back)
+            assert status == 200, body
+            assert text_of(body) == reference.text(back)
+            assert pd.encoder_iterations() == 0, "the item was not loaded from the rejoined E"
+    finally:
+        e_side.stop()
+        pd_side.stop()
     pins_settle(e)
 
 

@@ -27,6 +27,7 @@ std::string instance_value(const Instance& i) {
             {"role", i.role},
             {"model", i.model},
             {"compat_hash", i.compat_hash}};
+  if (!i.prove_url.empty()) j["prove_url"] = i.prove_url;
   if (!i.nonce.empty()) j["nonce"] = i.nonce;
   if (!i.mac.empty()) j["mac"] = i.mac;
   return j.dump();
@@ -35,8 +36,12 @@ std::string instance_value(const Instance& i) {
 namespace {
 
 Mac record_mac(const Instance& i, const std::string& key, const std::string& secret) {
-  return hmac_sha256(secret,
-                     {"ecx-member-v1", key, i.id, i.url, i.role, i.model, i.compat_hash, i.nonce});
+  if (i.prove_url.empty()) {
+    return hmac_sha256(
+        secret, {"ecx-member-v1", key, i.id, i.url, i.role, i.model, i.compat_hash, i.nonce});
+  }
+  return hmac_sha256(secret, {"ecx-member-v2", key, i.id, i.url, i.role, i.model, i.compat_hash,
+                              i.prove_url, i.nonce});
 }
 
 }  // namespace
@@ -90,6 +95,7 @@ Result<Instance> parse_instance(std::string_view key, std::string_view value,
   ECX_ASSIGN_OR_RETURN(out.role, r.string("role", Presence::kRequired, 32));
   ECX_ASSIGN_OR_RETURN(out.model, r.string("model", Presence::kRequired, 256));
   ECX_ASSIGN_OR_RETURN(out.compat_hash, r.string("compat_hash", Presence::kRequired, 256));
+  ECX_ASSIGN_OR_RETURN(out.prove_url, r.string("prove_url", Presence::kOptional, 1024));
   ECX_ASSIGN_OR_RETURN(out.nonce, r.string("nonce", Presence::kOptional, 64));
   ECX_ASSIGN_OR_RETURN(out.mac, r.string("mac", Presence::kOptional, 64));
   if (out.role != "encoder" && out.role != "pd") {
@@ -97,6 +103,9 @@ Result<Instance> parse_instance(std::string_view key, std::string_view value,
   }
   if (out.id.empty()) return InvalidArgument(where + ": empty id");
   ECX_RETURN_IF_ERROR(check_http_url(out.url).with_context(where));
+  if (!out.prove_url.empty()) {
+    ECX_RETURN_IF_ERROR(check_http_url(out.prove_url).with_context(where + ": prove_url"));
+  }
   std::string expected = prefix + out.role + "/" + out.id;
   if (key != expected) {
     return InvalidArgument(where + ": the value says role " + out.role + " id " + out.id +

@@ -25,18 +25,6 @@ bool wildcard(const std::string& host) {
   return host.empty() || host == "0.0.0.0" || host == "::" || host == "[::]";
 }
 
-// The URL an instance listening on host:port is reached at.
-std::string advertised_url(const DirectoryConfig& directory, const CommonServiceConfig& common,
-                           int port) {
-  if (!directory.advertise_url.empty()) {
-    std::string url = directory.advertise_url;
-    while (!url.empty() && url.back() == '/') url.pop_back();
-    return url;
-  }
-  bool v6 = common.host.find(':') != std::string::npos && common.host.front() != '[';
-  return "http://" + (v6 ? "[" + common.host + "]" : common.host) + ":" + std::to_string(port);
-}
-
 // The nonce of GET /v1/ecx/prove?nonce=N: 64 hex digits (32 random bytes).
 Result<std::string> challenge_of(const std::string& query) {
   const std::string key = "nonce=";
@@ -48,11 +36,18 @@ Result<std::string> challenge_of(const std::string& query) {
   return nonce;
 }
 
-// Who this instance is, once it listens: what it proves to proxies.
-struct ProvenSelf {
-  Mutex mu;
-  std::optional<directory::Instance> self ECX_GUARDED_BY(mu);
-};
+}  // namespace
+
+std::string advertised_url(const DirectoryConfig& directory, const CommonServiceConfig& common,
+                           int port) {
+  if (!directory.advertise_url.empty()) {
+    std::string url = directory.advertise_url;
+    while (!url.empty() && url.back() == '/') url.pop_back();
+    return url;
+  }
+  bool v6 = common.host.find(':') != std::string::npos && common.host.front() != '[';
+  return "http://" + (v6 ? "[" + common.host + "]" : common.host) + ":" + std::to_string(port);
+}
 
 void add_prove_route(HttpServer& server, std::shared_ptr<ProvenSelf> proven, std::string secret) {
   server.fast("GET", "/v1/ecx/prove", [proven, secret](const HttpRequest& req, HttpResponse& res) {
@@ -75,7 +70,12 @@ void add_prove_route(HttpServer& server, std::shared_ptr<ProvenSelf> proven, std
   });
 }
 
-}  // namespace
+Result<directory::EtcdClient> etcd_client(const DirectoryConfig& directory) {
+  // Each call well inside the lease: a keep-alive must land before the TTL runs out.
+  auto timeout = std::chrono::milliseconds(std::clamp(directory.etcd_ttl_s * 1000 / 3, 100, 1000));
+  ECX_ASSIGN_OR_RETURN(auto access, etcd_access(directory));
+  return directory::EtcdClient::create(directory.etcd, timeout, access);
+}
 
 Result<directory::EtcdAccess> etcd_access(const DirectoryConfig& directory) {
   directory::EtcdAccess access;
@@ -124,12 +124,7 @@ int serve_registered(HttpServer& server, const DirectoryConfig& directory,
   std::unique_ptr<directory::Registration> registration;
   ServeHooks hooks;
   hooks.on_listening = [&](int port) {
-    // Each call well inside the lease: a keep-alive must land before the TTL runs out.
-    auto timeout =
-        std::chrono::milliseconds(std::clamp(directory.etcd_ttl_s * 1000 / 3, 100, 1000));
-    auto access = etcd_access(directory);
-    auto client = access.ok() ? directory::EtcdClient::create(directory.etcd, timeout, *access)
-                              : Result<directory::EtcdClient>(access.status());
+    auto client = etcd_client(directory);
     if (!client.ok()) {  // checked at start-up; kept as a message, not a crash
       spdlog::error("event=etcd_config error=\"{}\"", client.status().message());
       return;

@@ -3,10 +3,14 @@
 // lease alive while it serves, and deregisters on SIGTERM before it drains.
 #pragma once
 
+#include <memory>
+#include <optional>
 #include <string>
 
+#include "ecx/common/mutex.h"
 #include "ecx/common/status.h"
 #include "ecx/directory/etcd_client.h"
+#include "ecx/directory/instance.h"
 #include "ecx/serve/services.h"
 #include "serve/http_server.h"
 
@@ -30,6 +34,25 @@ Status check_instance_directory(const DirectoryConfig& directory,
 int serve_registered(HttpServer& server, const DirectoryConfig& directory,
                      const CommonServiceConfig& common, const EngineConfig& engine,
                      const std::string& role, const std::string& compat_hash);
+
+// The URL an instance listening on `port` is reached at: --advertise-url, else
+// http://HOST:PORT as it listens.
+std::string advertised_url(const DirectoryConfig& directory, const CommonServiceConfig& common,
+                           int port);
+
+// Who an instance is once it registered: what it proves to proxies.
+struct ProvenSelf {
+  Mutex mu;
+  std::optional<directory::Instance> self ECX_GUARDED_BY(mu);
+};
+
+// GET /v1/ecx/prove?nonce=N: directory::prove_instance of `proven`'s instance under
+// `secret`; 503 until it is set, 400 for a malformed nonce.
+void add_prove_route(HttpServer& server, std::shared_ptr<ProvenSelf> proven, std::string secret);
+
+// An etcd client for `directory` (its endpoints, access, and a call timeout well inside
+// the lease).
+Result<directory::EtcdClient> etcd_client(const DirectoryConfig& directory);
 
 // How E, PD and the proxy reach etcd (--etcd-cacert, --etcd-user, and the password from
 // ECX_ETCD_PASSWORD or --etcd-password-file, a file only its owner can read).

@@ -102,6 +102,15 @@ inline constexpr MetricFamily kProxyUpstreams{"ecx_proxy_upstreams", kGauge,
 inline constexpr MetricFamily kProxyUpstreamUp{"ecx_proxy_upstream_up", kGauge,
                                                "1 when the upstream is reachable"};
 
+// The sidecar of an engine (ecx serve sidecar).
+inline constexpr MetricFamily kSidecarInstanceUp{"ecx_sidecar_instance_up", kGauge,
+                                                 "1 while the engine's /health answers 200"};
+inline constexpr MetricFamily kSidecarRegistered{"ecx_sidecar_registered", kGauge,
+                                                 "1 while the engine is registered in etcd"};
+inline constexpr MetricFamily kSidecarRegistrations{
+    "ecx_sidecar_registrations_total", kCounter,
+    "times the engine was registered (its first start, and each return after it was down)"};
+
 // Every service: its deployment secret, and its HTTP server.
 inline constexpr MetricFamily kAuthSecretConfigured{
     "ecx_auth_secret_configured", kGauge, "1 when the service runs with a deployment secret"};

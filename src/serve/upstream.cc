@@ -33,15 +33,15 @@ void Upstream::mark_up(const std::string& note) {
 
 namespace {
 
-// GET `target` of `upstream`, bounded by the probe's timeouts.
-http::ClientResult probe_get(http::HttpClient& client, const Upstream& upstream,
+// GET `target` at host:port, bounded by the probe's timeouts.
+http::ClientResult probe_get(http::HttpClient& client, const std::string& host, int port,
                              const std::string& target, const UpstreamProber::Options& options) {
   http::ClientRequest request;
   request.method = "GET";
   request.target = target;
   request.connect_timeout = options.connect_timeout;
   request.timeout = options.connect_timeout + options.read_timeout;
-  return client.call(upstream.host, upstream.port, std::move(request));
+  return client.call(host, port, std::move(request));
 }
 
 // Asks an upstream found in etcd to prove it holds the deployment secret: a fresh
@@ -50,7 +50,8 @@ Status challenge(http::HttpClient& client, Upstream& upstream,
                  const UpstreamProber::Options& options) {
   std::string bytes = random_bytes(32);
   const std::string nonce = hex_encode(bytes.data(), bytes.size());
-  auto res = probe_get(client, upstream, "/v1/ecx/prove?nonce=" + nonce, options);
+  auto res = probe_get(client, upstream.prove_host, upstream.prove_port,
+                       "/v1/ecx/prove?nonce=" + nonce, options);
   if (!res.ok()) return Unavailable("/v1/ecx/prove: " + res.message);
   if (res.status != 200) {
     return PermissionDenied("/v1/ecx/prove answered " + std::to_string(res.status) +
@@ -90,7 +91,7 @@ void probe_upstream(http::HttpClient& client, Upstream& upstream,
     spdlog::info("event=member_proven role={} id={} url={}", upstream.role, upstream.instance_id,
                  upstream.url);
   }
-  auto res = probe_get(client, upstream, "/health", options);
+  auto res = probe_get(client, upstream.host, upstream.port, "/health", options);
   if (res.ok()) {
     if (res.status == 200) {
       upstream.mark_up();

@@ -34,6 +34,11 @@ class Upstream {
   const int port;
   const std::string source;       // how the proxy knows it: "static" (flags) or "etcd"
   const std::string instance_id;  // the id it registered under (etcd members)
+  // Where it answers the proxy's challenge (etcd members): its sidecar's host and port
+  // when a sidecar registered it (directory::Instance::prove_url), else its own. Set
+  // before the upstream is shared, never after.
+  std::string prove_host = host;
+  int prove_port = port;
   std::atomic<int> in_flight{0};  // requests forwarded and not yet answered
 
   // Static upstreams are trusted by configuration; one found in etcd gets traffic only

@@ -53,8 +53,16 @@ UpstreamList merge(const UpstreamList& before, const std::string& role,
                    host_port.status().message());
       continue;
     }
+    auto prove_at = parse_url(instance.prove_url.empty() ? instance.url : instance.prove_url);
+    if (!prove_at.ok()) {
+      spdlog::warn("event=member_ignored id={} reason=\"prove_url: {}\"", instance.id,
+                   prove_at.status().message());
+      continue;
+    }
     auto added = std::make_shared<Upstream>(role, instance.url, host_port->first, host_port->second,
                                             "etcd", instance.id);
+    added->prove_host = prove_at->first;
+    added->prove_port = prove_at->second;
     out.push_back(added);
     change.added.push_back(std::move(added));
   }

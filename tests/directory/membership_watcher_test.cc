@@ -118,6 +118,39 @@ TEST(InstanceRecord, KeyLayoutAndStrictParsing) {
   }
 }
 
+// A sidecar's record names where it proves the deployment secret (prove_url); the
+// record's signature covers it, so nobody can point a signed record's challenges at a
+// service of their own.
+TEST(InstanceRecord, ASidecarsProveUrlIsParsedCheckedAndSigned) {
+  Instance e = instance("encoder", "encoder-1", 8001);
+  e.prove_url = "http://10.0.0.7:9000";
+  std::string prefix = instances_prefix("/ecx", kModel);
+  std::string key = instance_key("/ecx", e);
+  sign_instance(e, key, "secret");
+  auto back = parse_instance(key, instance_value(e), prefix);
+  ASSERT_TRUE(back.ok()) << back.status().message();
+  EXPECT_EQ(back->prove_url, "http://10.0.0.7:9000");
+  EXPECT_TRUE(verify_instance(*back, key, "secret").ok());
+  Instance moved = *back;
+  moved.prove_url = "http://10.0.0.66:9000";
+  EXPECT_EQ(verify_instance(moved, key, "secret").code(), StatusCode::kPermissionDenied);
+  Instance dropped = *back;
+  dropped.prove_url.clear();
+  EXPECT_EQ(verify_instance(dropped, key, "secret").code(), StatusCode::kPermissionDenied);
+  // Without a prove_url, the record and its signature are what they always were.
+  Instance plain = instance("pd", "pd-1", 8002);
+  sign_instance(plain, instance_key("/ecx", plain), "secret");
+  EXPECT_EQ(instance_value(plain).find("prove_url"), std::string::npos);
+  EXPECT_TRUE(verify_instance(plain, instance_key("/ecx", plain), "secret").ok());
+  auto bad = parse_instance(
+      key,
+      R"({"id":"encoder-1","url":"http://h:80","role":"encoder","model":"m","compat_hash":"c",
+          "prove_url":"ftp://h:1"})",
+      prefix);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("prove_url"), std::string::npos);
+}
+
 TEST_F(MembershipTest, JoinsAndLeavesReachTheCallbackAsTheWholeSet) {
   put(instance("encoder", "encoder-a", 9001));
   Seen seen;

@@ -177,6 +177,7 @@ struct ServeCommands {
   ecx::serve::EncoderServiceConfig encoder;
   ecx::serve::PdServiceConfig pd;
   ecx::serve::ProxyServiceConfig proxy;
+  ecx::serve::SidecarServiceConfig sidecar;
   std::string encoder_urls, pd_urls;        // the proxy's, comma-separated
   std::string upstream_api = "ecx";         // the proxy's: ecx | vllm
   std::string encoder_routing = "content";  // the proxy's: content | round-robin
@@ -215,6 +216,43 @@ void add_pd_command(CLI::App* serve, ServeCommands& cmds, std::string& log_level
   s->callback([&cmds, &log_level, exit_code] {
     cmds.pd.common.log_level = log_level;
     *exit_code = ecx::serve::run_pd_service(cmds.pd);
+  });
+}
+
+// An engine's sidecar (docs/VLLM.md, "Membership"): it listens for the proxies'
+// challenges; the engine serves elsewhere (--instance-url).
+void add_sidecar_command(CLI::App* serve, ServeCommands& cmds, std::string& log_level,
+                         int* exit_code) {
+  CLI::App* s = serve->add_subcommand(
+      "sidecar",
+      "Registers an engine that cannot itself (a vllm serve E or PD) in etcd while its /health "
+      "answers, and answers the proxies' challenges for it");
+  ecx::serve::SidecarServiceConfig& c = cmds.sidecar;
+  c.common.port = 0;
+  add_common_flags(s, c.common);
+  add_directory_flags(s, c.directory, true, cmds.unused_text);
+  add_secret_flags(s, c.auth_token, c.auth_token_file);
+  for (const char* flag : {"--connector", "--ec-config", "--weights"}) {
+    s->add_option(flag, cmds.unused_text, kUnused);
+  }
+  s->add_option("--role", c.role, "The engine's role: encoder or pd")
+      ->required()
+      ->check(CLI::IsMember({"encoder", "pd"}));
+  s->add_option("--instance-url", c.instance_url,
+                "The engine's URL (http://host:port), as proxies reach it")
+      ->required()
+      ->envname("ECX_INSTANCE_URL");
+  s->add_option("--compat-hash", c.compat_hash,
+                "Compatibility hash to register (default: the reference model's for --model, "
+                "the proxy's default)")
+      ->envname("ECX_COMPAT_HASH");
+  s->add_option("--health-interval-ms", c.health_interval_ms,
+                "Between checks of the engine's /health")
+      ->capture_default_str();
+  s->add_option("--log-level", log_level, "trace, debug, info, warn, error, off");
+  s->callback([&c, &log_level, exit_code] {
+    c.common.log_level = log_level;
+    *exit_code = ecx::serve::run_sidecar_service(c);
   });
 }
 
@@ -386,12 +424,14 @@ int main(int argc, char** argv) {
   app.add_subcommand("relay",
                      "Delaying TCP relay between test hosts (scripts/hosts; docs/HOSTS.md)");
 
-  CLI::App* serve = app.add_subcommand("serve", "Run one service: encoder, pd or proxy");
+  CLI::App* serve =
+      app.add_subcommand("serve", "Run one service: encoder, pd, proxy, or an engine's sidecar");
   serve->require_subcommand(1);
   ServeCommands serve_commands;
   add_encoder_command(serve, serve_commands, log_level, &exit_code);
   add_pd_command(serve, serve_commands, log_level, &exit_code);
   add_proxy_command(serve, serve_commands, log_level, &exit_code);
+  add_sidecar_command(serve, serve_commands, log_level, &exit_code);
 
   ecx::serve::DemoOptions demo;
   add_demo_command(app, demo, &exit_code);

@@ -1,5 +1,6 @@
 // A serving instance (E or PD) as the directory lists it, and where it is kept in etcd:
 //   <root>/<model>/instances/<role>/<id>  ->  {"id","url","role","model","compat_hash"}
+//   (and "prove_url" for an instance a sidecar registered)
 // (root "/ecx" by default). A proxy watches <root>/<model>/instances/.
 #pragma once
 
@@ -16,6 +17,10 @@ struct Instance {
   std::string role;         // "encoder" or "pd"
   std::string model;        // the served model name
   std::string compat_hash;  // the connector's compatibility hash
+  // Where the instance answers proxies' challenges (GET /v1/ecx/prove), when that is not
+  // `url`: the sidecar (`ecx serve sidecar`) that registers an engine which cannot answer
+  // them itself (a vLLM instance). Empty: `url`.
+  std::string prove_url;
   // The proof that the deployment wrote the record (sign_instance): a fresh random nonce
   // (hex) and an HMAC (hex) under the deployment secret over the key, every field above
   // and the nonce. Empty in a record nobody signed.

@@ -123,6 +123,24 @@ struct ProxyServiceConfig {
   int64_t request_timeout_ms = 120000;  // proxy -> PD
 };
 
+// The sidecar (`ecx serve sidecar`) of an engine that cannot join ecx's membership
+// itself (a `vllm serve` E or PD; docs/VLLM.md, "Membership"): beside the engine, it
+// registers the engine's URL in etcd under a lease while the engine's /health answers
+// 200, deregisters it when it does not, and answers the proxies' challenges for it
+// (GET /v1/ecx/prove, with the deployment secret the engine's ECXConnector uses).
+struct SidecarServiceConfig {
+  CommonServiceConfig common;  // where the sidecar itself listens (the challenges)
+  DirectoryConfig directory;   // required: etcd, and the sidecar's advertised URL
+  std::string role;            // the engine's: "encoder" or "pd"
+  std::string instance_url;    // the engine's: http://host:port
+  // What the proxies filter members on; empty = the reference model's for --model (the
+  // proxy's default).
+  std::string compat_hash;
+  std::string auth_token;  // the deployment secret: ECX_AUTH_TOKEN, or a file
+  std::string auth_token_file;
+  int64_t health_interval_ms = 500;  // between checks of the engine's /health
+};
+
 // A service started as a child process, once it listens.
 struct RunningService {
   Subprocess process;
@@ -165,6 +183,7 @@ std::string sample_chat_request(const std::string& text, const std::vector<uint6
 // Each returns the process exit code.
 int run_encoder_service(const EncoderServiceConfig& config);
 int run_pd_service(const PdServiceConfig& config);
+int run_sidecar_service(const SidecarServiceConfig& config);
 int run_proxy_service(const ProxyServiceConfig& config);
 
 struct DemoOptions {

@@ -129,6 +129,12 @@ class Service:
         self._stderr_file.close()
         return self.process.returncode
 
+    def __enter__(self) -> "Service":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
     def stderr_tail(self, max_chars: int = 4000) -> str:
         return self.stderr_log.read_text(errors="replace")[-max_chars:]
 

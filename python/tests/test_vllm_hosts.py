@@ -344,15 +344,26 @@ def test_a_cut_link_under_load_ends_every_request_in_time_and_pd_loads_again_aft
     pins_settle(e, LEASE_MS / 1000 + 30)
 
 
-def test_an_encoder_restarted_on_its_address_is_used_again(epd_hosts, reference, ecx_binary,
-                                                           tmp_path):
+def sidecar_metric(service: Service, name: str) -> float:
+    with urllib.request.urlopen(service.url + "/metrics", timeout=10) as r:
+        return metric(r.read().decode(), name)
+
+
+def test_an_encoder_restarted_on_its_address_is_used_again(epd_hosts, etcd, reference,
+                                                           ecx_binary, tmp_path):
+    """Also: its sidecar deregisters it while it is down, and registers it again after."""
     e, pd = epd_hosts["e"], epd_hosts["pd"]
     down, back = fresh(220, n_images=2), fresh(221, n_images=2)
     for i in (down, back):
         reference.text(i)
-    with EcxStack(ecx_binary, tmp_path) as stack:
+    side = sidecar(ecx_binary, tmp_path, e, "encoder", etcd, epd_hosts["secret"])
+    with side, EcxStack(ecx_binary, tmp_path) as stack:
+        wait_until(lambda: sidecar_metric(side, "ecx_sidecar_registered") == 1, 30,
+                   "E registered by its sidecar")
         proxy = ecx_proxy(stack, e, pd)
         e.kill()
+        wait_until(lambda: sidecar_metric(side, "ecx_sidecar_registered") == 0, 30,
+                   "E deregistered by its sidecar once its /health failed")
         # E down: the proxy finds no encoder for the images and leaves them to PD.
         status, body, seconds = ask(proxy.url, down)
         assert seconds < 60, f"with E down, PD took {seconds:.1f} s to encode and answer"
@@ -367,6 +378,9 @@ def test_an_encoder_restarted_on_its_address_is_used_again(epd_hosts, reference,
         # The proxy finds it by its health checks (every 250 ms), nobody tells it.
         wait_until(lambda: proxy_health(proxy)["encoders_reachable"] == 1, 30,
                    "the proxy sees the restarted E")
+        wait_until(lambda: sidecar_metric(side, "ecx_sidecar_registered") == 1, 30,
+                   "the restarted E registered again")
+        assert sidecar_metric(side, "ecx_sidecar_registrations_total") == 2
         pd.mark_log()
         before = loads(pd)
         status, body, _ = ask(proxy.url, back)

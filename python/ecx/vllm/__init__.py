@@ -156,11 +156,14 @@ class ECXConnector(ECConnectorBase):
         c = self._config
         self._rank = rank = tensor_parallel_rank()
         self._rendezvous = Rendezvous(c.rendezvous_dir)
-        # A worker's cache holds one step's loads until they are copied into vLLM's.
+        # A worker reads its scheduler's blocks where they lie (zero_copy: a view of the
+        # scheduler's shared memory, pinned for the step) and copies each once, into
+        # vLLM's tensor; its own cache holds only what it could not view (a scheduler on
+        # another host, past its pin quota there).
         offset = c.process_offset(rank)
         with io_threads_unbound():
             self._conn = ecx.Connector(c.ecx_config(c.role, worker_agent(c, rank), offset,
-                                                    keep_loaded=False))
+                                                    keep_loaded=False, zero_copy=True))
         if c.is_producer:
             self._producer_worker = ProducerWorker(c, self._conn, rank, self._rendezvous,
                                                    self._counters)

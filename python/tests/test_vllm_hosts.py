@@ -52,6 +52,7 @@ HOSTS = REPO_ROOT / "scripts" / "hosts"
 EXAMPLE_PROXY = Path(os.environ.get("ECX_VLLM_EPD_PROXY") or Path(
     sys.executable).parent.parent / "share" / "vllm-examples" / "disagg_epd_proxy.py")
 E_HOST, PD_HOST = "10.77.0.1", "10.77.0.2"
+E2_HOST, PD2_HOST = "10.77.0.3", "10.77.0.4"  # the N x M test's second E and PD
 LOAD_TIMEOUT_MS = 4000  # PD's: a load over the cut link gives up by then
 LEASE_MS = 6000  # E's: the pins of a PD that died end by then
 CUT_S = 10
@@ -66,46 +67,59 @@ def hosts(*args: str, ecx: Path) -> str:
 
 @pytest.fixture(scope="module")
 def test_hosts(ecx_binary):
-    """ecx-h1 and ecx-h2, 1 ms apart; removed at the end, however the module ends."""
+    """ecx-h1..ecx-h4, 1 ms apart; removed at the end, however the module ends."""
     if os.geteuid() != 0:
         pytest.fail("the test hosts need root (network namespaces)", pytrace=False)
-    hosts("up", "2", "--rtt-ms", "1", ecx=ecx_binary)
+    hosts("up", "4", "--rtt-ms", "1", ecx=ecx_binary)
     try:
         yield
     finally:
         hosts("down", ecx=ecx_binary)
 
 
+def netns_of(host: str) -> str:
+    return "ecx-h" + host.rsplit(".", 1)[1]
+
+
 def e_engine(model, secret, logs: Path, port: int, tcp_port: int, metrics_port: int,
-             name: str = "e") -> Engine:
-    extra = {"auth_token_file": secret, "pool_bytes": "256MiB", "tcp_host": E_HOST,
+             name: str = "e", host: str = E_HOST) -> Engine:
+    extra = {"auth_token_file": secret, "pool_bytes": "256MiB", "tcp_host": host,
              "tcp_port": tcp_port, "lease_ms": LEASE_MS, "metrics_port": metrics_port,
-             "metrics_host": E_HOST}
+             "metrics_host": host}
     return Engine(name, serve_argv(model, port, "--ec-transfer-config",
-                                   ec_config("ec_producer", extra), host=E_HOST),
+                                   ec_config("ec_producer", extra), host=host),
                   vllm_env(), port, logs / f"{name}.log", metrics_port=metrics_port,
-                  host=E_HOST, netns="ecx-h1")
+                  host=host, netns=netns_of(host))
+
+
+def pd_engine(model, secret, logs: Path, name: str, host: str) -> Engine:
+    extra = {"auth_token_file": secret, "pool_bytes": "256MiB", "tcp_host": host,
+             "tcp_port": 7100, "load_timeout_ms": LOAD_TIMEOUT_MS, "lease_ms": LEASE_MS,
+             "metrics_port": 9100, "metrics_host": host}
+    return Engine(name, serve_argv(model, 8000, "--enable-logging-iteration-details",
+                                   "--ec-transfer-config", ec_config("ec_consumer", extra),
+                                   host=host),
+                  vllm_env(), 8000, logs / f"{name}.log", metrics_port=9100, host=host,
+                  netns=netns_of(host))
 
 
 @pytest.fixture(scope="module")
 def epd_hosts(test_hosts, tiny_model, deployment_secret, reference, tmp_path_factory):
-    """E on ecx-h1 and PD on ecx-h2 (each host has all its ports to itself)."""
+    """E on ecx-h1 and PD on ecx-h2, a second E on ecx-h3 and PD on ecx-h4 (each host has
+    all its ports to itself); the tests but the N x M one use the first pair."""
     logs = tmp_path_factory.mktemp("epd-hosts")
     e = e_engine(tiny_model, deployment_secret, logs, 8000, 7100, 9100)
-    pd_extra = {"auth_token_file": deployment_secret, "pool_bytes": "256MiB",
-                "tcp_host": PD_HOST, "tcp_port": 7100, "load_timeout_ms": LOAD_TIMEOUT_MS,
-                "lease_ms": LEASE_MS, "metrics_port": 9100, "metrics_host": PD_HOST}
-    pd = Engine("pd", serve_argv(tiny_model, 8000, "--enable-logging-iteration-details",
-                                 "--ec-transfer-config", ec_config("ec_consumer", pd_extra),
-                                 host=PD_HOST),
-                vllm_env(), 8000, logs / "pd.log", metrics_port=9100, host=PD_HOST,
-                netns="ecx-h2")
-    engines = {"e": e, "pd": pd, "logs": logs, "model": tiny_model,
+    pd = pd_engine(tiny_model, deployment_secret, logs, "pd", PD_HOST)
+    e2 = e_engine(tiny_model, deployment_secret, logs, 8000, 7100, 9100, "e2", E2_HOST)
+    pd2 = pd_engine(tiny_model, deployment_secret, logs, "pd2", PD2_HOST)
+    engines = {"e": e, "pd": pd, "e2": e2, "pd2": pd2, "logs": logs, "model": tiny_model,
                "secret": deployment_secret}
     try:
-        with running(e, pd):
+        with running(e, pd, e2, pd2):
             reference.engine.wait_ready()
-            warm_up(e, pd, png(434343))  # PD's first connection to E
+            # Each PD's first connection to each E.
+            for k, (enc, dec) in enumerate(((e, pd), (e2, pd), (e, pd2), (e2, pd2))):
+                warm_up(enc, dec, png(434343 + k))
             yield engines
     finally:  # E may have been replaced by its restart
         engines["e"].stop()
@@ -228,6 +242,46 @@ def upstreams(proxy) -> list[dict]:
 def members_up(proxy, role: str) -> int:
     return sum(1 for u in upstreams(proxy) if u["role"] == role and u["reachable"] and
                u.get("proven", True))
+
+
+def test_two_encoders_and_two_pds_on_four_hosts_behind_either_proxy(epd_hosts, reference,
+                                                                   ecx_binary, tmp_path):
+    """N x M: every request gets the single instance's text, no PD encodes, both encoders
+    encode and both PDs answer (ecx's proxy: images by content, PDs by fewest in flight;
+    vLLM's: round robin), and every pin at both encoders ends."""
+    es, pds = [epd_hosts["e"], epd_hosts["e2"]], [epd_hosts["pd"], epd_hosts["pd2"]]
+    batch = [fresh(250 + k, n_images=2) for k in range(8)]
+    for i in batch:
+        reference.text(i)
+    for pd in pds:
+        pd.mark_log()
+    saves = [metric(e.worker_metrics(0), "ecx_vllm_saves") for e in es]
+    served = [metric(pd.metrics(), "vllm:request_success_total") for pd in pds]
+    with EcxStack(ecx_binary, tmp_path) as stack:
+        proxy = stack.start("proxy", "--upstream-api", "vllm", "--model", "tiny-vlm",
+                            "--encoders", ",".join(e.url for e in es),
+                            "--pd", ",".join(pd.url for pd in pds))
+        answers = asked_together(proxy.url, batch[:6])
+    port = free_port()
+    example = Engine("vllm-proxy", [sys.executable, str(EXAMPLE_PROXY), "--host", "127.0.0.1",
+                                    "--port", str(port), "--encode-servers-urls",
+                                    ",".join(e.url for e in es), "--decode-servers-urls",
+                                    ",".join(pd.url for pd in pds)],
+                     vllm_env(), port, tmp_path / "proxy.log", ready_marker=b"Uvicorn running on")
+    with running(example):
+        answers += [ask(example.url, i) for i in batch[6:]]
+    for i, (status, body, _) in zip(batch, answers):
+        assert status == 200, body
+        assert text_of(body) == reference.text(i), f"request {i}"
+    for pd in pds:
+        assert pd.encoder_iterations() == 0, f"{pd.name} ran its encoder"
+    for e, before in zip(es, saves):
+        assert metric(e.worker_metrics(0), "ecx_vllm_saves") > before, f"{e.name} encoded nothing"
+    for pd, before in zip(pds, served):
+        wait_until(lambda: metric(pd.metrics(), "vllm:request_success_total") > before, 30,
+                   f"{pd.name} answered some of the requests")
+    for e in es:
+        pins_settle(e)
 
 
 def test_vllm_instances_join_and_leave_the_membership_through_their_sidecars(

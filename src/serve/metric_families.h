@@ -33,7 +33,7 @@ inline constexpr MetricFamily kPoolEntries{"ecx_pool_entries", kGauge,
                                            "items the producer pool holds"};
 inline constexpr MetricFamily kPoolPins{"ecx_pool_pins", kGauge,
                                         "pins on the producer pool's items (readers to come)"};
-inline constexpr MetricFamily kPoolEvictions{"ecx_pool_evictions", kGauge,
+inline constexpr MetricFamily kPoolEvictions{"ecx_pool_evictions_total", kCounter,
                                              "items the producer pool evicted since start"};
 
 // Prefill/decode (PD).
@@ -65,9 +65,9 @@ inline constexpr MetricFamily kCacheEntries{"ecx_cache_entries", kGauge,
                                             "items the consumer cache holds"};
 inline constexpr MetricFamily kCachePins{"ecx_cache_pins", kGauge,
                                          "pins on the consumer cache's items"};
-inline constexpr MetricFamily kCacheEvictions{"ecx_cache_evictions", kGauge,
+inline constexpr MetricFamily kCacheEvictions{"ecx_cache_evictions_total", kCounter,
                                               "items the consumer cache evicted since start"};
-inline constexpr MetricFamily kEcNacks{"ecx_ec_nacks", kGauge,
+inline constexpr MetricFamily kEcNacks{"ecx_ec_nacks_total", kCounter,
                                        "item loads that failed since start, by code"};
 inline constexpr MetricFamily kEcParamsRejected{
     "ecx_ec_params_rejected_total", kCounter,

@@ -224,7 +224,7 @@ def test_the_metrics_exporter_holds_few_threads_and_a_taken_port_is_not_fatal():
                 break
         except OSError:
             threading.Event().wait(0.05)
-    assert body is not None and 'ecx_vllm_loads_ok{process="test"} 3' in body
+    assert body is not None and 'ecx_vllm_loads_ok_total{process="test"} 3' in body
     # Another process holds the port: logged, not raised.
     second = Exporter(port, "test", lambda: {})
     assert not second.serving

@@ -255,7 +255,7 @@ def test_two_encoders_and_two_pds_on_four_hosts_behind_either_proxy(epd_hosts, r
         reference.text(i)
     for pd in pds:
         pd.mark_log()
-    saves = [metric(e.worker_metrics(0), "ecx_vllm_saves") for e in es]
+    saves = [metric(e.worker_metrics(0), "ecx_vllm_saves_total") for e in es]
     served = [metric(pd.metrics(), "vllm:request_success_total") for pd in pds]
     with EcxStack(ecx_binary, tmp_path) as stack:
         proxy = stack.start("proxy", "--upstream-api", "vllm", "--model", "tiny-vlm",
@@ -276,7 +276,7 @@ def test_two_encoders_and_two_pds_on_four_hosts_behind_either_proxy(epd_hosts, r
     for pd in pds:
         assert pd.encoder_iterations() == 0, f"{pd.name} ran its encoder"
     for e, before in zip(es, saves):
-        assert metric(e.worker_metrics(0), "ecx_vllm_saves") > before, f"{e.name} encoded nothing"
+        assert metric(e.worker_metrics(0), "ecx_vllm_saves_total") > before, f"{e.name} encoded nothing"
     for pd, before in zip(pds, served):
         wait_until(lambda: metric(pd.metrics(), "vllm:request_success_total") > before, 30,
                    f"{pd.name} answered some of the requests")

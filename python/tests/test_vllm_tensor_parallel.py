@@ -74,7 +74,7 @@ def exported(text: str, name: str) -> float:
 
 def rank_loads(pd: Engine) -> list[float]:
     """Items each rank's worker read into its encoder_cache."""
-    return [exported(pd.worker_metrics(rank), "ecx_vllm_items_loaded") for rank in range(RANKS)]
+    return [exported(pd.worker_metrics(rank), "ecx_vllm_items_loaded_total") for rank in range(RANKS)]
 
 
 def test_every_rank_loads_every_item_and_answers_match(epd_tp):

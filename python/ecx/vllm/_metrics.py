@@ -168,23 +168,76 @@ class ECXPromMetrics(ECConnectorPromMetrics):
             self._failures.labels(*labels, cause).inc(n)
 
 
-def _prometheus_text(stats: dict[str, Any], process: str) -> str:
-    """ecx's connector stats (EcConnector.stats()) as Prometheus text, one series per number."""
-    lines: list[str] = []
+# What each number of ecx's connector stats (EcConnector.stats(): src/connector/stats.cc)
+# counts: ("counter" | "gauge", help). Counters are totals since the process started and
+# are exported with "_total"; a pool's numbers are under its name (consumer_cache_,
+# producer_pool_). A number not listed here is exported as untyped, under its own name.
+_STAT_TYPES: dict[str, tuple[str, str]] = {
+    "saves": ("counter", "items this process saved into its pool"),
+    "loads_ok": ("counter", "load requests that ended with every item loaded"),
+    "loads_failed": ("counter", "load requests with an item that failed"),
+    "items_loaded": ("counter", "items loaded"),
+    "items_recomputed": ("counter", "items left to be encoded here"),
+    "local_hits": ("counter", "items found in this process's own cache"),
+    "bytes_loaded": ("counter", "bytes of items loaded"),
+    "load_seconds_total": ("counter", "seconds spent in loads, summed"),
+    "not_ready_retries": ("counter", "lookups retried while an item was being saved"),
+    "nacks": ("counter", "item loads refused by the producer, by code"),
+    "releases_sent": ("counter", "pins this process gave back to producers"),
+    "releases_received": ("counter", "pins consumers gave back to this process"),
+    "views_held": ("gauge", "items read in place (zero_copy) held now"),
+    "items_viewed": ("counter", "items read in place (zero_copy)"),
+    "view_renewals_failed": ("counter", "renewals of views' pins that failed"),
+    "renewals_received": ("counter", "pin renewals consumers sent this process"),
+    "params_rejected": ("counter", "ec_transfer_params refused (signature, item)"),
+    "transfer_connects": ("counter", "connections this process's agent made, by result"),
+    "peer_failures": ("counter", "peers this process's agent found failed"),
+    "capacity_bytes": ("gauge", "bytes of the pool"),
+    "used_bytes": ("gauge", "bytes of the pool in use"),
+    "payload_bytes": ("gauge", "bytes of items the pool holds"),
+    "entries": ("gauge", "items the pool holds"),
+    "writing_entries": ("gauge", "items being written"),
+    "pinned_entries": ("gauge", "items with at least one pin"),
+    "pins": ("gauge", "pins on the pool's items (readers to come)"),
+    "evictions": ("counter", "items the pool evicted"),
+    "lease_expiries": ("counter", "pins that ended by their lease (a reader that died)"),
+    "hits": ("counter", "lookups that found their item"),
+    "misses": ("counter", "lookups that did not"),
+    "bytes_used_per_payload_byte": ("gauge", "the pool's bytes in use per byte of items"),
+}
+_LABELED = ("nacks", "transfer_connects")  # {key: n}: one series per key
 
-    def walk(prefix: str, value: Any, labels: str) -> None:
+
+def _prometheus_text(stats: dict[str, Any], process: str) -> str:
+    """ecx's connector stats (EcConnector.stats()) as Prometheus text: one family per
+    number, with HELP and TYPE; counters named with "_total"."""
+    families: dict[str, tuple[str, str, list[str]]] = {}
+
+    def add(path: str, leaf: str, value: float, labels: str) -> None:
+        kind, help_text = _STAT_TYPES.get(leaf, ("untyped", f"ecx connector stat {leaf}"))
+        name = f"ecx_vllm_{path}"
+        if kind == "counter" and not name.endswith("_total"):
+            name += "_total"
+        family = families.setdefault(name, (kind, help_text, []))
+        family[2].append(f"{name}{{{labels}}} {value}")
+
+    def walk(path: list[str], value: Any, labels: str) -> None:
+        """`path`: the keys down to `value` (a pool's numbers are one level down)."""
         if isinstance(value, bool):
             value = int(value)
         if isinstance(value, (int, float)):
-            lines.append(f"{prefix}{{{labels}}} {value}")
+            add("_".join(path), path[-1], value, labels)
         elif isinstance(value, dict):
             for k, v in value.items():
-                if isinstance(v, (int, float)) and prefix.endswith(("nacks", "transfer_connects")):
-                    walk(prefix, v, f'{labels},key="{k}"')
+                if isinstance(v, (int, float)) and path and path[-1] in _LABELED:
+                    walk(path, v, f'{labels},key="{k}"')
                 else:
-                    walk(f"{prefix}_{k}", v, labels)
+                    walk([*path, k], v, labels)
 
-    walk("ecx_vllm", stats, f'process="{process}"')
+    walk([], stats, f'process="{process}"')
+    lines: list[str] = []
+    for name, (kind, help_text, series) in families.items():
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", *series]
     return "\n".join(lines) + "\n"
 
 

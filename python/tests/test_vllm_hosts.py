@@ -151,6 +151,19 @@ def proxy_health(proxy) -> dict:
         return json.loads(r.read())
 
 
+def ask_loaded(proxy_url: str, pd: Engine, index: int, reference, why: str) -> None:
+    """A request through the proxy: the single instance's text, and every item of it
+    loaded by PD (counted), none encoded there."""
+    pd.mark_log()
+    before = loads(pd)
+    status, body, _ = ask(proxy_url, index)
+    assert status == 200, body
+    assert text_of(body) == reference.text(index), f"request {index}: {why}"
+    assert pd.encoder_iterations() == 0, f"PD encoded: {why}"
+    items = len(images_of(index))
+    wait_until(lambda: loads(pd) >= before + items, 30, f"PD counted {items} loads: {why}")
+
+
 def ask(url: str, index: int, timeout: float = 300) -> tuple[int, dict, float]:
     started = time.monotonic()
     status, body = post(url + "/v1/chat/completions", chat_body(index), timeout=timeout)
@@ -303,11 +316,7 @@ def test_vllm_instances_join_and_leave_the_membership_through_their_sidecars(
                        30, "the proxy routes to both engines, found in etcd")
             listed = {u["role"]: u["url"] for u in upstreams(proxy)}
             assert listed == {"encoder": e.url, "pd": pd.url}, listed
-            pd.mark_log()
-            status, body, _ = ask(proxy.url, first)
-            assert status == 200, body
-            assert text_of(body) == reference.text(first)
-            assert pd.encoder_iterations() == 0, "the item was not loaded from E"
+            ask_loaded(proxy.url, pd, first, reference, "E found in etcd")
             # E's sidecar stops: E leaves; the proxy leaves the images to PD.
             e_side.stop()
             wait_until(lambda: not any(u["role"] == "encoder" for u in upstreams(proxy)), 30,
@@ -318,11 +327,7 @@ def test_vllm_instances_join_and_leave_the_membership_through_their_sidecars(
             # A new sidecar: E is back, proven again, and used.
             e_side = sidecar(ecx_binary, tmp_path, e, "encoder", etcd, secret)
             wait_until(lambda: members_up(proxy, "encoder") == 1, 30, "E back in the members")
-            pd.mark_log()
-            status, body, _ = ask(proxy.url, back)
-            assert status == 200, body
-            assert text_of(body) == reference.text(back)
-            assert pd.encoder_iterations() == 0, "the item was not loaded from the rejoined E"
+            ask_loaded(proxy.url, pd, back, reference, "E rejoined")
     finally:
         e_side.stop()
         pd_side.stop()
@@ -388,13 +393,7 @@ def test_a_cut_link_under_load_ends_every_request_in_time_and_pd_loads_again_aft
                    30, "PD counted 8 local encodes")
         assert e.alive() and pd.alive()
         # The link back: the next request's items are loaded from E again.
-        pd.mark_log()
-        before = loads(pd)
-        status, body, _ = ask(proxy.url, after)
-        assert status == 200, body
-        assert text_of(body) == reference.text(after)
-    assert pd.encoder_iterations() == 0, "PD encoded after the link came back"
-    wait_until(lambda: loads(pd) >= before + 1, 30, "PD loaded after the cut")
+        ask_loaded(proxy.url, pd, after, reference, "after the link came back")
     pins_settle(e, LEASE_MS / 1000 + 30)
 
 
@@ -435,13 +434,7 @@ def test_an_encoder_restarted_on_its_address_is_used_again(epd_hosts, etcd, refe
         wait_until(lambda: sidecar_metric(side, "ecx_sidecar_registered") == 1, 30,
                    "the restarted E registered again")
         assert sidecar_metric(side, "ecx_sidecar_registrations_total") == 2
-        pd.mark_log()
-        before = loads(pd)
-        status, body, _ = ask(proxy.url, back)
-        assert status == 200, body
-        assert text_of(body) == reference.text(back)
-    assert pd.encoder_iterations() == 0, "PD encoded what the restarted E holds"
-    wait_until(lambda: loads(pd) >= before + 2, 30, "PD loaded from the restarted E")
+        ask_loaded(proxy.url, pd, back, reference, "the restarted E")
     pins_settle(new)
 
 

@@ -1,5 +1,5 @@
 // ecx-bench: the benchmarks, the correctness run and the test hosts' relay behind
-// `ecx bench ...`, `ecx eval` and `ecx relay` (DESIGN.md §7). `ecx` runs this binary, which
+// `ecx bench ...`, `ecx eval` and `ecx relay` (docs/BENCHMARKS.md). `ecx` runs this binary, which
 // sits beside it, for every `bench` subcommand but `bench serve` (which `ecx demo` needs),
 // for `eval` and for `relay`, with the same command line; so building the services and the
 // demo does not compile them.

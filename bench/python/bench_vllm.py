@@ -86,7 +86,7 @@ CONNECTOR_CLASS = {"single": None, "example": "ECExampleConnector", "cpu": "ECCP
                    "mooncake": "ECMooncakeConnector", "ecx": "ECXConnector",
                    "ecx-zc": "ECXConnector"}
 
-# The seed workload (DESIGN.md §8: 100 prompts, 3 images of 560x560, 400 text tokens, 100
+# The seed workload (100 prompts, 3 images of 560x560, 400 text tokens, 100
 # output tokens) scaled to what 2 CPU cores finish in minutes per configuration; and a
 # video workload: one 16-frame 560x560 video per request, each an item of 8 temporal
 # patches x 400 tokens = 3200 x 2048 bf16 = 12.5 MiB, the largest items EPD moves.

@@ -1,4 +1,4 @@
-// The p2p connector against a client or peer that lies (DESIGN.md §11): forged or
+// The p2p connector against a client or peer that lies (docs/SECURITY.md): forged or
 // tampered ec_transfer_params, a release of someone else's pin, a producer whose replies
 // are malformed, and a request deadline shorter than the load timeout. The producer is
 // another process (`ecx bench connector-peer`) unless the test needs it to misbehave.

@@ -1,6 +1,6 @@
-// A client that talks straight to the PD and brings its own ec_transfer_params (DESIGN.md
-// §11): it must not be able to choose the producer or the embeddings, nor poison what the
-// PD serves to everyone afterwards. Real encoder, PD and proxy processes, real HTTP, a
+// A client that talks straight to the PD and brings its own ec_transfer_params
+// (docs/SECURITY.md): it must not be able to choose the producer or the embeddings, nor poison what
+// the PD serves to everyone afterwards. Real encoder, PD and proxy processes, real HTTP, a
 // deployment secret generated for the stack.
 #include <gtest/gtest.h>
 #include <httplib.h>

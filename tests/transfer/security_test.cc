@@ -1,4 +1,4 @@
-// The transfer plane's trust boundaries (DESIGN.md §11), tried the way an attacker or a
+// The transfer plane's trust boundaries (docs/SECURITY.md), tried the way an attacker or a
 // bad day would: a peer without the deployment secret, another local user, a peer that
 // passes memory it can shrink, a reader without a grant, too many connections, idle
 // connections, and a peer that dies while mapped.

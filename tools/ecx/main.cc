@@ -1,4 +1,4 @@
-// ecx: one command, one subcommand per job (DESIGN.md §7). The benchmarks (every `bench`
+// ecx: one command, one subcommand per job (docs/SERVING.md). The benchmarks (every `bench`
 // subcommand but `bench serve`, which the demo runs), `eval` and the test hosts' `relay`
 // are built apart, as ecx-bench beside this binary (bench/main.cc), and run there.
 #include <unistd.h>

@@ -1,5 +1,5 @@
 // Deployment secrets and message authentication: the pieces of the trust model
-// (DESIGN.md §11) that every layer shares. HMAC-SHA256 and random bytes from OpenSSL.
+// (docs/SECURITY.md) that every layer shares. HMAC-SHA256 and random bytes from OpenSSL.
 //
 // The secret is never sent: agents prove they know it by answering a challenge, and
 // encoders sign the ec_transfer_params they issue with a key derived from it.

@@ -41,9 +41,10 @@ struct VllmOptions {
   bool item_digests = false;
   bool no_install = false;
   bool keep_logs = false;
-  bool hosts = false;  // E and PD on two test hosts (scripts/hosts)
-  std::string rtt_ms;  // --hosts: the script's default (1)
-  std::string rate;    // --hosts: the script's default (10gbit)
+  std::string ecx_extra;  // JSON merged into the ECXConnector rows' extra config
+  bool hosts = false;     // E and PD on two test hosts (scripts/hosts)
+  std::string rtt_ms;     // --hosts: the script's default (1)
+  std::string rate;       // --hosts: the script's default (10gbit)
   int timeout_s = 6 * 3600;
 };
 
@@ -70,6 +71,7 @@ std::vector<std::string> script_argv(const VllmOptions& o, const PythonHarness& 
   if (o.item_digests) argv.push_back("--item-digests");
   if (o.no_install) argv.push_back("--no-install");
   if (o.keep_logs) argv.push_back("--keep-logs");
+  add("--ecx-extra", o.ecx_extra);
   if (o.hosts) argv.push_back("--hosts");
   add("--rtt-ms", o.rtt_ms);
   add("--rate", o.rate);
@@ -146,6 +148,9 @@ void add_vllm_command(CLI::App& bench, int* exit_code) {
               "Load the connectors themselves, not the timed subclasses (no EC load figure)");
   s->add_flag("--no-install", o->no_install, "Do not pip-install Mooncake when it is missing");
   s->add_flag("--keep-logs", o->keep_logs, "Keep the servers' logs (kept anyway on an error)");
+  s->add_option("--ecx-extra", o->ecx_extra,
+                "JSON merged into the ECXConnector rows' ec_connector_extra_config (E's and "
+                "PD's), e.g. '{\"first_look_wait_ms\": 40}'");
   s->add_flag("--hosts", o->hosts,
               "E on test host ecx-h1, PD on ecx-h2 (scripts/hosts, made for the run; root): "
               "the items cross a network, against its physical limit");

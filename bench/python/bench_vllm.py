@@ -146,6 +146,7 @@ def ec_config(row: str, role: str, cfg: dict, timed: bool) -> dict:
             out["ec_connector_extra_config"]["zero_copy"] = True
         if host != "127.0.0.1":  # its agents listen on its host's address
             out["ec_connector_extra_config"]["tcp_host"] = host
+        out["ec_connector_extra_config"].update(cfg["ecx_extra"])
     return out
 
 
@@ -178,7 +179,8 @@ def run_row(row: str, args, w: dict, model: Path, run_dir: Path, fixed: list[dic
            "shared_dir": d / "ec_cache",
            "token_file": run_dir / "ecx_token", "timing_file": d / "timing.jsonl",
            "mooncake_e_port": rt.free_port(), "mooncake_pd_port": rt.free_port(),
-           "side_channel_port": rt.free_port(), "place": place}
+           "side_channel_port": rt.free_port(), "place": place,
+           "ecx_extra": json.loads(args.ecx_extra)}
     (e_host, e_ns), (pd_host, pd_ns) = place["ec_producer"], place["ec_consumer"]
     cfg["shared_dir"].mkdir(exist_ok=True)
     common = ["--max-model-len", str(w["max_model_len"]),
@@ -427,12 +429,20 @@ def main(argv=None) -> int:
     p.add_argument("--bench-timeout", type=float, default=3600)
     p.add_argument("--request-timeout", type=float, default=600)
     p.add_argument("--lock-timeout", type=float, default=7200)
+    p.add_argument("--ecx-extra", default="{}",
+                   help="JSON merged into the ECXConnector rows' ec_connector_extra_config "
+                        "(E's and PD's), e.g. '{\"first_look_wait_ms\": 40}'")
     p.add_argument("--hosts", action="store_true",
                    help="E on test host ecx-h1, PD on ecx-h2 (scripts/hosts, made for the run "
                         "and removed after; root): the items cross a network")
     p.add_argument("--rtt-ms", type=float, default=1.0, help="--hosts: RTT between the hosts")
     p.add_argument("--rate", default="10gbit", help="--hosts: each host's egress (tc's units)")
     args = p.parse_args(argv)
+    try:
+        if not isinstance(json.loads(args.ecx_extra), dict):
+            raise ValueError("not a JSON object")
+    except ValueError as e:
+        p.error(f"--ecx-extra: {e}")
     if args.hosts:
         try:
             rate_bits(args.rate)
@@ -486,7 +496,8 @@ def main(argv=None) -> int:
               "workload": {**w, "modality": args.workload, "model": str(model),
                            "request_rate": "inf", "temperature": 0,
                            "dataset": "random-mm", "backend": "openai-chat",
-                           "proxy": str(args.proxy), "timed": not args.no_timing},
+                           "proxy": str(args.proxy), "timed": not args.no_timing,
+                           "ecx_extra": json.loads(args.ecx_extra)},
               "placement": ({"E": "ecx-h1 (10.77.0.1)", "PD": "ecx-h2 (10.77.0.2)",
                              "proxy": "this machine", **(limit or {})} if args.hosts else
                             {"all": "this machine, 127.0.0.1"}),

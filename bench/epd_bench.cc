@@ -16,8 +16,8 @@
 #include "ecx/engine/image.h"
 #include "ecx/serve/services.h"
 #include "http/http_client.h"
+#include "http_server/http_server.h"
 #include "progress.h"
-#include "serve/http_server.h"
 #include "stack.h"
 
 namespace ecx::bench {

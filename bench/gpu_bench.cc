@@ -21,7 +21,7 @@
 #include "ecx/common/json_reader.h"
 #include "ecx/common/subprocess.h"
 #include "ecx/transfer/agent.h"
-#include "transfer/cuda_memory.h"
+#include "ecx/transfer/cuda_memory.h"
 #include "transfer_peer.h"
 
 namespace ecx::bench {

@@ -27,7 +27,7 @@
 #include "ecx/engine/image.h"
 #include "ecx/serve/services.h"
 #include "http/http_client.h"
-#include "serve/http_server.h"
+#include "http_server/http_server.h"
 #include "stack.h"
 
 namespace ecx::bench {

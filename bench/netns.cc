@@ -12,7 +12,7 @@
 #include <sstream>
 
 #include "ecx/common/subprocess.h"
-#include "transfer/socket.h"
+#include "wire/socket.h"
 
 namespace ecx::bench {
 namespace {

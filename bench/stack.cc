@@ -9,7 +9,7 @@
 #include "ecx/common/json_reader.h"
 #include "ecx/serve/services.h"
 #include "netns.h"
-#include "transfer/socket.h"
+#include "wire/socket.h"
 
 namespace ecx::bench {
 

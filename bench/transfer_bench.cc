@@ -25,9 +25,9 @@
 #include "ecx/common/subprocess.h"
 #include "ecx/transfer/agent.h"
 #include "netns.h"
-#include "transfer/socket.h"
 #include "transfer_peer.h"
 #include "transfer_results.h"
+#include "wire/socket.h"
 
 namespace ecx::bench {
 namespace {

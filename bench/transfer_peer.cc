@@ -17,8 +17,8 @@
 #include "ecx/common/checksum.h"
 #include "ecx/common/log.h"
 #include "ecx/transfer/agent.h"
-#include "transfer/cuda_memory.h"
-#include "transfer/socket.h"
+#include "ecx/transfer/cuda_memory.h"
+#include "wire/socket.h"
 
 namespace ecx::bench {
 namespace {

@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "ecx/common/subprocess.h"
-#include "transfer/socket.h"
+#include "wire/socket.h"
 
 namespace ecx::bench {
 namespace {

@@ -4,7 +4,7 @@
 #include <vector>
 
 #include "ecx/common/checksum.h"
-#include "transfer/cuda_memory.h"
+#include "ecx/transfer/cuda_memory.h"
 
 namespace ecx::cache {
 

@@ -1,6 +1,6 @@
 // The bytes of an encoder cache pool's arena: host memory (an agent arena, which the CPU
 // reads and writes in place) or CUDA device memory (PoolConfig::memory = kCuda), where
-// every CPU access (block headers, checksums) is a copy through transfer/cuda_memory.h.
+// every CPU access (block headers, checksums) is a copy through ecx/transfer/cuda_memory.h.
 #pragma once
 
 #include <cstdint>

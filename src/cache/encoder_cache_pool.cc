@@ -517,6 +517,10 @@ Result<Pin> EncoderCachePool::pin_for_peer(const MmHash& h, const std::string& p
                                            std::optional<std::chrono::milliseconds> lease) {
   return impl_->pin_for_peer(h, peer, lease.value_or(impl_->default_lease()));
 }
+std::string EncoderCachePool::params_quota_holder(const std::string& agent) {
+  return std::string(PinTable::kParamsOpPrefix) + agent;
+}
+
 Result<Pin> EncoderCachePool::pin_for_bearer(const MmHash& h, const std::string& quota_holder,
                                              std::optional<std::chrono::milliseconds> lease) {
   if (quota_holder.empty()) return InvalidArgument("pin_for_bearer: no quota holder");

@@ -3,7 +3,7 @@
 #include <hiredis/hiredis.h>
 #include <sys/time.h>
 
-#include "transfer/socket.h"
+#include "wire/socket.h"
 
 namespace ecx::connector {
 namespace {

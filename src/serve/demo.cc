@@ -16,8 +16,8 @@
 #include "ecx/common/subprocess.h"
 #include "ecx/engine/image.h"
 #include "http/http_client.h"
-#include "serve/http_server.h"
-#include "transfer/socket.h"
+#include "http_server/http_server.h"
+#include "wire/socket.h"
 
 namespace ecx::serve {
 namespace {

@@ -17,12 +17,13 @@
 #include "ecx/common/json_reader.h"
 #include "ecx/common/log.h"
 #include "ecx/engine/image.h"
-#include "serve/http_server.h"
+#include "http_server/http_server.h"
+#include "http_server/metric_families.h"
+#include "http_server/metrics.h"
+#include "openai/openai_request.h"
 #include "serve/instance_registration.h"
-#include "serve/metric_families.h"
-#include "serve/metrics.h"
 #include "serve/model_setup.h"
-#include "serve/openai_request.h"
+#include "serve/request_error.h"
 
 namespace ecx::serve {
 namespace {

@@ -12,7 +12,7 @@
 #include "ecx/directory/etcd_client.h"
 #include "ecx/directory/instance.h"
 #include "ecx/serve/services.h"
-#include "serve/http_server.h"
+#include "http_server/http_server.h"
 
 namespace ecx::serve {
 

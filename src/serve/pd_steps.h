@@ -27,7 +27,7 @@
 #include "ecx/common/mutex.h"
 #include "ecx/connector/ec_connector.h"
 #include "ecx/engine/model.h"
-#include "serve/openai_request.h"
+#include "openai/openai_request.h"
 
 namespace ecx::serve {
 

@@ -24,10 +24,10 @@
 #include "ecx/directory/registration.h"
 #include "ecx/engine/model.h"
 #include "ecx/serve/services.h"
-#include "serve/http_server.h"
+#include "http_server/http_server.h"
+#include "http_server/metric_families.h"
+#include "http_server/metrics.h"
 #include "serve/instance_registration.h"
-#include "serve/metric_families.h"
-#include "serve/metrics.h"
 #include "serve/upstream.h"
 
 namespace ecx::serve {

@@ -4,7 +4,7 @@
 #include <map>
 
 #include "ecx/common/log.h"
-#include "serve/http_server.h"
+#include "http_server/http_server.h"
 
 namespace ecx::serve {
 

@@ -13,7 +13,7 @@
 
 #include "ecx/common/auth.h"
 #include "ecx/common/log.h"
-#include "transfer/wire.h"
+#include "wire/wire.h"
 
 namespace ecx::transfer {
 

@@ -16,7 +16,7 @@
 #include "ecx/common/mutex.h"
 #include "ecx/common/status.h"
 #include "ecx/transfer/metadata.h"
-#include "transfer/socket.h"
+#include "wire/socket.h"
 
 namespace ecx::transfer {
 

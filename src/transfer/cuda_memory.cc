@@ -1,4 +1,4 @@
-#include "transfer/cuda_memory.h"
+#include "ecx/transfer/cuda_memory.h"
 
 #ifdef ECX_HAVE_CUDA
 #include <cuda_runtime_api.h>

@@ -9,7 +9,7 @@
 #include <cerrno>
 
 #include "ecx/common/log.h"
-#include "transfer/cuda_memory.h"
+#include "ecx/transfer/cuda_memory.h"
 
 namespace ecx::transfer {
 namespace {

@@ -13,7 +13,7 @@
 #include "ecx/common/status.h"
 #include "ecx/transfer/metadata.h"
 #include "ecx/transfer/types.h"
-#include "transfer/socket.h"
+#include "wire/socket.h"
 
 namespace ecx::transfer {
 

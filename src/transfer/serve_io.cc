@@ -1,6 +1,6 @@
 #include "transfer/serve_io.h"
 
-#include "transfer/socket.h"
+#include "wire/socket.h"
 
 namespace ecx::transfer {
 

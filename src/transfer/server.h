@@ -14,9 +14,9 @@
 #include "ecx/transfer/agent.h"
 #include "transfer/memory.h"
 #include "transfer/serve_io.h"
-#include "transfer/socket.h"
 #include "transfer/stats_counters.h"
-#include "transfer/wire.h"
+#include "wire/socket.h"
+#include "wire/wire.h"
 
 namespace ecx::transfer {
 

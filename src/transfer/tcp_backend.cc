@@ -6,7 +6,7 @@
 
 #include "transfer/connection.h"
 #include "transfer/memory.h"
-#include "transfer/wire.h"
+#include "wire/wire.h"
 
 namespace ecx::transfer {
 namespace {

@@ -17,9 +17,9 @@
 #include "ecx/transfer/agent.h"
 #include "transfer/data_path.h"
 #include "transfer/read_digests.h"
-#include "transfer/socket.h"
 #include "transfer/stats_counters.h"
 #include "transfer/transfer_state.h"
+#include "wire/socket.h"
 
 namespace ecx::transfer {
 

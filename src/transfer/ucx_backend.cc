@@ -10,9 +10,9 @@
 #include "ecx/common/bytes.h"
 #include "ecx/common/log.h"
 #include "transfer/memory.h"
-#include "transfer/socket.h"
 #include "transfer/ucx_data_path.h"
 #include "transfer/ucx_worker.h"
+#include "wire/socket.h"
 
 namespace ecx::transfer {
 

@@ -7,8 +7,8 @@
 
 #include "ecx/cache/encoder_cache_pool.h"
 #include "ecx/common/checksum.h"
+#include "ecx/transfer/cuda_memory.h"
 #include "support/peer_process.h"
-#include "transfer/cuda_memory.h"
 
 namespace ecx::cache {
 namespace {

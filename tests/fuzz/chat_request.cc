@@ -1,4 +1,4 @@
-// Fuzz target: parse_chat_request (src/serve/openai_request.h), the proxy's and PD's parser
+// Fuzz target: parse_chat_request (src/openai/openai_request.h), the proxy's and PD's parser
 // of an OpenAI chat completion body, with the default CommonServiceConfig (no local files).
 // Invariants: it never throws; an error is a 400 or 413 with a message; an accepted
 // request is within the configured limits, and its parts line up with the raw JSON the
@@ -11,7 +11,7 @@
 #include "ecx/common/json_reader.h"
 #include "ecx/serve/services.h"
 #include "fuzz/fuzz_target.h"
-#include "serve/openai_request.h"
+#include "openai/openai_request.h"
 
 namespace {
 

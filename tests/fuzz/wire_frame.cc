@@ -15,8 +15,8 @@
 
 #include "ecx/transfer/metadata.h"
 #include "fuzz/fuzz_target.h"
-#include "transfer/socket.h"
-#include "transfer/wire.h"
+#include "wire/socket.h"
+#include "wire/wire.h"
 
 namespace {
 

@@ -22,7 +22,7 @@
 
 #include "ecx/engine/image.h"
 #include "ecx/serve/services.h"
-#include "serve/http_server.h"
+#include "http_server/http_server.h"
 #include "support/poll.h"
 #include "support/sanitizer.h"
 #include "support/service_process.h"

@@ -2,7 +2,7 @@
 // loopback: answers and pooled connections, a connection the upstream closed while
 // idle, refused and silent upstreams, streamed bodies paused and resumed, bodies over
 // the limit, a receiver that stops, and peers that answer garbage or hang up. Also the
-// server's async routes (serve/http_server.h): FIFO slots, admission, and a reply that
+// server's async routes (http_server/http_server.h): FIFO slots, admission, and a reply that
 // is dropped without an answer.
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
@@ -20,7 +20,7 @@
 #include <thread>
 
 #include "http/http_client.h"
-#include "serve/http_server.h"
+#include "http_server/http_server.h"
 #include "support/gate.h"
 #include "support/poll.h"
 #include "support/service_metrics.h"

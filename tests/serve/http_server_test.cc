@@ -1,4 +1,4 @@
-// The services' HTTP layer (serve/http_server.h) in-process, over real loopback HTTP:
+// The services' HTTP layer (http_server/http_server.h) in-process, over real loopback HTTP:
 // health answers while the work queue is full, admission control, FIFO order, a client
 // that leaves mid-stream is noticed, stop() still answers what it admitted, connections
 // past --max-connections get /health but 503 for work, running out of file descriptors
@@ -24,7 +24,7 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
-#include "serve/http_server.h"
+#include "http_server/http_server.h"
 #include "support/gate.h"
 #include "support/poll.h"
 #include "support/sanitizer.h"

@@ -17,7 +17,7 @@
 #include "ecx/directory/instance.h"
 #include "ecx/engine/image.h"
 #include "ecx/serve/services.h"
-#include "serve/http_server.h"
+#include "http_server/http_server.h"
 #include "support/etcd_events.h"
 #include "support/poll.h"
 #include "support/service_process.h"

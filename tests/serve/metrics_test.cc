@@ -1,8 +1,8 @@
-#include "serve/metrics.h"
+#include "http_server/metrics.h"
 
 #include <gtest/gtest.h>
 
-#include "serve/metric_families.h"
+#include "http_server/metric_families.h"
 
 namespace ecx::serve {
 namespace {

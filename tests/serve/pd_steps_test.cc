@@ -8,7 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "ecx/engine/image.h"
-#include "serve/openai_request.h"
+#include "openai/openai_request.h"
 
 namespace ecx::serve {
 namespace {

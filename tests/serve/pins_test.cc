@@ -14,7 +14,7 @@
 
 #include "ecx/engine/image.h"
 #include "ecx/serve/services.h"
-#include "serve/http_server.h"
+#include "http_server/http_server.h"
 #include "support/service_metrics.h"
 #include "support/stack_secret.h"
 

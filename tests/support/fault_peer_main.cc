@@ -8,8 +8,8 @@
 #include <CLI/CLI.hpp>
 
 #include "transfer/serve_io.h"
-#include "transfer/socket.h"
 #include "transfer_peer.h"
+#include "wire/socket.h"
 
 namespace {
 

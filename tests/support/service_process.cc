@@ -6,7 +6,7 @@
 
 #include "ecx/engine/image.h"
 #include "ecx/serve/services.h"
-#include "serve/http_server.h"
+#include "http_server/http_server.h"
 
 namespace ecx::testing {
 

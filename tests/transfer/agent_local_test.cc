@@ -19,7 +19,7 @@
 #include "support/poll.h"
 #include "transfer/read_digests.h"
 #include "transfer/tcp_backend.h"
-#include "transfer/wire.h"
+#include "wire/wire.h"
 
 namespace ecx::transfer {
 namespace {

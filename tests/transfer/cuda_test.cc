@@ -9,8 +9,8 @@
 
 #include "ecx/common/checksum.h"
 #include "ecx/transfer/agent.h"
+#include "ecx/transfer/cuda_memory.h"
 #include "support/peer_process.h"
-#include "transfer/cuda_memory.h"
 
 namespace ecx::transfer {
 namespace {

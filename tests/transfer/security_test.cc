@@ -22,8 +22,8 @@
 #include "support/peer_process.h"
 #include "transfer/connection.h"
 #include "transfer/memory.h"
-#include "transfer/socket.h"
-#include "transfer/wire.h"
+#include "wire/socket.h"
+#include "wire/wire.h"
 
 namespace ecx::transfer {
 namespace {

@@ -8,8 +8,8 @@
 #include "ecx/transfer/agent.h"
 #include "support/peer_process.h"
 #include "transfer/connection.h"
-#include "transfer/socket.h"
-#include "transfer/wire.h"
+#include "wire/socket.h"
+#include "wire/wire.h"
 
 namespace ecx::transfer {
 namespace {

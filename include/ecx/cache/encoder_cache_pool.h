@@ -138,6 +138,9 @@ class EncoderCachePool {
   // itself, nor another agent's.
   Result<Pin> pin_for_bearer(const MmHash& mm_hash, const std::string& quota_holder,
                              std::optional<std::chrono::milliseconds> lease = std::nullopt);
+  // The quota holder for params `agent` asks this pool's owner for (pin_for_bearer): each
+  // such agent has the params' quota, counted apart from the others'.
+  static std::string params_quota_holder(const std::string& agent);
   // The pin whose capability is `capability`, if it is a live pin of `mm_hash`: how a
   // peer proves it was handed an entry before it may look it up by key.
   Result<Pin> pin_of_capability(const MmHash& mm_hash, const transfer::Capability& capability);

@@ -1,5 +1,5 @@
 // What a service's handlers see of HTTP: one request, one response, and for a streamed
-// answer (SSE) a writer. The server (serve/http_server.h) fills the request, runs the
+// answer (SSE) a writer. The server (http_server/http_server.h) fills the request, runs the
 // handler and sends what it left in the response.
 #pragma once
 

@@ -1,4 +1,4 @@
-#include "serve/request_queue.h"
+#include "http_server/request_queue.h"
 
 #include <algorithm>
 #include <atomic>

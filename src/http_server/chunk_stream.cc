@@ -1,4 +1,4 @@
-#include "serve/chunk_stream.h"
+#include "http_server/chunk_stream.h"
 
 namespace ecx::serve {
 

@@ -18,7 +18,7 @@
 #include "ecx/common/deadline.h"
 #include "ecx/common/status.h"
 #include "ecx/transfer/types.h"
-#include "transfer/socket.h"
+#include "wire/socket.h"
 
 namespace ecx::transfer {
 

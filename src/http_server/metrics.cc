@@ -1,10 +1,10 @@
-#include "serve/metrics.h"
+#include "http_server/metrics.h"
 
 #include <algorithm>
 #include <cassert>
 #include <charconv>
 
-#include "serve/metric_families.h"
+#include "http_server/metric_families.h"
 
 namespace ecx::serve {
 namespace {

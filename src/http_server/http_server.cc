@@ -1,4 +1,4 @@
-#include "serve/http_server.h"
+#include "http_server/http_server.h"
 
 #include <malloc.h>
 #include <signal.h>
@@ -21,8 +21,8 @@
 
 #include "ecx/common/json_reader.h"
 #include "ecx/common/log.h"
-#include "serve/http_connection.h"
-#include "serve/metric_families.h"
+#include "http_server/http_connection.h"
+#include "http_server/metric_families.h"
 
 namespace ecx::serve {
 
@@ -50,10 +50,6 @@ void send_error(HttpResponse& res, int http_status, const std::string& type,
   res.set_content(
       safe_dump(json{{"error", {{"message", message}, {"type", type}, {"code", http_status}}}}),
       "application/json");
-}
-
-void send_error(HttpResponse& res, const RequestError& error) {
-  send_error(res, error.http_status, error.type, error.message);
 }
 
 int http_status_for(const Status& s) {

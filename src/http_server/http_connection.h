@@ -1,5 +1,5 @@
-// Inside serve/http_server: what the server shares with its connections, and the
-// connection itself (one per accepted socket, living on its strand). Not for services.
+// Inside the HTTP server (http_server/http_server.h): what the server shares with its connections,
+// and the connection itself (one per accepted socket, living on its strand). Not for services.
 #pragma once
 
 #include <atomic>
@@ -18,8 +18,8 @@
 #include "ecx/common/deadline.h"
 #include "ecx/common/mutex.h"
 #include "ecx/serve/services.h"
-#include "serve/http_types.h"
-#include "serve/request_queue.h"
+#include "http_server/http_types.h"
+#include "http_server/request_queue.h"
 
 namespace ecx::serve {
 

@@ -1,4 +1,4 @@
-#include "transfer/wire.h"
+#include "wire/wire.h"
 
 #include <sys/socket.h>
 #include <sys/uio.h>

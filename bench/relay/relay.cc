@@ -30,7 +30,7 @@
 #include "delay_line.h"
 
 #include "ecx/common/log.h"
-#include "transfer/socket.h"
+#include "wire/socket.h"
 
 namespace ecx::relay {
 namespace {

@@ -4,7 +4,7 @@
 
 #include <array>
 
-#include "serve/metrics.h"
+#include "http_server/metrics.h"
 
 namespace ecx::serve::metric {
 

@@ -1,4 +1,4 @@
-#include "serve/openai_request.h"
+#include "openai/openai_request.h"
 
 #include <algorithm>
 #include <filesystem>

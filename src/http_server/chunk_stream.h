@@ -1,6 +1,6 @@
 // A streamed answer's body on its way from whoever produces it (a worker thread, or an
 // async route's callbacks) to the connection's strand, which writes it to the socket.
-// Inside serve/http_server, like serve/http_connection.h.
+// Inside the HTTP server (http_server/http_server.h), like http_server/http_connection.h.
 #pragma once
 
 #include <chrono>
@@ -10,7 +10,7 @@
 #include <string_view>
 
 #include "ecx/common/mutex.h"
-#include "serve/http_types.h"
+#include "http_server/http_types.h"
 
 namespace ecx::serve {
 

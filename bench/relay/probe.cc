@@ -11,7 +11,7 @@
 
 #include "ecx/common/log.h"
 #include "relay.h"
-#include "transfer/socket.h"
+#include "wire/socket.h"
 
 namespace ecx::relay {
 namespace {

@@ -1,4 +1,4 @@
-#include "transfer/socket.h"
+#include "wire/socket.h"
 
 #include <arpa/inet.h>
 #include <fcntl.h>

@@ -6,7 +6,7 @@
 // Two kinds of route:
 //   fast  answered on an I/O thread, ahead of any queued work (/health, /metrics,
 //         /v1/models): the handler must not block.
-//   work  queued in the service's one FIFO (serve/request_queue.h) and run by a worker
+//   work  queued in the service's one FIFO (http_server/request_queue.h) and run by a worker
 //         thread; past --max-queued waiting requests, an immediate 503 with Retry-After.
 //   async queued the same way, but run on an I/O thread without blocking it: the handler
 //         answers later through an AsyncReply (the proxy's, which waits on the network).
@@ -23,21 +23,13 @@
 
 #include "ecx/common/status.h"
 #include "ecx/serve/services.h"
-#include "serve/http_types.h"
+#include "http_server/http_types.h"
 
 namespace ecx::serve {
-
-// An error to answer a request with: the HTTP status, the OpenAI error type, a message.
-struct RequestError {
-  int http_status;
-  std::string type;
-  std::string message;
-};
 
 // {"error":{"message","type","code"}} with the status.
 void send_error(HttpResponse& res, int http_status, const std::string& type,
                 const std::string& message);
-void send_error(HttpResponse& res, const RequestError& error);
 // Maps a Status to an HTTP status: invalid_argument 400, resource_exhausted 413,
 // not_found 404, deadline 504, unavailable 502, others 500.
 int http_status_for(const Status& s);
@@ -49,7 +41,7 @@ struct HealthReport {
   nlohmann::json body;  // {"status", "role", ...}
 };
 
-struct ServerState;  // serve/http_connection.h
+struct ServerState;  // http_server/http_connection.h
 
 // What a service does around serve_until_signal: once it listens (on the port it got;
 // before the listening line is printed), and once a signal asks it to stop, before it

@@ -11,9 +11,15 @@
 
 #include "ecx/engine/image.h"
 #include "ecx/serve/services.h"
-#include "serve/http_server.h"
 
 namespace ecx::serve {
+
+// An error to answer a request with: the HTTP status, the OpenAI error type, a message.
+struct RequestError {
+  int http_status;
+  std::string type;
+  std::string message;
+};
 
 struct ContentPart {
   // kText: text (under PartPolicy::kVllm also input_text, output_text and refusal).

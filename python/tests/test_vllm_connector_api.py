@@ -232,6 +232,36 @@ def test_the_metrics_exporter_holds_few_threads_and_a_taken_port_is_not_fatal():
     exporter.close()
 
 
+def test_the_exporter_renders_the_agents_transfer_times_as_one_histogram_per_op():
+    """A real connector's stats after a READ over tcp: the reader's transfer times are a
+    histogram (cumulative buckets, +Inf, sum, count) with HELP and TYPE once; the
+    producer, which read nothing, has no such series."""
+    import json
+
+    import numpy as np
+
+    from ecx.vllm._metrics import _prometheus_text
+
+    engine = f"e-hist-{os.getpid()}"
+    producer = ecx.Connector(json.dumps({"connector": "p2p", "role": "producer", "extra": {
+        "engine_id": engine, "pool_bytes": "8MiB", "backend": "tcp"}}))
+    consumer = ecx.Connector(json.dumps({"connector": "p2p", "role": "consumer", "extra": {
+        "engine_id": f"pd-hist-{os.getpid()}", "pool_bytes": "8MiB", "backend": "tcp"}}))
+    params = producer.save("hist-item", "BF16", [16, 64], np.ones(16 * 64 * 2, dtype=np.uint8))
+    outcome = consumer.load("r-hist", [("hist-item", "BF16", [16, 64], params)], 20000)
+    assert outcome["ok"], outcome
+    consumer.request_finished("r-hist")
+    text = _prometheus_text(consumer.stats(), "pd")
+    name = "ecx_vllm_transfer_seconds"
+    assert text.count(f"# TYPE {name} histogram") == 1, text
+    assert f'{name}_count{{process="pd",op="read"}} 1' in text, text
+    assert f'{name}_bucket{{process="pd",op="read",le="+Inf"}} 1' in text, text
+    buckets = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(f'{name}_bucket{{process="pd",op="read"')]
+    assert buckets == sorted(buckets) and buckets[-1] == 1, buckets
+    assert name not in _prometheus_text(producer.stats(), "e")
+
+
 def test_a_rendezvous_folder_another_user_could_swap_is_refused(tmp_path, monkeypatch):
     from ecx.vllm._common import Rendezvous, default_rendezvous_dir
 

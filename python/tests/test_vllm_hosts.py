@@ -197,6 +197,9 @@ def test_across_hosts_both_proxies_serve_with_items_loaded_from_the_other_host(
     assert pd.encoder_iterations() == 0, "PD ran its encoder"
     # 1 + 2 + 3 images (ecx's proxy), 1 + 2 (vLLM's): each read from E's host.
     wait_until(lambda: loads(pd) >= before + 9, 30, "PD counted 9 loads")
+    # Each READ across hosts was timed by the agent that issued it: PD's scheduler.
+    reads = metric(pd.metrics(pd.metrics_port), "ecx_vllm_transfer_seconds_count", op="read")
+    assert reads >= 5, f"{reads} timed reads (one per request at least)"
     pins_settle(e)
 
 

@@ -55,6 +55,7 @@ class P2pDriver final : public ConnectorDriver {
       transfer::AgentStats a = agent->stats();
       s.transfer_connects = a.connects_by_backend;
       s.peer_failures = a.peer_failures;
+      s.transfer_seconds = {{"read", a.read_seconds}, {"write", a.write_seconds}};
     }
   }
 

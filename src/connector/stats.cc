@@ -44,6 +44,13 @@ json to_json(const ConnectorStats& s) {
             {"params_rejected", s.params_rejected},
             {"transfer_connects", s.transfer_connects},
             {"peer_failures", s.peer_failures}};
+  for (const auto& [op, h] : s.transfer_seconds) {
+    if (h.count == 0) continue;
+    j["transfer_seconds"][op] = {{"bounds", h.bounds},
+                                 {"cumulative", h.cumulative},
+                                 {"sum", h.sum_seconds},
+                                 {"count", h.count}};
+  }
   if (s.consumer_cache) j["consumer_cache"] = to_json(*s.consumer_cache);
   if (s.producer_pool) j["producer_pool"] = to_json(*s.producer_pool);
   if (s.disk) {

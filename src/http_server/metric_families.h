@@ -76,6 +76,12 @@ inline constexpr MetricFamily kEcParamsRejected{
 // Both roles.
 inline constexpr MetricFamily kTransferConnects{"ecx_transfer_connects_total", kCounter,
                                                 "connections opened to peers, by backend"};
+// The agent's batches (ecx/transfer/types.h LatencyHistogram): its buckets are these.
+inline constexpr auto kTransferBuckets = transfer::kLatencyBounds;
+inline constexpr MetricFamily kTransferSeconds{
+    "ecx_transfer_seconds", kHistogram,
+    "seconds from a transfer batch's submission to its end (moved or failed), by op",
+    kTransferBuckets};
 
 // Proxy.
 inline constexpr MetricFamily kProxyRequests{"ecx_proxy_requests_total", kCounter,

@@ -102,6 +102,21 @@ void Metrics::observe(const MetricFamily& family, double value, const Labels& la
   s.count++;
 }
 
+void Metrics::set_histogram(const MetricFamily& family, const transfer::LatencyHistogram& h,
+                            const Labels& labels) {
+  assert(family.type == MetricType::kHistogram);
+  assert(
+      std::equal(h.bounds.begin(), h.bounds.end(), family.buckets.begin(), family.buckets.end()));
+  std::string key = label_text(labels);
+  MutexLock lock(&mu_);
+  Series& s = series_locked(family, std::move(key));
+  for (size_t i = 0; i < s.buckets.size() && i < h.cumulative.size(); ++i) {
+    s.buckets[i] = h.cumulative[i];
+  }
+  s.sum = h.sum_seconds;
+  s.count = h.count;
+}
+
 std::string Metrics::render() const {
   MutexLock lock(&mu_);
   std::string out;
@@ -148,6 +163,9 @@ void set_pool_metrics(const PoolFamilies& f, const cache::PoolStats& pool, Metri
 void set_connect_metrics(const connector::ConnectorStats& stats, Metrics& metrics) {
   for (const auto& [backend, n] : stats.transfer_connects) {
     metrics.set(metric::kTransferConnects, static_cast<double>(n), {{"backend", backend}});
+  }
+  for (const auto& [op, h] : stats.transfer_seconds) {
+    if (h.count != 0) metrics.set_histogram(metric::kTransferSeconds, h, {{"op", op}});
   }
 }
 

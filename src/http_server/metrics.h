@@ -39,6 +39,10 @@ class Metrics {
   // Histograms: one observation, counted in its bucket, _sum and _count.
   void observe(const MetricFamily& family, double value, const Labels& labels = {})
       ECX_EXCLUDES(mu_);
+  // Histograms kept elsewhere (an agent's transfers): the counts now. `h`'s bounds must
+  // be the family's.
+  void set_histogram(const MetricFamily& family, const transfer::LatencyHistogram& h,
+                     const Labels& labels = {}) ECX_EXCLUDES(mu_);
   // Every family with a series: HELP and TYPE once, then its series.
   std::string render() const ECX_EXCLUDES(mu_);
 
@@ -60,6 +64,8 @@ class Metrics {
   std::map<std::string_view, Family> families_ ECX_GUARDED_BY(mu_);
 };
 
+// E and PD: the agent's connections (ecx_transfer_connects_total{backend}) and batches
+// (ecx_transfer_seconds{op}) come with the figures below.
 // E: the producer pool as ecx_pool_{capacity_bytes,used_bytes,entries,pins,evictions}.
 void set_producer_metrics(const connector::ConnectorStats& stats, Metrics& metrics);
 // PD: the consumer cache as ecx_cache_*, failed item loads as ecx_ec_nacks{code}, and

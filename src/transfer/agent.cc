@@ -220,7 +220,9 @@ std::function<Status(const Status&)> AgentImpl::transfer_finalizer(
     std::optional<std::string> notification) {
   std::weak_ptr<ControlChannel> weak = control;
   StatsCounters* stats = &stats_;
-  return [weak, stats, total, write, notification = std::move(notification)](const Status& s) {
+  const auto submitted = std::chrono::steady_clock::now();
+  return [weak, stats, total, write, submitted,
+          notification = std::move(notification)](const Status& s) {
     Status result = s;
     if (result.ok() && notification) {
       if (auto control = weak.lock()) {
@@ -235,6 +237,8 @@ std::function<Status(const Status&)> AgentImpl::transfer_finalizer(
     } else {
       stats->transfers_failed++;
     }
+    (write ? stats->write_seconds : stats->read_seconds)
+        .observe(std::chrono::steady_clock::now() - submitted);
     return result;
   };
 }

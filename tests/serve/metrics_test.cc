@@ -29,6 +29,28 @@ TEST(MetricsTest, AHistogramHasCumulativeBucketsSumAndCount) {
   EXPECT_TRUE(has_line(text, "ecx_ec_load_seconds_count 4")) << text;
 }
 
+// An agent keeps its transfers' histogram itself; the service renders its counts as they
+// are, per op, and renders no op that moved nothing.
+TEST(MetricsTest, AnAgentsTransferHistogramIsRenderedAsItKeepsIt) {
+  transfer::LatencyHistogram reads;
+  reads.bounds.assign(transfer::kLatencyBounds.begin(), transfer::kLatencyBounds.end());
+  for (double bound : reads.bounds) reads.cumulative.push_back(bound < 0.001 ? 1 : 2);
+  reads.sum_seconds = 0.0025;
+  reads.count = 3;  // one past the last bound
+  connector::ConnectorStats stats;
+  stats.transfer_seconds = {{"read", reads}, {"write", transfer::LatencyHistogram{}}};
+  Metrics m;
+  set_consumer_metrics(stats, m);
+  std::string text = m.render();
+  EXPECT_TRUE(has_line(text, "# TYPE ecx_transfer_seconds histogram")) << text;
+  EXPECT_TRUE(has_line(text, "ecx_transfer_seconds_bucket{op=\"read\",le=\"5e-05\"} 1")) << text;
+  EXPECT_TRUE(has_line(text, "ecx_transfer_seconds_bucket{op=\"read\",le=\"0.001\"} 2")) << text;
+  EXPECT_TRUE(has_line(text, "ecx_transfer_seconds_bucket{op=\"read\",le=\"+Inf\"} 3")) << text;
+  EXPECT_TRUE(has_line(text, "ecx_transfer_seconds_sum{op=\"read\"} 0.0025")) << text;
+  EXPECT_TRUE(has_line(text, "ecx_transfer_seconds_count{op=\"read\"} 3")) << text;
+  EXPECT_EQ(text.find("op=\"write\""), std::string::npos) << text;
+}
+
 TEST(MetricsTest, EachFamilyHasOneHelpAndTypeAndItsSeriesByLabels) {
   Metrics m;
   m.add(metric::kProxyFailures, 1, {{"reason", "no_pd"}});

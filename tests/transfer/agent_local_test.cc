@@ -91,6 +91,29 @@ TEST_P(AgentLocalTest, BatchedReadLandsEveryItemInPlace) {
   EXPECT_EQ(consumer_->stats().bytes_read, local);
 }
 
+// Each batch's time, from submission to its end, lands in one bucket of the reader's
+// histogram for its direction: the batch above is one read, no write.
+TEST_P(AgentLocalTest, EachBatchIsTimedInItsDirectionsHistogram) {
+  for (int i = 0; i < 3; ++i) {
+    Status s = read({{dst_.data(), src_.id, 4096, 64 << 10}});
+    ASSERT_TRUE(s.ok()) << s.to_string();
+  }
+  AgentStats stats = consumer_->stats();
+  const LatencyHistogram& reads = stats.read_seconds;
+  EXPECT_EQ(reads.count, 3u);
+  EXPECT_EQ(stats.write_seconds.count, 0u);
+  ASSERT_EQ(reads.bounds.size(), kLatencyBounds.size());
+  ASSERT_EQ(reads.cumulative.size(), kLatencyBounds.size());
+  EXPECT_TRUE(std::is_sorted(reads.cumulative.begin(), reads.cumulative.end()));
+  EXPECT_LE(reads.cumulative.back(), reads.count);
+  EXPECT_GT(reads.sum_seconds, 0.0);
+  // Each batch's time is at most the whole sum, so its bucket is at or under the sum's.
+  const auto at_sum = std::lower_bound(reads.bounds.begin(), reads.bounds.end(), reads.sum_seconds);
+  if (at_sum != reads.bounds.end()) {
+    EXPECT_EQ(reads.cumulative[at_sum - reads.bounds.begin()], 3u);
+  }
+}
+
 // A READ may ask for the checksum of each item's payload (past a header): tcp hashes the
 // bytes as they land, an item cut across its two streams included; the other backends
 // leave it to the caller (nullopt), never a wrong value.

@@ -137,6 +137,8 @@ struct ConnectorStats {
   // p2p: peers that died while connected to this side's agent (their process ended or
   // their connection broke).
   uint64_t peer_failures = 0;
+  // The agent's batches, by direction ("read", "write"): seconds from submission to end.
+  std::map<std::string, transfer::LatencyHistogram> transfer_seconds;
   std::optional<cache::PoolStats> consumer_cache;  // consumers
   std::optional<cache::PoolStats> producer_pool;   // p2p producers
   struct Disk {

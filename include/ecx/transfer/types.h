@@ -6,6 +6,7 @@
 #include <map>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "ecx/common/status.h"
 
@@ -72,6 +73,21 @@ struct Notification {
   std::string message;
 };
 
+// The bounds of an agent's latency buckets, seconds: 50 us (a same-host copy of a small
+// item) to 10 s (a stalled peer's deadline).
+inline constexpr std::array<double, 17> kLatencyBounds = {
+    50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3,
+    50e-3, 100e-3, 250e-3, 500e-3, 1,    2.5,    5,    10};
+
+// Latencies in fixed buckets (kLatencyBounds), as Prometheus counts them: observations at or under
+// each bound (cumulative; +Inf is `count`), their sum and their count.
+struct LatencyHistogram {
+  std::vector<double> bounds;        // seconds, ascending
+  std::vector<uint64_t> cumulative;  // one per bound
+  double sum_seconds = 0;
+  uint64_t count = 0;
+};
+
 struct AgentStats {
   uint64_t bytes_read = 0;     // by this agent, from peers
   uint64_t bytes_written = 0;  // by this agent, to peers
@@ -86,6 +102,9 @@ struct AgentStats {
   uint64_t notifications_received = 0;
   // Connections this agent opened to peers, by the backend chosen ("shm", "tcp", "ucx").
   std::map<std::string, uint64_t> connects_by_backend;
+  // Seconds from a batch's submission to its end (moved, or failed), by direction.
+  LatencyHistogram read_seconds;
+  LatencyHistogram write_seconds;
 };
 
 }  // namespace ecx::transfer

@@ -208,10 +208,27 @@ _STAT_TYPES: dict[str, tuple[str, str]] = {
 _LABELED = ("nacks", "transfer_connects")  # {key: n}: one series per key
 
 
+def _histogram_series(name: str, labels: str, h: dict[str, Any]) -> list[str]:
+    """One histogram's series as the agent keeps it ({bounds, cumulative, sum, count})."""
+    lines = [f'{name}_bucket{{{labels},le="{bound:g}"}} {n}'
+             for bound, n in zip(h["bounds"], h["cumulative"])]
+    return [*lines, f'{name}_bucket{{{labels},le="+Inf"}} {h["count"]}',
+            f"{name}_sum{{{labels}}} {h['sum']}", f"{name}_count{{{labels}}} {h['count']}"]
+
+
 def _prometheus_text(stats: dict[str, Any], process: str) -> str:
     """ecx's connector stats (EcConnector.stats()) as Prometheus text: one family per
-    number, with HELP and TYPE; counters named with "_total"."""
+    number, with HELP and TYPE; counters named with "_total"; the agent's transfer times
+    (transfer_seconds, by op) a histogram, as the C++ services export them."""
     families: dict[str, tuple[str, str, list[str]]] = {}
+    stats = dict(stats)
+    transfer_seconds = stats.pop("transfer_seconds", None) or {}
+    if transfer_seconds:
+        name = "ecx_vllm_transfer_seconds"
+        series = [line for op, h in sorted(transfer_seconds.items())
+                  for line in _histogram_series(name, f'process="{process}",op="{op}"', h)]
+        families[name] = ("histogram", "seconds from a transfer batch's submission to its "
+                          "end (moved or failed), by op", series)
 
     def add(path: str, leaf: str, value: float, labels: str) -> None:
         kind, help_text = _STAT_TYPES.get(leaf, ("untyped", f"ecx connector stat {leaf}"))

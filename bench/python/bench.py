@@ -80,7 +80,7 @@ def python_p50_us(exe: str, items: int, requests: int) -> float:
                 seed = 1000003 * r + i
                 saved = producer.command(f"save {mm_hash} {seed} BF16 {shape[0]},{shape[1]}")
                 # Parsed before the timed load, as the C++ benchmark does.
-                batch.append((mm_hash, "BF16", shape, ecx.TransferParams.from_json(saved)))
+                batch.append(ecx.Item(mm_hash, "BF16", shape, ecx.TransferParams.from_json(saved)))
                 seeds.append(seed)
             request_id = f"pybench-{r}"
             t0 = time.perf_counter_ns()
@@ -88,10 +88,10 @@ def python_p50_us(exe: str, items: int, requests: int) -> float:
             elapsed = time.perf_counter_ns() - t0
             if not outcome["ok"]:
                 raise RuntimeError(f"load failed: {outcome['code']} {outcome['message']}")
-            for (mm_hash, *_), seed in zip(batch, seeds):
+            for item, seed in zip(batch, seeds):
                 fill_pattern(expected, seed)
-                if not np.array_equal(consumer.loaded(request_id, mm_hash), expected):
-                    raise RuntimeError(f"wrong bytes for {mm_hash}")
+                if not np.array_equal(consumer.loaded(request_id, item.mm_hash), expected):
+                    raise RuntimeError(f"wrong bytes for {item.mm_hash}")
             consumer.request_finished(request_id)
             if r >= WARMUP:
                 samples.append(elapsed / 1000)

@@ -86,7 +86,7 @@ def test_bad_config_and_params_raise_naming_the_key():
     consumer = ecx.Connector(json.dumps({"connector": "p2p", "role": "consumer"}))
     bad = {"connector": "p2p", "mm_hash": "h", "dtype": "BF16", "shape": [2], "offset": "x"}
     with pytest.raises(ecx.Error) as err:
-        consumer.load("r", [("h", "BF16", [2], json.dumps(bad))], 1000)
+        consumer.load("r", [ecx.Item("h", "BF16", [2], json.dumps(bad))], 1000)
     assert "'offset'" in err.value.message
 
 
@@ -125,7 +125,7 @@ def test_round_trip_between_processes_is_bit_exact_and_zero_copy(producer_proces
         mm_hash = f"pkg-item-{os.getpid()}-{i}"
         params = command(f"save {mm_hash} {dtype} {','.join(map(str, shape))} {100 + i}")
         assert "error" not in json.loads(params), params
-        items.append((mm_hash, dtype, shape, params))
+        items.append(ecx.Item(mm_hash, dtype, shape, params))
         nbytes = int(np.prod(shape)) * (2 if dtype == "BF16" else 1)
         expected[mm_hash] = payload(100 + i, nbytes)
     outcome = consumer.load("req-1", items, 30000)
@@ -146,6 +146,40 @@ def test_round_trip_between_processes_is_bit_exact_and_zero_copy(producer_proces
         threading.Event().wait(0.05)
         stats = json.loads(command("stats"))
     assert stats["producer_pool"]["pins"] == 0
+
+
+def test_an_item_is_checked_when_made_and_a_load_block_ends_its_request_on_any_exit():
+    """ecx.Item refuses a bad dtype or shape when it is made (not deep in a load); a
+    request loaded in an ecx.load block gives its producer's pins back when the block is
+    left by an exception, with no call of the caller's and no garbage collection."""
+    with pytest.raises(ecx.Error) as err:
+        ecx.Item("k", "BF17", [2])
+    assert err.value.code == "invalid_argument", err.value.message
+    with pytest.raises(ecx.Error):
+        ecx.Item("k", "BF16", [-2])
+    item = ecx.Item("k", "BF16", [4, 8])
+    assert (item.mm_hash, item.dtype, item.shape, item.params) == ("k", "BF16", [4, 8], None)
+
+    engine = f"e-item-{os.getpid()}"
+    producer = ecx.Connector(json.dumps({"connector": "p2p", "role": "producer", "extra": {
+        "engine_id": engine, "pool_bytes": "8MiB"}}))
+    consumer = ecx.Connector(json.dumps({"connector": "p2p", "role": "consumer", "extra": {
+        "engine_id": f"pd-item-{os.getpid()}", "pool_bytes": "8MiB"}}))
+    params = producer.save("item-a", "U8", [4096], payload(5, 4096))
+    pins = lambda: producer.stats()["producer_pool"]["pins"]  # noqa: E731
+    assert pins() == 1  # the params' pin, until the reader is done
+    with pytest.raises(RuntimeError, match="the caller's own failure"):
+        with ecx.load(consumer, "r-item", [ecx.Item("item-a", "U8", [4096], params)],
+                      30000) as outcome:
+            assert outcome["ok"], outcome
+            assert np.array_equal(consumer.loaded("r-item", "item-a"), payload(5, 4096))
+            raise RuntimeError("the caller's own failure")
+    for _ in range(100):  # the release travels asynchronously
+        if pins() == 0:
+            break
+        threading.Event().wait(0.05)
+    assert pins() == 0
+    assert consumer.stats()["consumer_cache"]["pins"] == 0
 
 
 def test_an_encoder_cache_pool_hands_out_its_blocks_without_a_copy():
@@ -182,7 +216,7 @@ def test_zero_copy_load_hands_out_the_producers_block_read_only(producer_process
     mm_hash = f"pkg-zc-{os.getpid()}"
     params = command(f"save {mm_hash} BF16 400,2048 7")
     assert "error" not in json.loads(params), params
-    outcome = consumer.load("req-zc", [(mm_hash, "BF16", [400, 2048], params)], 30000)
+    outcome = consumer.load("req-zc", [ecx.Item(mm_hash, "BF16", [400, 2048], params)], 30000)
     assert outcome["ok"], outcome
     got = consumer.loaded("req-zc", mm_hash)
     assert np.array_equal(got, payload(7, 400 * 2048 * 2))
@@ -402,7 +436,7 @@ elif case == "zero_copy_producer_gone":
     consumer = ecx.Connector(json.dumps({"connector": "p2p", "role": "consumer", "extra": {
         "engine_id": "misuse-pd", "pool_bytes": "16MiB", "auth_token": token,
         "zero_copy": True, "keep_loaded": False}}))
-    outcome = consumer.load("r", [("misuse-item", "U8", [4096], params)], 30000)
+    outcome = consumer.load("r", [ecx.Item("misuse-item", "U8", [4096], params)], 30000)
     assert outcome["ok"], outcome
     got = consumer.loaded("r", "misuse-item")
     consumer.request_finished("r")

@@ -248,9 +248,9 @@ def test_the_exporter_renders_the_agents_transfer_times_as_one_histogram_per_op(
     consumer = ecx.Connector(json.dumps({"connector": "p2p", "role": "consumer", "extra": {
         "engine_id": f"pd-hist-{os.getpid()}", "pool_bytes": "8MiB", "backend": "tcp"}}))
     params = producer.save("hist-item", "BF16", [16, 64], np.ones(16 * 64 * 2, dtype=np.uint8))
-    outcome = consumer.load("r-hist", [("hist-item", "BF16", [16, 64], params)], 20000)
-    assert outcome["ok"], outcome
-    consumer.request_finished("r-hist")
+    with ecx.load(consumer, "r-hist", [ecx.Item("hist-item", "BF16", [16, 64], params)],
+                  20000) as outcome:
+        assert outcome["ok"], outcome
     text = _prometheus_text(consumer.stats(), "pd")
     name = "ecx_vllm_transfer_seconds"
     assert text.count(f"# TYPE {name} histogram") == 1, text

@@ -27,10 +27,6 @@ using connector::LoadRequest;
 
 // Params as JSON text, or parsed once (TransferParams) ahead of a timed load.
 using ParamsArg = std::variant<connector::EcTransferParams, std::string>;
-// (mm_hash, dtype, shape, params or None)
-using ItemTuple =
-    std::tuple<std::string, std::string, std::vector<int64_t>, std::optional<ParamsArg>>;
-
 MmHash hash_of(const std::string& text) { return unwrap(MmHash::parse(text)); }
 
 TensorMeta meta_of(const std::string& dtype, const std::vector<int64_t>& shape) {
@@ -39,15 +35,24 @@ TensorMeta meta_of(const std::string& dtype, const std::vector<int64_t>& shape) 
   return meta;
 }
 
+// ecx.Item: one item a request names, checked when it is made: its key, the tensor its
+// encoder produced (dtype and shape) and, to load it, its params (JSON text, or
+// TransferParams parsed ahead of a timed load).
+struct PyItem {
+  MmHash mm_hash;
+  TensorMeta meta;
+  std::optional<ParamsArg> params;
+};
+
 connector::EcTransferParams params_of(const std::string& text) {
   auto j = unwrap(parse_json_object(text, "ec_transfer_params"));
   return unwrap(connector::EcTransferParams::from_json(j));
 }
 
-LoadRequest request_of(const std::string& request_id, const std::vector<ItemTuple>& items) {
+LoadRequest request_of(const std::string& request_id, const std::vector<PyItem>& items) {
   LoadRequest r{.request_id = request_id};
-  for (const auto& [hash, dtype, shape, params] : items) {
-    LoadItem item{hash_of(hash), meta_of(dtype, shape), std::nullopt};
+  for (const auto& [hash, meta, params] : items) {
+    LoadItem item{hash, meta, std::nullopt};
     if (params) {
       auto* parsed = std::get_if<connector::EcTransferParams>(&*params);
       item.params = parsed ? *parsed : params_of(std::get<std::string>(*params));
@@ -343,14 +348,14 @@ void bind_ending(nb::class_<PyConnector>& c);
 void bind_consumer(nb::class_<PyConnector>& c) {
   c.def(
        "has_caches",
-       [](PyConnector& c, const std::string& id, const std::vector<ItemTuple>& items) {
+       [](PyConnector& c, const std::string& id, const std::vector<PyItem>& items) {
          auto r = request_of(id, items);
          return released([&] { return c.get().has_caches(r); });
        },
        nb::arg("request_id"), nb::arg("items"))
       .def(
           "update_state_after_alloc",
-          [](PyConnector& c, const std::string& id, const std::vector<ItemTuple>& items,
+          [](PyConnector& c, const std::string& id, const std::vector<PyItem>& items,
              size_t index) {
             check(c.get().update_state_after_alloc(request_of(id, items), index));
           },
@@ -376,7 +381,7 @@ void bind_consumer_worker(nb::class_<PyConnector>& c) {
           nb::arg("request_id"), nb::arg("timeout_ms"))
       .def(
           "load",
-          [](PyConnector& c, const std::string& id, const std::vector<ItemTuple>& items,
+          [](PyConnector& c, const std::string& id, const std::vector<PyItem>& items,
              int64_t timeout_ms) {
             auto r = request_of(id, items);
             auto o = released([&] { return c.get().load(r, Deadline::after_ms(timeout_ms)); });
@@ -455,7 +460,7 @@ void bind_ending(nb::class_<PyConnector>& c) {
           "Ends the request's holds; while arrays from loaded() live, once the last is gone.")
       .def(
           "discard",
-          [](PyConnector& c, const std::string& id, const std::vector<ItemTuple>& items) {
+          [](PyConnector& c, const std::string& id, const std::vector<PyItem>& items) {
             c.get().discard(request_of(id, items));
           },
           nb::arg("request_id"), nb::arg("items"));
@@ -474,8 +479,36 @@ void bind_params(nb::module_& m) {
       .def_ro("engine_id", &connector::EcTransferParams::engine_id);
 }
 
+namespace {
+
+void bind_item(nb::module_& m) {
+  nb::class_<PyItem>(m, "Item",
+                     "One item of a request: its key (mm_hash), the tensor its encoder produced "
+                     "(dtype, shape) and, to load it, its ec_transfer_params (JSON text or "
+                     "TransferParams; None: looked up or computed). Checked when made: a bad "
+                     "key, dtype or shape raises ecx.Error ('invalid_argument').")
+      .def(
+          "__init__",
+          [](PyItem* self, const std::string& mm_hash, const std::string& dtype,
+             const std::vector<int64_t>& shape, std::optional<ParamsArg> params) {
+            new (self) PyItem{hash_of(mm_hash), meta_of(dtype, shape), std::move(params)};
+          },
+          nb::arg("mm_hash"), nb::arg("dtype"), nb::arg("shape"), nb::arg("params") = nb::none())
+      .def_prop_ro("mm_hash", [](const PyItem& i) { return i.mm_hash.str(); })
+      .def_prop_ro("dtype", [](const PyItem& i) { return std::string(dtype_name(i.meta.dtype)); })
+      .def_prop_ro("shape", [](const PyItem& i) { return i.meta.shape; })
+      .def_prop_ro("params", [](const PyItem& i) { return i.params; })
+      .def("__repr__", [](const PyItem& i) {
+        return "ecx.Item(" + i.mm_hash.str() + ", " + i.meta.to_string() +
+               (i.params ? ", with params)" : ")");
+      });
+}
+
+}  // namespace
+
 void bind_connector(nb::module_& m) {
   bind_params(m);
+  bind_item(m);
   nb::class_<connector::ConnectorMetadata>(m, "ConnectorMetadata",
                                            "The loads one scheduler step scheduled.")
       .def_prop_ro("num_loads",

@@ -166,8 +166,8 @@ class ConsumerScheduler:
             if ok:
                 loadable.append(item)
             else:  # ecx logged why (not signed by this deployment, not this item's params)
-                load.keys.pop(item[0])
-                load.failed[item[0]] = "untrusted_params"
+                load.keys.pop(item.mm_hash)
+                load.failed[item.mm_hash] = "untrusted_params"
                 self._counters.fail("untrusted_params")
         if load.failed and (self._config.policy == "fail" or not load.recomputable()):
             self._fail(rid, load)
@@ -184,9 +184,9 @@ class ConsumerScheduler:
         return load
 
     def _check(self, name: str, entry, feature):
-        """(None, None, item) for an item to load, item = (key, dtype, shape, params); else
-        (cause, message, item or None): item when its params were readable (so the pin they
-        hold at the encoder can be given back)."""
+        """(None, None, item) for an item to load (an ecx.Item: its key, dtype, shape and
+        params); else (cause, message, item or None): item when its params were readable
+        (so the pin they hold at the encoder can be given back)."""
         if is_counter_name(name):
             return ("identity", "named by arrival order (renderer counter), not by content: "
                     "its embedding could be another image's", None)
@@ -197,9 +197,9 @@ class ConsumerScheduler:
             params = ecx.TransferParams.from_json(
                 json.dumps({k: v for k, v in entry.items() if k in PARAMS_FIELDS}))
             dtype, shape = str(entry["dtype"]), [int(d) for d in entry["shape"]]
+            item = ecx.Item(ecx_key(name), dtype, shape, params)
         except (ecx.Error, KeyError, TypeError, ValueError) as e:
             return ("malformed_params", f"ec_transfer_params unreadable: {e}", None)
-        item = (ecx_key(name), dtype, shape, params)
         expected, unknown = self._expected(feature)
         if expected is None:
             return "shape", unknown, item
@@ -241,8 +241,8 @@ class ConsumerScheduler:
             try:
                 params = ecx.TransferParams.from_json(
                     json.dumps({k: v for k, v in entry.items() if k in PARAMS_FIELDS}))
-                unused.append((params.mm_hash, str(entry["dtype"]),
-                               [int(d) for d in entry["shape"]], params))
+                unused.append(ecx.Item(params.mm_hash, str(entry["dtype"]),
+                                       [int(d) for d in entry["shape"]], params))
             except (ecx.Error, KeyError, TypeError, ValueError):
                 continue
         if unused:
@@ -440,7 +440,7 @@ class ConsumerWorker:
         rid = f"step-{self._steps}"
         wanted, skipped = [], []
         for w in loads:
-            item = (w.key, w.dtype, w.shape, w.params[self._rank])
+            item = ecx.Item(w.key, w.dtype, w.shape, w.params[self._rank])
             (skipped if w.identifier in encoder_cache else wanted).append(item)
         if skipped:
             self._conn.discard(rid + "/cached", skipped)  # their pins end now, not at the lease

@@ -224,7 +224,7 @@ def test_the_metrics_exporter_holds_few_threads_and_a_taken_port_is_not_fatal():
                 break
         except OSError:
             threading.Event().wait(0.05)
-    assert body is not None and 'ecx_vllm_loads_ok_total{process="test"} 3' in body
+    assert body is not None and 'ecx_loads_ok_total{process="test"} 3' in body
     # Another process holds the port: logged, not raised.
     second = Exporter(port, "test", lambda: {})
     assert not second.serving
@@ -235,7 +235,8 @@ def test_the_metrics_exporter_holds_few_threads_and_a_taken_port_is_not_fatal():
 def test_the_exporter_renders_the_agents_transfer_times_as_one_histogram_per_op():
     """A real connector's stats after a READ over tcp: the reader's transfer times are a
     histogram (cumulative buckets, +Inf, sum, count) with HELP and TYPE once; the
-    producer, which read nothing, has no such series."""
+    producer, which read nothing, has no such series; every series is named as `ecx
+    serve` names the same figure."""
     import json
 
     import numpy as np
@@ -252,14 +253,20 @@ def test_the_exporter_renders_the_agents_transfer_times_as_one_histogram_per_op(
                   20000) as outcome:
         assert outcome["ok"], outcome
     text = _prometheus_text(consumer.stats(), "pd")
-    name = "ecx_vllm_transfer_seconds"
+    name = "ecx_transfer_seconds"
     assert text.count(f"# TYPE {name} histogram") == 1, text
     assert f'{name}_count{{process="pd",op="read"}} 1' in text, text
     assert f'{name}_bucket{{process="pd",op="read",le="+Inf"}} 1' in text, text
     buckets = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith(f'{name}_bucket{{process="pd",op="read"')]
     assert buckets == sorted(buckets) and buckets[-1] == 1, buckets
-    assert name not in _prometheus_text(producer.stats(), "e")
+    # The other figures are named as `ecx serve` names them, labelled as it labels them.
+    assert 'ecx_transfer_connects_total{process="pd",backend="tcp"} 1' in text, text
+    assert "# TYPE ecx_cache_pins gauge" in text and "# TYPE ecx_loads_ok_total counter" in text
+    e_text = _prometheus_text(producer.stats(), "e")
+    assert name not in e_text
+    assert "# TYPE ecx_pool_evictions_total counter" in e_text, e_text
+    assert "ecx_vllm_" not in text + e_text
 
 
 def test_a_rendezvous_folder_another_user_could_swap_is_refused(tmp_path, monkeypatch):

@@ -94,7 +94,7 @@ def pd_zero_copy(engines):
 
 
 def e_pins(e: Engine) -> float:
-    return metric(e.worker_metrics(0), "ecx_vllm_producer_pool_pins")
+    return metric(e.worker_metrics(0), "ecx_pool_pins")
 
 
 def pins_settle(e: Engine) -> float:
@@ -160,14 +160,14 @@ def test_a_zero_copy_pd_reads_the_encoders_blocks_in_place(epd, pd_zero_copy, re
     assert pd.encoder_iterations() == 0
     # The scheduler viewed E's blocks (no copy into its cache on the load's path), and the
     # worker read them from E: the scheduler's cache was not on the bytes' way.
-    assert metric(pd.metrics(pd.metrics_port), "ecx_vllm_items_viewed_total") > 0
-    assert metric(pd.worker_metrics(0), "ecx_vllm_items_viewed_total") > 0
+    assert metric(pd.metrics(pd.metrics_port), "ecx_items_viewed_total") > 0
+    assert metric(pd.worker_metrics(0), "ecx_items_viewed_total") > 0
     # vLLM's encoder cache holds the items in place, tensors over E's blocks: the worker's
     # views (and so its pins at E) last past the requests, for as long as vLLM keeps them.
     wait_until(lambda: metric(pd.metrics(), "vllm:ecx_worker_items_in_place_total") > 0, 30,
                "PD counted items held in place")
     assert metric(pd.metrics(), "vllm:ecx_worker_items_total") == 0  # nothing was copied
-    held = metric(pd.worker_metrics(0), "ecx_vllm_views_held")
+    held = metric(pd.worker_metrics(0), "ecx_views_held")
     assert held > 0
     assert e_pins(e) >= held
     # vLLM frees its entries: the views end with the last tensor over them, and E's pins
@@ -175,7 +175,7 @@ def test_a_zero_copy_pd_reads_the_encoders_blocks_in_place(epd, pd_zero_copy, re
     request = urllib.request.Request(pd.url + "/reset_encoder_cache", method="POST")
     with urllib.request.urlopen(request, timeout=30) as r:
         assert r.status == 200
-    wait_until(lambda: metric(pd.worker_metrics(0), "ecx_vllm_views_held") == 0, 20,
+    wait_until(lambda: metric(pd.worker_metrics(0), "ecx_views_held") == 0, 20,
                "the worker's views end once vLLM freed its entries")
     assert pins_settle(e) == 0
     # Later requests load again and get the reference's texts.
@@ -247,11 +247,11 @@ def test_vllm_metrics_show_the_transfers(epd):
     assert metric(e_text, "vllm:ecx_params_issued_total") >= 3
     # An encode-only instance's V1 runner drops its worker's connector output, so E's
     # worker figures are on ECXConnector's exporter (metrics_port + 1).
-    assert metric(e.worker_metrics(0), "ecx_vllm_saves_total") >= 3
-    assert metric(pd.worker_metrics(0), "ecx_vllm_loads_ok_total") >= 1
+    assert metric(e.worker_metrics(0), "ecx_saves_total") >= 3
+    assert metric(pd.worker_metrics(0), "ecx_loads_ok_total") >= 1
     # PD's worker read the items where its scheduler holds them (a view, then one copy
     # into vLLM's tensor), not through a cache of its own.
-    assert metric(pd.worker_metrics(0), "ecx_vllm_items_viewed_total") >= 3
+    assert metric(pd.worker_metrics(0), "ecx_items_viewed_total") >= 3
 
 
 def test_tampered_params_are_counted_and_the_item_encoded_on_pd(epd, reference):
@@ -333,7 +333,7 @@ def pd_saw_encoder_die(pd: Engine, before: float) -> None:
     """Waits until PD's scheduler agent saw its connection to E break. (Until then, on one
     host, PD may still read E's already-published items from the shared memory it mapped,
     which stays valid, and intact, after E's death; that race is not what is tested.)"""
-    wait_until(lambda: metric(pd.metrics(pd.metrics_port), "ecx_vllm_peer_failures_total") > before,
+    wait_until(lambda: metric(pd.metrics(pd.metrics_port), "ecx_peer_failures_total") > before,
                30, "PD's agent saw E die")
 
 
@@ -341,7 +341,7 @@ def test_an_encoder_killed_mid_run_leaves_the_pd_recomputing(epd, reference):
     """Runs last in this module: E does not come back."""
     e, pd = epd
     local = metric(pd.metrics(), "vllm:ecx_local_encodes_total")
-    failures = metric(pd.metrics(pd.metrics_port), "ecx_vllm_peer_failures_total")
+    failures = metric(pd.metrics(pd.metrics_port), "ecx_peer_failures_total")
     i = fresh(4, n_images=2)
     params = encode_on(e, images_of(i))
     e.kill()

@@ -134,7 +134,7 @@ def loads(pd: Engine) -> float:
 
 
 def e_pins(e: Engine) -> float:
-    return metric(e.worker_metrics(0), "ecx_vllm_producer_pool_pins")
+    return metric(e.worker_metrics(0), "ecx_pool_pins")
 
 
 def pins_settle(e: Engine, timeout: float = 30) -> None:
@@ -198,7 +198,7 @@ def test_across_hosts_both_proxies_serve_with_items_loaded_from_the_other_host(
     # 1 + 2 + 3 images (ecx's proxy), 1 + 2 (vLLM's): each read from E's host.
     wait_until(lambda: loads(pd) >= before + 9, 30, "PD counted 9 loads")
     # Each READ across hosts was timed by the agent that issued it: PD's scheduler.
-    reads = metric(pd.metrics(pd.metrics_port), "ecx_vllm_transfer_seconds_count", op="read")
+    reads = metric(pd.metrics(pd.metrics_port), "ecx_transfer_seconds_count", op="read")
     assert reads >= 5, f"{reads} timed reads (one per request at least)"
     pins_settle(e)
 
@@ -271,7 +271,7 @@ def test_two_encoders_and_two_pds_on_four_hosts_behind_either_proxy(epd_hosts, r
         reference.text(i)
     for pd in pds:
         pd.mark_log()
-    saves = [metric(e.worker_metrics(0), "ecx_vllm_saves_total") for e in es]
+    saves = [metric(e.worker_metrics(0), "ecx_saves_total") for e in es]
     served = [metric(pd.metrics(), "vllm:request_success_total") for pd in pds]
     with EcxStack(ecx_binary, tmp_path) as stack:
         proxy = stack.start("proxy", "--upstream-api", "vllm", "--model", "tiny-vlm",
@@ -292,7 +292,7 @@ def test_two_encoders_and_two_pds_on_four_hosts_behind_either_proxy(epd_hosts, r
     for pd in pds:
         assert pd.encoder_iterations() == 0, f"{pd.name} ran its encoder"
     for e, before in zip(es, saves):
-        assert metric(e.worker_metrics(0), "ecx_vllm_saves_total") > before, f"{e.name} encoded nothing"
+        assert metric(e.worker_metrics(0), "ecx_saves_total") > before, f"{e.name} encoded nothing"
     for pd, before in zip(pds, served):
         wait_until(lambda: metric(pd.metrics(), "vllm:request_success_total") > before, 30,
                    f"{pd.name} answered some of the requests")

@@ -88,7 +88,7 @@ def test_in_process_layout_matches_the_single_instance(epd_fail, reference):
         assert status == 200, body
         assert body["choices"][0]["message"]["content"] == reference.text(i)
     assert pd.encoder_iterations() == 0
-    wait_until(lambda: metric(e.worker_metrics(0), "ecx_vllm_producer_pool_pins") == 0, 20,
+    wait_until(lambda: metric(e.worker_metrics(0), "ecx_pool_pins") == 0, 20,
                "E's pins back to 0")
 
 
@@ -108,10 +108,10 @@ def test_policy_fail_fails_tampered_params_before_any_encode(epd_fail):
 def test_a_dead_encoder_fails_the_request_and_pd_serves_on(epd_fail):
     """Runs last: E does not come back."""
     e, pd = epd_fail
-    failures = metric(pd.metrics(pd.metrics_port), "ecx_vllm_peer_failures_total")
+    failures = metric(pd.metrics(pd.metrics_port), "ecx_peer_failures_total")
     params = encode_on(e, images_of(5))
     e.kill()
-    wait_until(lambda: metric(pd.metrics(pd.metrics_port), "ecx_vllm_peer_failures_total") > failures,
+    wait_until(lambda: metric(pd.metrics(pd.metrics_port), "ecx_peer_failures_total") > failures,
                30, "PD's agent saw E die")
     started = time.monotonic()
     status, body = pd_request(pd, 5, params)

@@ -133,7 +133,7 @@ def test_the_pd_loads_every_item_and_answers_as_a_single_instance(pair):
     assert metric(stats, "vllm:ecx_loads_total") == items
     assert metric(stats, "vllm:ecx_load_failures_total") == 0, family
     assert metric(stats, "vllm:ecx_local_encodes_total") == 0, family
-    wait_until(lambda: metric(e.worker_metrics(0), "ecx_vllm_producer_pool_pins") == 0, 20,
+    wait_until(lambda: metric(e.worker_metrics(0), "ecx_pool_pins") == 0, 20,
                f"{family}: E's pins back to 0")
     # The same engine as a single instance: it encodes the images itself.
     reset_caches(pd)

@@ -74,7 +74,7 @@ def exported(text: str, name: str) -> float:
 
 def rank_loads(pd: Engine) -> list[float]:
     """Items each rank's worker read into its encoder_cache."""
-    return [exported(pd.worker_metrics(rank), "ecx_vllm_items_loaded_total") for rank in range(RANKS)]
+    return [exported(pd.worker_metrics(rank), "ecx_items_loaded_total") for rank in range(RANKS)]
 
 
 def test_every_rank_loads_every_item_and_answers_match(epd_tp):
@@ -92,9 +92,9 @@ def test_every_rank_loads_every_item_and_answers_match(epd_tp):
     items = len(distinct)
     wait_until(lambda: all(after - b >= items for after, b in zip(rank_loads(pd), before)),
                30, f"both ranks loaded all {items} items")
-    wait_until(lambda: exported(e.worker_metrics(0), "ecx_vllm_producer_pool_pins") == 0, 30,
+    wait_until(lambda: exported(e.worker_metrics(0), "ecx_pool_pins") == 0, 30,
                "E's pins back to 0")
-    wait_until(lambda: exported(pd.metrics(pd.metrics_port), "ecx_vllm_consumer_cache_pins") == 0,
+    wait_until(lambda: exported(pd.metrics(pd.metrics_port), "ecx_cache_pins") == 0,
                30, "PD's scheduler pins back to 0")
     for i, text in texts.items():
         status, body = post(reference.url + "/v1/chat/completions", chat_body(i))

@@ -543,8 +543,11 @@ ConnectorStats Connector::stats() const {
                    .not_ready_retries = core_.not_ready_retries(),
                    .load_seconds_total = static_cast<double>(load_us_total_.load()) / 1e6};
   {
-    MutexLock lock(&mu_);
+    MutexLock lock(&nacks_mu_);
     s.nacks = nacks_;
+  }
+  {
+    MutexLock lock(&mu_);
     s.views_held = views_held_;
   }
   s.view_renewals_failed = view_renewals_failed_.load();

@@ -108,7 +108,7 @@ class Connector final : public EcConnector {
   // claims success checked to be committed.
   void fetch_guarded(std::vector<FetchSlot*>& slots, Deadline deadline);
   void settle_fetched(LoadJob& job);
-  void count_nack(const Status& failure) ECX_EXCLUDES(mu_);
+  void count_nack(const Status& failure) ECX_EXCLUDES(nacks_mu_);
   void count_loaded(LoadJob& job, const LoadItem& item);
   Status recompute(LoadJob& job, const LoadItem& item, double* recompute_ms);
   void recompute_or_fail(LoadJob& job);
@@ -156,11 +156,14 @@ class Connector final : public EcConnector {
   Deadline renew_due_ ECX_GUARDED_BY(mu_) = Deadline::never();
   std::atomic<uint64_t> view_renewals_failed_{0}, items_viewed_{0};
   std::vector<std::string> finished_ ECX_GUARDED_BY(mu_);
-  std::map<std::string, uint64_t> nacks_ ECX_GUARDED_BY(mu_);
   bool stopping_ ECX_GUARDED_BY(mu_) = false;
   // Queued releases after it are dropped.
   Deadline drain_until_ ECX_GUARDED_BY(mu_) = Deadline::never();
   std::vector<std::thread> loaders_;
+
+  // Failed item loads by code: a figure, counted apart from the loaders' work.
+  mutable Mutex nacks_mu_;
+  std::map<std::string, uint64_t> nacks_ ECX_GUARDED_BY(nacks_mu_);
 
   std::atomic<uint64_t> saves_{0}, loads_ok_{0}, loads_failed_{0}, items_loaded_{0},
       items_recomputed_{0}, local_hits_{0}, bytes_loaded_{0}, load_us_total_{0};

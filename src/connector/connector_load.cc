@@ -329,7 +329,7 @@ void Connector::settle_fetched(LoadJob& job) {
 }
 
 void Connector::count_nack(const Status& failure) {
-  MutexLock lock(&mu_);
+  MutexLock lock(&nacks_mu_);
   nacks_[std::string(status_code_name(failure.code()))]++;
 }
 

@@ -11,20 +11,28 @@ using p2p::kMaxLookupWaitMs;
 using p2p::params_capability;
 
 Status P2pProducer::start() {
-  if (!core_.is_producer()) return Status::Ok();
-  cache::PoolConfig pc;
-  pc.name = options().engine_id;
-  pc.capacity_bytes = options().pool_bytes;
-  pc.lease = std::chrono::milliseconds(options().lease_ms);
-  pc.max_pins_per_holder = static_cast<size_t>(options().max_pins_per_holder);
-  pc.require_grant = options().require_grants;  // peers read only what they were handed
-  ECX_ASSIGN_OR_RETURN(pool_, cache::EncoderCachePool::create(agent(), pc));
+  if (core_.is_producer()) {
+    cache::PoolConfig pc;
+    pc.name = options().engine_id;
+    pc.capacity_bytes = options().pool_bytes;
+    pc.lease = std::chrono::milliseconds(options().lease_ms);
+    pc.max_pins_per_holder = static_cast<size_t>(options().max_pins_per_holder);
+    pc.require_grant = options().require_grants;  // peers read only what they were handed
+    ECX_ASSIGN_OR_RETURN(pool_, cache::EncoderCachePool::create(agent(), pc));
+    served_ = pool_.get();
+  } else {
+    // A consumer answers for the blocks its share_loaded handed to readers (the workers
+    // of its instance): a reader that views one pins it for itself (lookup) and keeps it
+    // (renew), as it would at a producer.
+    served_ = core_.consumer_cache();
+  }
+  if (served_ == nullptr) return Status::Ok();
   agent()->set_call_handler([this](const transfer::Caller& caller, std::string_view body) {
     return handle_call(caller, body);
   });
   // Pins are held by the caller's authenticated identity, so only its own end here.
   agent()->set_peer_gone_handler([this](const std::string& holder) {
-    size_t n = pool_->release_holder(holder);
+    size_t n = served_->release_holder(holder);
     if (n) spdlog::info("{}: consumer {} went away, released {} pins", name(), holder, n);
   });
   return Status::Ok();
@@ -62,10 +70,14 @@ Result<std::string> P2pProducer::handle_call(const transfer::Caller& caller,
     if (auto* lookup = std::get_if<LookupRequest>(&*request)) {
       return to_json(handle_lookup(caller, *lookup));
     }
-    if (auto* params = std::get_if<ParamsRequest>(&*request))
-      return to_json(handle_params(caller, *params));
     if (auto* renew = std::get_if<RenewRequest>(&*request))
       return to_json(handle_renew(caller, *renew));
+    if (pool_ == nullptr) {  // a consumer serves lookups and renewals of its cache only
+      return Status(StatusCode::kFailedPrecondition,
+                    name() + " is a consumer: it hands out no params and writes no blocks");
+    }
+    if (auto* params = std::get_if<ParamsRequest>(&*request))
+      return to_json(handle_params(caller, *params));
     return handle_load(caller, std::get<LoadBlocksRequest>(*request));
   } catch (const std::exception& e) {
     return Internal(name() + ": request from " + caller.name + " failed: " + e.what());
@@ -79,10 +91,13 @@ Result<std::string> P2pProducer::handle_call(const transfer::Caller& caller,
 Result<cache::Pin> P2pProducer::entry_for(const transfer::Caller& caller, const MmHash& mm_hash,
                                           const transfer::Capability& capability, Deadline wait) {
   if (!capability.empty()) {
-    ECX_RETURN_IF_ERROR(pool_->pin_of_capability(mm_hash, capability).status());
+    ECX_RETURN_IF_ERROR(served_->pin_of_capability(mm_hash, capability).status());
+  } else if (pool_ == nullptr) {
+    return PermissionDenied(name() + " is a consumer: its cache is read only with the "
+                            "capability share_loaded handed out, not looked up by key");
   }
-  ECX_RETURN_IF_ERROR(pool_->wait_ready(mm_hash, wait).status());
-  return pool_->pin_for_peer(mm_hash, caller.holder);  // ends by RELEASE or death
+  ECX_RETURN_IF_ERROR(served_->wait_ready(mm_hash, wait).status());
+  return served_->pin_for_peer(mm_hash, caller.holder);  // ends by RELEASE or death
 }
 
 ItemsReply P2pProducer::handle_lookup(const transfer::Caller& caller, const LookupRequest& req) {
@@ -194,14 +209,14 @@ ItemsReply P2pProducer::handle_renew(const transfer::Caller& caller, const Renew
   ItemsReply reply;
   for (const auto& item : req.items) {
     ItemReply out{.mm_hash = item.mm_hash};
-    auto pin = pool_->pin_of_capability(item.mm_hash, item.capability);
+    auto pin = served_->pin_of_capability(item.mm_hash, item.capability);
     if (pin.ok() && pin->pin_id != item.pin) {
       out.status = NotFound("pin " + std::to_string(item.pin) + " of " + item.mm_hash.str() +
                             ": not held with that capability");
     } else if (!pin.ok()) {
       out.status = pin.status();
     } else {
-      out.status = pool_->renew_granted(item.pin, item.capability, caller.holder);
+      out.status = served_->renew_granted(item.pin, item.capability, caller.holder);
       if (out.status.ok()) renewals_received_++;
     }
     reply.items.push_back(std::move(out));

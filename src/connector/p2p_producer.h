@@ -17,7 +17,8 @@ class P2pProducer {
  public:
   explicit P2pProducer(ConnectorCore& core) : core_(core) {}
 
-  // Makes the pool and serves calls; does nothing for a connector that only consumes.
+  // Makes the pool and serves calls for it; a consumer serves lookups and renewals of
+  // its own cache's blocks (share_loaded's readers).
   Status start();
 
   // ConnectorDriver's producer half (connector_driver.h states each contract).
@@ -49,6 +50,9 @@ class P2pProducer {
   ConnectorCore& core_;
   // Made by start (producers only); read-only after it: the pool guards its own state.
   std::unique_ptr<cache::EncoderCachePool> pool_;
+  // The pool the call service answers for, set by start: pool_, or a consumer's cache
+  // (the blocks its share_loaded handed out); null when there is neither.
+  cache::EncoderCachePool* served_ = nullptr;
   std::atomic<uint64_t> releases_received_{0}, renewals_received_{0};
 };
 

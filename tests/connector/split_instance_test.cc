@@ -14,6 +14,7 @@
 #include "connector/control_messages.h"
 #include "ecx/common/checksum.h"
 #include "ecx/connector/ec_connector.h"
+#include "ecx/transfer/agent.h"
 #include "support/connector_peer_process.h"
 #include "support/poll.h"
 
@@ -241,6 +242,50 @@ TEST_F(SplitInstanceTest, ALoadIsSharedWithEachWorkerWhoGiveTheirPinsBack) {
   EXPECT_EQ(pins_settled(*scheduler, own), own);
   scheduler->request_finished("r");
   EXPECT_EQ(pins_of(*scheduler), 0u);
+}
+
+// A zero-copy worker reads its scheduler's block where it lies: the scheduler answers its
+// lookup with a pin of the worker's own (proved by the shared capability), and the
+// worker's cache holds nothing. Nobody looks its cache up by key.
+TEST_F(SplitInstanceTest, AZeroCopyWorkerReadsItsSchedulersBlockWhereItLies) {
+  auto scheduler = scheduler_that_loaded_a();
+  ASSERT_NE(scheduler, nullptr);
+  uint64_t own = pins_of(*scheduler);
+  auto shared = scheduler->share_loaded("r", hash_of("a"), 1);
+  ASSERT_TRUE(shared.ok()) << shared.status().to_string();
+  auto extra = extra_for("pd-zw-" + tag_);
+  extra["zero_copy"] = true;
+  extra["keep_loaded"] = false;
+  auto worker = make(Role::kConsumer, extra);
+  ASSERT_NE(worker, nullptr);
+  auto got = worker->load({.request_id = "step", .items = {{hash_of("a"), kItem, (*shared)[0]}}},
+                          Deadline::after_ms(30000));
+  ASSERT_TRUE(got.status.ok()) << got.status.to_string();
+  auto ref = worker->loaded("step", hash_of("a"));
+  ASSERT_TRUE(ref.ok());
+  EXPECT_TRUE(holds_pattern(*ref, 5));
+  EXPECT_EQ(worker->stats().items_viewed, 1u);
+  EXPECT_EQ(worker->stats().consumer_cache->entries, 0u);
+  EXPECT_EQ(pins_of(*scheduler), own + 2);  // the shared pin, and the worker's own
+  worker->request_finished("step");
+  EXPECT_EQ(pins_settled(*scheduler, own), own);
+
+  // Another agent of the deployment asks the scheduler's cache for the item by key.
+  auto probe = transfer::Agent::create(
+      {.name = "probe-" + tag_, .compat_hash = "ecx-ec-v1", .auth_secret = kSecret});
+  ASSERT_TRUE(probe.ok()) << probe.status().to_string();
+  auto meta = transfer::AgentMetadata::parse(scheduler->agent_metadata());
+  ASSERT_TRUE(meta.ok()) << meta.status().to_string();
+  ASSERT_TRUE((*probe)->connect(*meta, {}).ok());
+  LookupRequest by_key{.items = {{hash_of("a"), transfer::Capability{}}}};
+  auto answer = (*probe)->call(meta->name, to_json(by_key), Deadline::after_ms(10000));
+  ASSERT_TRUE(answer.ok()) << answer.status().to_string();
+  auto reply = parse_items_reply(*answer, 1);
+  ASSERT_TRUE(reply.ok()) << reply.status().to_string();
+  EXPECT_EQ(reply->items[0].status.code(), StatusCode::kPermissionDenied)
+      << reply->items[0].status.to_string();
+  EXPECT_EQ(pins_of(*scheduler), own);
+  scheduler->request_finished("r");
 }
 
 TEST_F(SplitInstanceTest, OnlyALoadedItemIsSharedWithABoundedNumberOfReaders) {

@@ -170,8 +170,10 @@ class ECXPromMetrics(ECConnectorPromMetrics):
 
 # What each number of ecx's connector stats (EcConnector.stats(): src/connector/stats.cc)
 # counts: ("counter" | "gauge", help). Counters are totals since the process started and
-# are exported with "_total"; a pool's numbers are under its name (consumer_cache_,
-# producer_pool_). A number not listed here is exported as untyped, under its own name.
+# are exported with "_total". Each is exported as ecx_<name>, named as `ecx serve` names
+# the same figure (docs/SERVING.md, "Metrics"): a pool's numbers under ecx_pool_ (E's
+# producer pool) or ecx_cache_ (PD's consumer cache), the others by _RENAMED or their own
+# name. A number not listed here is exported as untyped, under its own name.
 _STAT_TYPES: dict[str, tuple[str, str]] = {
     "saves": ("counter", "items this process saved into its pool"),
     "loads_ok": ("counter", "load requests that ended with every item loaded"),
@@ -205,7 +207,12 @@ _STAT_TYPES: dict[str, tuple[str, str]] = {
     "misses": ("counter", "lookups that did not"),
     "bytes_used_per_payload_byte": ("gauge", "the pool's bytes in use per byte of items"),
 }
-_LABELED = ("nacks", "transfer_connects")  # {key: n}: one series per key
+# {key: n} numbers: one series per key, labelled as `ecx serve` labels them.
+_LABELED = {"nacks": "code", "transfer_connects": "backend"}
+# Numbers `ecx serve` exports under another name; the pools by their role.
+_RENAMED = {"nacks": "ec_nacks", "params_rejected": "ec_params_rejected",
+            "bytes_loaded": "ec_bytes_loaded", "producer_pool": "pool",
+            "consumer_cache": "cache"}
 
 
 def _histogram_series(name: str, labels: str, h: dict[str, Any]) -> list[str]:
@@ -224,7 +231,7 @@ def _prometheus_text(stats: dict[str, Any], process: str) -> str:
     stats = dict(stats)
     transfer_seconds = stats.pop("transfer_seconds", None) or {}
     if transfer_seconds:
-        name = "ecx_vllm_transfer_seconds"
+        name = "ecx_transfer_seconds"
         series = [line for op, h in sorted(transfer_seconds.items())
                   for line in _histogram_series(name, f'process="{process}",op="{op}"', h)]
         families[name] = ("histogram", "seconds from a transfer batch's submission to its "
@@ -232,7 +239,7 @@ def _prometheus_text(stats: dict[str, Any], process: str) -> str:
 
     def add(path: str, leaf: str, value: float, labels: str) -> None:
         kind, help_text = _STAT_TYPES.get(leaf, ("untyped", f"ecx connector stat {leaf}"))
-        name = f"ecx_vllm_{path}"
+        name = f"ecx_{path}"
         if kind == "counter" and not name.endswith("_total"):
             name += "_total"
         family = families.setdefault(name, (kind, help_text, []))
@@ -243,11 +250,11 @@ def _prometheus_text(stats: dict[str, Any], process: str) -> str:
         if isinstance(value, bool):
             value = int(value)
         if isinstance(value, (int, float)):
-            add("_".join(path), path[-1], value, labels)
+            add("_".join(_RENAMED.get(p, p) for p in path), path[-1], value, labels)
         elif isinstance(value, dict):
             for k, v in value.items():
                 if isinstance(v, (int, float)) and path and path[-1] in _LABELED:
-                    walk(path, v, f'{labels},key="{k}"')
+                    walk(path, v, f'{labels},{_LABELED[path[-1]]}="{k}"')
                 else:
                     walk([*path, k], v, labels)
 

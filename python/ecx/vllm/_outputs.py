@@ -98,7 +98,9 @@ def measure(worker) -> dict[str, EncoderOutput]:
             (split(max_split_size_mb=20) if callable(split) else contextlib.nullcontext()):
         budget = MultiModalBudget(config, MULTIMODAL_REGISTRY, enable_cache=False)
         model = runner.get_model()
-        for modality in budget.mm_max_toks_per_item:
+        # In one order on every rank: the ranks' collectives inside the encoder must meet
+        # (vLLM may build this mapping from a set, whose order differs between processes).
+        for modality in sorted(budget.mm_max_toks_per_item):
             items = budget.get_dummy_encoder_profile_inputs(modality, 1)
             if not items:
                 continue

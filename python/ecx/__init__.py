@@ -47,9 +47,15 @@ def load(conn: Connector, request_id: str, items: Sequence[Item],
          timeout_ms: int) -> Iterator[dict[str, Any]]:
     """Loads `items` as request `request_id` (Connector.load: its outcome is what the
     block gets) and ends the request when the block is left, by return or by exception:
-    its pins go back then (once the last array from conn.loaded is gone)."""
+    its pins go back then (once the last array from conn.loaded is gone). A load refused
+    because another load of that request id runs ("already_exists") ends nothing: that
+    request is not this block's."""
+    outcome = conn.load(request_id, list(items), timeout_ms)
+    if outcome["code"] == "already_exists":
+        yield outcome
+        return
     try:
-        yield conn.load(request_id, list(items), timeout_ms)
+        yield outcome
     finally:
         conn.request_finished(request_id)
 

@@ -260,6 +260,9 @@ def test_the_exporter_renders_the_agents_transfer_times_as_one_histogram_per_op(
     buckets = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith(f'{name}_bucket{{process="pd",op="read"')]
     assert buckets == sorted(buckets) and buckets[-1] == 1, buckets
+    # Each bound reads as the C++ services write it (the same series in both exporters).
+    for bound in ("5e-05", "1e-04", "0.00025", "0.001", "10"):
+        assert f'{name}_bucket{{process="pd",op="read",le="{bound}"}}' in text, (bound, text)
     # The other figures are named as `ecx serve` names them, labelled as it labels them.
     assert 'ecx_transfer_connects_total{process="pd",backend="tcp"} 1' in text, text
     assert "# TYPE ecx_cache_pins gauge" in text and "# TYPE ecx_loads_ok_total counter" in text

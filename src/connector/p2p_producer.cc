@@ -93,7 +93,8 @@ Result<cache::Pin> P2pProducer::entry_for(const transfer::Caller& caller, const 
   if (!capability.empty()) {
     ECX_RETURN_IF_ERROR(served_->pin_of_capability(mm_hash, capability).status());
   } else if (pool_ == nullptr) {
-    return PermissionDenied(name() + " is a consumer: its cache is read only with the "
+    return PermissionDenied(name() +
+                            " is a consumer: its cache is read only with the "
                             "capability share_loaded handed out, not looked up by key");
   }
   ECX_RETURN_IF_ERROR(served_->wait_ready(mm_hash, wait).status());

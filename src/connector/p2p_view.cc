@@ -105,7 +105,7 @@ void ViewFetch::settle_view(const std::string& producer, FetchSlot& slot,
   Status s = slot.status;
   if (s.code() == StatusCode::kResourceExhausted || s.code() == StatusCode::kFailedPrecondition) {
     // We hold all the pins this producer lets one reader keep, or the block's owner
-    // pins nothing for readers (a consumer cache shared by share_loaded): copy it.
+    // pins nothing for readers (an owner that serves no lookups): copy it.
     slot.block = {};
     slot.keepalive.reset();
     slot.status = Status::Ok();

@@ -1,4 +1,4 @@
-// Fuzz target: the agent wire frame parser, recv_frame (src/transfer/wire.h), fed the way
+// Fuzz target: the agent wire frame parser, recv_frame (src/wire/wire.h), fed the way
 // a peer feeds it: the input is written into one end of a unix socketpair, the write side
 // is shut down, and frames are read from the other end until the stream ends or a frame
 // is rejected.

@@ -44,6 +44,8 @@ TEST(MetricsTest, AnAgentsTransferHistogramIsRenderedAsItKeepsIt) {
   std::string text = m.render();
   EXPECT_TRUE(has_line(text, "# TYPE ecx_transfer_seconds histogram")) << text;
   EXPECT_TRUE(has_line(text, "ecx_transfer_seconds_bucket{op=\"read\",le=\"5e-05\"} 1")) << text;
+  EXPECT_TRUE(has_line(text, "ecx_transfer_seconds_bucket{op=\"read\",le=\"1e-04\"} 1")) << text;
+  EXPECT_TRUE(has_line(text, "ecx_transfer_seconds_bucket{op=\"read\",le=\"0.00025\"} 1")) << text;
   EXPECT_TRUE(has_line(text, "ecx_transfer_seconds_bucket{op=\"read\",le=\"0.001\"} 2")) << text;
   EXPECT_TRUE(has_line(text, "ecx_transfer_seconds_bucket{op=\"read\",le=\"+Inf\"} 3")) << text;
   EXPECT_TRUE(has_line(text, "ecx_transfer_seconds_sum{op=\"read\"} 0.0025")) << text;

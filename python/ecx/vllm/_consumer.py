@@ -193,13 +193,17 @@ class ConsumerScheduler:
         if entry is None:
             return ("mismatch", "ec_transfer_params name no item of this name (an encoder "
                     "keyed it otherwise, e.g. a uuid given to E only)", None)
+        params = None
         try:
             params = ecx.TransferParams.from_json(
                 json.dumps({k: v for k, v in entry.items() if k in PARAMS_FIELDS}))
             dtype, shape = str(entry["dtype"]), [int(d) for d in entry["shape"]]
             item = ecx.Item(ecx_key(name), dtype, shape, params)
         except (ecx.Error, KeyError, TypeError, ValueError) as e:
-            return ("malformed_params", f"ec_transfer_params unreadable: {e}", None)
+            # Params that parsed still hold a pin at their encoder: an item that names no
+            # tensor (one byte) gives it back.
+            back = ecx.Item(ecx_key(name), "U8", [1], params) if params is not None else None
+            return ("malformed_params", f"ec_transfer_params unreadable: {e}", back)
         expected, unknown = self._expected(feature)
         if expected is None:
             return "shape", unknown, item

@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 import threading
 from dataclasses import dataclass, field
+from decimal import Decimal
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -215,9 +216,24 @@ _RENAMED = {"nacks": "ec_nacks", "params_rejected": "ec_params_rejected",
             "consumer_cache": "cache"}
 
 
+def _shortest(x: float) -> str:
+    """`x` (a bucket's bound: positive) as the C++ services write a number
+    (std::to_chars): its shortest round-trip digits, fixed or scientific, whichever is
+    shorter (fixed on a tie), so that a bucket's `le` label is the same text in both
+    exporters ("1e-04", "0.001", "10")."""
+    d = Decimal(repr(float(x))).normalize()
+    _, digits, exponent = d.as_tuple()
+    text = "".join(map(str, digits))
+    power = len(text) - 1 + exponent
+    mantissa = text[0] + ("." + text[1:] if len(text) > 1 else "")
+    scientific = f"{mantissa}e{'-' if power < 0 else '+'}{abs(power):02d}"
+    fixed = format(d, "f")
+    return fixed if len(fixed) <= len(scientific) else scientific
+
+
 def _histogram_series(name: str, labels: str, h: dict[str, Any]) -> list[str]:
     """One histogram's series as the agent keeps it ({bounds, cumulative, sum, count})."""
-    lines = [f'{name}_bucket{{{labels},le="{bound:g}"}} {n}'
+    lines = [f'{name}_bucket{{{labels},le="{_shortest(bound)}"}} {n}'
              for bound, n in zip(h["bounds"], h["cumulative"])]
     return [*lines, f'{name}_bucket{{{labels},le="+Inf"}} {h["count"]}',
             f"{name}_sum{{{labels}}} {h['sum']}", f"{name}_count{{{labels}}} {h['count']}"]

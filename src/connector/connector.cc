@@ -93,24 +93,31 @@ Status Connector::init(const ConnectorKind& kind) {
   ECX_ASSIGN_OR_RETURN(driver_, kind.make_driver(core_));
   core_.agent()->set_notification_handler([this](transfer::Notification n) { on_notification(n); });
   if (core_.is_consumer()) {
+    releases_ = std::make_unique<ReleaseBatcher>(name(), driver_.get());
+    views_ = std::make_unique<HeldViews>(name(), driver_.get(), renew_period_ms());
     for (int i = 0; i < o.loader_threads; ++i) loaders_.emplace_back([this] { loader_loop(); });
   }
   return Status::Ok();
 }
 
-// Loaders first (they call the driver), then the agent's serving threads (its handlers
-// call the driver), then the driver; the core's cache and agent go with the object.
+// Loaders first (they call the driver and queue releases), then the view renewals, then
+// the releases (drained until kReleaseDrainMs after the stop began), then the agent's
+// serving threads (its handlers call the driver), then the driver; the core's cache and
+// agent go with the object.
 void Connector::stop() {
+  const Deadline drain_until = Deadline::after_ms(kReleaseDrainMs);
   {
     MutexLock lock(&mu_);
     stopping_ = true;
-    drain_until_ = Deadline::after_ms(kReleaseDrainMs);
-    // The views still held go back with the other releases the loaders drain.
-    for (auto& [id, state] : requests_) release_views(state);
   }
   work_cv_.notify_all();
   for (auto& t : loaders_) t.join();
   loaders_.clear();
+  if (views_) {
+    // The views still held go back with the other releases.
+    for (PendingRelease& r : views_->stop()) releases_->push(std::move(r));
+  }
+  if (releases_) releases_->stop(drain_until);
   if (core_.agent()) core_.agent()->shutdown();
   {
     MutexLock lock(&mu_);
@@ -260,10 +267,8 @@ Result<cache::BlockRef> Connector::loaded(const std::string& request_id, const M
                     "request " + request_id + " has no finished load");
     }
     // A zero-copy view: read-only, held by the request's pin at the producer.
-    for (const FetchSlot& v : it->second->views) {
-      if (v.item->mm_hash == mm_hash)
-        return v.status.ok() ? Result<cache::BlockRef>(v.block) : v.status;
-    }
+    if (auto v = views_->find(request_id, mm_hash))
+      return v->status.ok() ? Result<cache::BlockRef>(v->block) : v->status;
   }
   // Pinned for the request, so it is still there.
   return core_.consumer_cache()->find(mm_hash);
@@ -276,8 +281,8 @@ Status Connector::view_intact(const std::string& request_id, const MmHash& mm_ha
     return Status(StatusCode::kFailedPrecondition,
                   "view_intact: request " + request_id + " has no finished load");
   }
-  for (const FetchSlot& v : it->second->views) {
-    if (v.item->mm_hash != mm_hash) continue;
+  if (auto found = views_->find(request_id, mm_hash)) {
+    const FetchSlot& v = *found;
     if (!v.status.ok()) return v.status;  // a renewal the producer refused
     // A producer reuses a block only once no pin holds it, and rewrites its header first.
     std::atomic_thread_fence(std::memory_order_acquire);
@@ -295,7 +300,7 @@ Status Connector::view_intact(const std::string& request_id, const MmHash& mm_ha
 
 void Connector::request_finished(const std::string& request_id) {
   std::shared_ptr<RequestState> state;
-  bool wake_loader = false;
+  PendingRelease views;
   {
     MutexLock lock(&mu_);
     scheduled_.erase(request_id);
@@ -308,15 +313,12 @@ void Connector::request_finished(const std::string& request_id) {
     }
     state = it->second;
     requests_.erase(it);
+    views = views_->take(request_id);
   }
   // Views end here: what the cache keeps is copied while their pins still hold them.
-  if (!state->views.empty()) {
-    if (core_.options().keep_loaded) keep_views(state->views);
-    {
-      MutexLock lock(&mu_);
-      wake_loader = release_views(state);
-    }
-    if (wake_loader) work_cv_.notify_one();
+  if (!views.slots.empty()) {
+    if (core_.options().keep_loaded) keep_views(views.slots);
+    releases_->push(std::move(views));
   }
   unpin_all(state->pins);
   driver_->on_request_finished(state->request);
@@ -326,8 +328,7 @@ void Connector::request_finished(const std::string& request_id) {
 // producer are given back, batched with the other releases) or its consumer cache pins.
 // The request's other items stay held, and its end gives back what is left.
 Status Connector::item_finished(const std::string& request_id, const MmHash& mm_hash) {
-  std::shared_ptr<RequestState> state;
-  std::vector<FetchSlot> view;
+  PendingRelease view;
   std::vector<ItemPin> pins;
   {
     MutexLock lock(&mu_);
@@ -336,33 +337,21 @@ Status Connector::item_finished(const std::string& request_id, const MmHash& mm_
       return Status(StatusCode::kFailedPrecondition,
                     "item_finished: request " + request_id + " has no finished load");
     }
-    state = it->second;
-    auto& views = state->views;
-    auto v = std::find_if(views.begin(), views.end(),
-                          [&](const FetchSlot& s) { return s.item->mm_hash == mm_hash; });
-    if (v != views.end()) {  // no longer renewed from here
-      view.push_back(std::move(*v));
-      views.erase(v);
-      views_held_ -= 1;
-    }
-    auto held = std::stable_partition(state->pins.begin(), state->pins.end(),
+    RequestState& state = *it->second;
+    view = views_->take(request_id, mm_hash);  // no longer renewed from here
+    auto held = std::stable_partition(state.pins.begin(), state.pins.end(),
                                       [&](const ItemPin& p) { return !(p.mm_hash == mm_hash); });
-    pins.assign(held, state->pins.end());
-    state->pins.erase(held, state->pins.end());
+    pins.assign(held, state.pins.end());
+    state.pins.erase(held, state.pins.end());
   }
-  if (view.empty() && pins.empty()) {
+  if (view.slots.empty() && pins.empty()) {
     return Status(StatusCode::kFailedPrecondition,
                   "item_finished: request " + request_id + " holds no " + mm_hash.str());
   }
-  if (!view.empty()) {
+  if (!view.slots.empty()) {
     // Copied (keep_loaded) while its pins still hold it, then released.
-    if (core_.options().keep_loaded) keep_views(view);
-    bool wake_loader = false;
-    {
-      MutexLock lock(&mu_);
-      wake_loader = queue_release({state, std::move(view), /*views=*/true});
-    }
-    if (wake_loader) work_cv_.notify_one();
+    if (core_.options().keep_loaded) keep_views(view.slots);
+    releases_->push(std::move(view));
   }
   unpin_all(pins);
   return Status::Ok();
@@ -429,9 +418,7 @@ Result<std::vector<EcTransferParams>> Connector::share_loaded(const std::string&
       return Status(StatusCode::kFailedPrecondition,
                     "share_loaded: request " + request_id + " did not load " + mm_hash.str());
     }
-    for (const FetchSlot& v : it->second->views) {
-      if (v.item->mm_hash == mm_hash) return share_view(request_id, v, readers);
-    }
+    if (auto v = views_->find(request_id, mm_hash)) return share_view(request_id, *v, readers);
   }
   // Each reader's pin counts against the request's own quota of live pins ("share:<id>",
   // max_pins_per_holder): pins readers gave back, or whose lease ended, free it again.
@@ -518,15 +505,8 @@ Result<std::vector<Result<EcTransferParams>>> Connector::remote_saved_params(
 
 void Connector::discard(const LoadRequest& request) {
   if (!core_.is_consumer()) return;
-  auto state = std::make_shared<RequestState>();
-  state->request = request;
-  bool wake_loader = false;
-  {
-    MutexLock lock(&mu_);
-    if (stopping_) return;
-    wake_loader = queue_release({std::move(state), {}});
-  }
-  if (wake_loader) work_cv_.notify_one();
+  // Once stopped, dropped: its pins end by lease.
+  releases_->push({std::make_shared<const LoadRequest>(request), {}});
 }
 
 ConnectorStats Connector::stats() const {
@@ -546,11 +526,10 @@ ConnectorStats Connector::stats() const {
     MutexLock lock(&nacks_mu_);
     s.nacks = nacks_;
   }
-  {
-    MutexLock lock(&mu_);
-    s.views_held = views_held_;
+  if (views_) {
+    s.views_held = views_->size();
+    s.view_renewals_failed = views_->renewals_failed();
   }
-  s.view_renewals_failed = view_renewals_failed_.load();
   s.items_viewed = items_viewed_.load();
   if (core_.consumer_cache()) s.consumer_cache = core_.consumer_cache()->stats();
   if (driver_) driver_->add_stats(s);

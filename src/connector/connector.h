@@ -1,9 +1,10 @@
 // Connector: the one EcConnector class. It owns the agent and the consumer-side cache,
 // runs the scheduler side (which items to load) and the loader threads, applies the
-// failure policy, keeps the counters, and shuts down in one order: loaders, agent
-// serving threads, driver, cache, agent. What varies per connector kind is its driver
-// (connector_driver.h). connector.cc: lifecycle, producer and scheduler side, stats;
-// connector_load.cc: the loaders and one request's load.
+// failure policy, keeps the counters, and shuts down in one order: loaders, view
+// renewals, releases, agent serving threads, driver, cache, agent. What varies per
+// connector kind is its driver (connector_driver.h). connector.cc: lifecycle, producer
+// and scheduler side, stats; connector_load.cc: the loaders and one request's load;
+// producer_holdings.cc: what finished loads hold at producers (releases, held views).
 #pragma once
 
 #include <deque>
@@ -11,6 +12,7 @@
 #include <thread>
 
 #include "connector/connector_driver.h"
+#include "connector/producer_holdings.h"
 #include "ecx/common/mutex.h"
 
 namespace ecx::connector {
@@ -69,19 +71,14 @@ class Connector final : public EcConnector {
     LoadRequest request;
     std::vector<size_t> items;
     std::vector<ItemPin> pins;  // consumer cache pins held for the request
-    // zero_copy: the items it reads where they lie, held (renewed) until request_finished.
-    std::vector<FetchSlot> views;
     LoadOutcome outcome;
     bool done = false;
     bool abandoned = false;  // request_finished came before the load ended
   };
-  // What a finished (or discarded) request holds at producers, until a loader gives it
-  // back; `state` keeps the request the slots point into.
-  struct PendingRelease {
-    std::shared_ptr<RequestState> state;
-    std::vector<FetchSlot> slots;
-    bool views = false;  // the request's views, at its end (FinishedLoad::views)
-  };
+  // The request a release or a held view keeps alive (its items are pointed into).
+  static std::shared_ptr<const LoadRequest> request_of(const std::shared_ptr<RequestState>& s) {
+    return {s, &s->request};
+  }
   // One load's working state, from planning to the outcome.
   struct LoadJob {
     std::shared_ptr<RequestState> state;
@@ -118,17 +115,6 @@ class Connector final : public EcConnector {
   // (second = true), for `item` in the consumer cache.
   Result<std::pair<cache::Pin, bool>> reserve_or_join(const LoadItem& item,
                                                       const std::string& holder, Deadline deadline);
-  // Queues a release; true for the first of a batch (a loader must be woken: it takes
-  // the whole batch).
-  bool queue_release(PendingRelease release) ECX_REQUIRES(mu_);
-  void send_releases(std::vector<PendingRelease> batch);
-  // Holds a finished request's views (renewed from then on), or queues their release if
-  // the request already finished; true if a loader must be woken.
-  bool hold_views(const std::shared_ptr<RequestState>& state, std::vector<FetchSlot> views)
-      ECX_REQUIRES(mu_);
-  bool release_views(const std::shared_ptr<RequestState>& state) ECX_REQUIRES(mu_);
-  // Another lease for every view held (a loader, every lease_ms / 3).
-  void renew_views() ECX_EXCLUDES(mu_);
   // A copy of each view in the consumer cache (keep_loaded), before its pins go.
   void keep_views(const std::vector<FetchSlot>& views);
   // Gives back a request's consumer cache pins (and, unless keep_loaded, their entries).
@@ -148,18 +134,16 @@ class Connector final : public EcConnector {
   std::map<std::string, ConnectorMetadata::Entry> scheduled_ ECX_GUARDED_BY(mu_);
   std::map<std::string, std::shared_ptr<RequestState>> requests_ ECX_GUARDED_BY(mu_);
   std::deque<std::shared_ptr<RequestState>> queue_ ECX_GUARDED_BY(mu_);
-  std::vector<PendingRelease> releases_ ECX_GUARDED_BY(mu_);
-  Deadline release_due_ ECX_GUARDED_BY(mu_) = Deadline::never();  // of the batch in releases_
-  // How long a batch of releases waits for more before it goes out.
-  static constexpr int64_t kReleaseBatchMs = 2;
-  size_t views_held_ ECX_GUARDED_BY(mu_) = 0;
-  Deadline renew_due_ ECX_GUARDED_BY(mu_) = Deadline::never();
-  std::atomic<uint64_t> view_renewals_failed_{0}, items_viewed_{0};
   std::vector<std::string> finished_ ECX_GUARDED_BY(mu_);
   bool stopping_ ECX_GUARDED_BY(mu_) = false;
-  // Queued releases after it are dropped.
-  Deadline drain_until_ ECX_GUARDED_BY(mu_) = Deadline::never();
-  std::vector<std::thread> loaders_;
+  std::vector<std::thread> loaders_;  // run the queued loads, and nothing else
+  std::atomic<uint64_t> items_viewed_{0};
+
+  // Consumers: what finished loads hold at producers, each with its own thread and lock
+  // (producer_holdings.h). A request's views are held from the moment its load is done
+  // (set under mu_) until request_finished takes them.
+  std::unique_ptr<HeldViews> views_;
+  std::unique_ptr<ReleaseBatcher> releases_;
 
   // Failed item loads by code: a figure, counted apart from the loaders' work.
   mutable Mutex nacks_mu_;

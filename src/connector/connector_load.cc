@@ -9,141 +9,19 @@
 
 namespace ecx::connector {
 
-bool Connector::queue_release(PendingRelease release) {
-  if (releases_.empty()) release_due_ = Deadline::after_ms(kReleaseBatchMs);
-  releases_.push_back(std::move(release));
-  return releases_.size() == 1;
-}
-
-// One driver call for every release queued since the last: p2p sends one RELEASE per
-// producer for all of them.
-void Connector::send_releases(std::vector<PendingRelease> batch) {
-  std::vector<FinishedLoad> loads;
-  loads.reserve(batch.size());
-  for (const auto& r : batch) loads.push_back({&r.state->request, &r.slots, r.views});
-  try {
-    driver_->release(loads);
-  } catch (const std::exception& e) {
-    spdlog::error("connector {}: releasing {} loads failed: {}", name(), batch.size(), e.what());
-  }
-}
-
-bool Connector::hold_views(const std::shared_ptr<RequestState>& state,
-                           std::vector<FetchSlot> views) {
-  if (state->abandoned) {  // the request is over already: they go back at once
-    return queue_release({state, std::move(views), /*views=*/true});
-  }
-  const bool first = views_held_ == 0;
-  if (first) renew_due_ = Deadline::after_ms(renew_period_ms());
-  views_held_ += views.size();
-  state->views = std::move(views);
-  return first;  // a loader starts renewing
-}
-
-bool Connector::release_views(const std::shared_ptr<RequestState>& state) {
-  if (state->views.empty()) return false;
-  views_held_ -= state->views.size();
-  std::vector<FetchSlot> views;
-  views.swap(state->views);
-  return queue_release({state, std::move(views), /*views=*/true});
-}
-
-// One renew call per producer for every view held; a view whose pin its producer refused
-// to renew is marked, so that loaded() no longer hands it out.
-void Connector::renew_views() {
-  std::vector<std::shared_ptr<RequestState>> holding;
-  std::vector<FetchSlot> views;  // copies: the requests may finish meanwhile
-  {
-    MutexLock lock(&mu_);
-    renew_due_ = Deadline::after_ms(renew_period_ms());
-    for (const auto& [id, state] : requests_) {
-      for (const FetchSlot& v : state->views) {
-        if (!v.status.ok()) continue;
-        holding.push_back(state);  // keeps the request the copy's item points into
-        views.push_back(v);
-      }
-    }
-  }
-  if (views.empty()) return;
-  std::vector<const FetchSlot*> ptrs;
-  for (const FetchSlot& v : views) ptrs.push_back(&v);
-  std::vector<Status> renewed;
-  try {
-    renewed = driver_->renew(ptrs, Deadline::after_ms(renew_period_ms()));
-  } catch (const std::exception& e) {
-    spdlog::error("connector {}: renewing {} views failed: {}", name(), views.size(), e.what());
-    return;
-  }
-  MutexLock lock(&mu_);
-  for (size_t i = 0; i < views.size() && i < renewed.size(); ++i) {
-    if (renewed[i].ok()) continue;
-    bool held = false;
-    for (FetchSlot& v : holding[i]->views) {
-      if (v.item != views[i].item) continue;
-      v.status = renewed[i];
-      held = true;
-    }
-    // One given back meanwhile (item_finished, request_finished) had its pin ended on
-    // purpose: no failure.
-    if (!held) continue;
-    view_renewals_failed_++;
-    spdlog::warn("connector {}: {}", name(), renewed[i].message());
-  }
-}
-
+// Loads only: what a load leaves held at producers is ReleaseBatcher's and HeldViews'
+// (producer_holdings.h), each on a thread of its own.
 void Connector::loader_loop() {
   while (true) {
     std::shared_ptr<RequestState> state;
     {
       MutexLock lock(&mu_);
-      // Views held: wake to renew them, besides the loads and releases.
-      auto ready = [this]() ECX_REQUIRES(mu_) {
-        return stopping_ || !queue_.empty() || !releases_.empty() ||
-               (views_held_ > 0 && renew_due_.expired());
-      };
-      if (views_held_ > 0) {
-        work_cv_.wait_until(&mu_, renew_due_.time_point(), ready);
-      } else {
-        work_cv_.wait(&mu_, ready);
-      }
-      // Past the drain deadline (stop() set it), what is still queued is dropped.
-      if (stopping_ && !releases_.empty() && drain_until_.expired()) {
-        spdlog::warn(
-            "connector {}: shutting down: {} queued releases dropped (their pins end "
-            "by lease)",
-            name(), releases_.size());
-        releases_.clear();
-      }
-      if (!stopping_ && !queue_.empty()) {
-        state = std::move(queue_.front());
-        queue_.pop_front();
-        lock.unlock();
-        run_load(state);  // catches what its driver throws (fetch_guarded)
-        continue;
-      }
-      if (!stopping_ && views_held_ > 0 && renew_due_.expired()) {
-        renew_due_ = Deadline::after_ms(renew_period_ms());  // one loader renews
-        lock.unlock();
-        renew_views();
-        continue;
-      }
-      // Releases go out once their batch is kReleaseBatchMs old (the loads finishing
-      // meanwhile join it, without waking anyone), and all before the loaders end: a
-      // connector shutting down gives back the pins it holds at producers rather than
-      // leave them to the lease.
-      if (!releases_.empty()) {
-        if (!stopping_ && !release_due_.expired()) {
-          work_cv_.wait_until(&mu_, release_due_.time_point());
-          continue;
-        }
-        std::vector<PendingRelease> batch;
-        batch.swap(releases_);
-        lock.unlock();
-        send_releases(std::move(batch));
-        continue;
-      }
-      if (stopping_) return;
+      work_cv_.wait(&mu_, [this]() ECX_REQUIRES(mu_) { return stopping_ || !queue_.empty(); });
+      if (stopping_) return;  // what is still queued ends with stop()
+      state = std::move(queue_.front());
+      queue_.pop_front();
     }
+    run_load(state);  // catches what its driver throws (fetch_guarded)
   }
 }
 
@@ -409,12 +287,11 @@ void Connector::finish(LoadJob& job) {
   load_us_total_ += static_cast<uint64_t>(job.outcome.load_ms * 1000);
   (job.outcome.status.ok() ? loads_ok_ : loads_failed_)++;
   bool abandoned = false;
-  bool wake_loader = false;
+  std::vector<FetchSlot> views;
+  for (const FetchSlot& slot : job.slots) {
+    if (slot.viewed) views.push_back(slot);
+  }
   {
-    std::vector<FetchSlot> views;
-    for (const FetchSlot& slot : job.slots) {
-      if (slot.viewed) views.push_back(slot);
-    }
     MutexLock lock(&mu_);
     state->outcome = job.outcome;
     state->pins = std::move(job.pins);
@@ -423,12 +300,13 @@ void Connector::finish(LoadJob& job) {
     abandoned = state->abandoned;
     if (abandoned) requests_.erase(state->request.request_id);
     // Queued with the outcome, not after it: a caller that sees the load done and shuts
-    // the connector down still has this release sent (the loaders drain it first; this
-    // thread is one of them). Views stay held until the request finishes.
-    wake_loader = queue_release({state, std::move(job.slots)});
-    if (!views.empty()) wake_loader |= hold_views(state, std::move(views));
+    // the connector down still has this release sent (stop() joins the loaders, this
+    // thread among them, before it drains the releases). Views stay held, and renewed,
+    // until the request finishes; request_finished takes them once it sees `done`.
+    releases_->push({request_of(state), std::move(job.slots)});
+    if (!views.empty() && (abandoned || !views_->hold(request_of(state), views)))
+      releases_->push({request_of(state), std::move(views), /*views=*/true});
   }
-  if (wake_loader) work_cv_.notify_one();
   done_cv_.notify_all();
   if (abandoned) {
     for (const ItemPin& p : state->pins) core_.consumer_cache()->unpin(p.pin_id).ignore_error();

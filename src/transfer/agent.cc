@@ -1,6 +1,7 @@
 #include "transfer/agent_impl.h"
 
 #include "transfer/memory.h"
+#include "transfer/server.h"
 #include "transfer/shm_backend.h"
 #include "transfer/tcp_backend.h"
 #include "transfer/ucx_backend.h"
@@ -51,8 +52,9 @@ void AgentImpl::reap_dead_peers() {
   }
 }
 
-Status AgentImpl::start() {
-  host_id_ = local_host_id();
+// The server's view of this agent: its metadata, its handlers, and the data frames its
+// backends serve.
+ServerHooks AgentImpl::server_hooks() {
   ServerHooks hooks;
   hooks.metadata = [this] { return metadata(); };
   hooks.deliver_notification = [this](Notification n) {
@@ -99,13 +101,21 @@ Status AgentImpl::start() {
     }
     if (handler) handler(peer);
   };
+  const ServeContext serving{
+      .config = &config_, .regions = &regions_, .stats = &stats_, .io = &serve_io_};
+  for (auto& engine : engines_) engine->add_services(hooks.services, serving);
+  return hooks;
+}
+
+Status AgentImpl::start() {
+  host_id_ = local_host_id();
   if (config_.enable_shm) engines_.push_back(make_shm_engine(config_));
   if (config_.ucx.enable) {
     ECX_ASSIGN_OR_RETURN(auto ucx, make_ucx_engine(config_));
     engines_.push_back(std::move(ucx));
   }
   engines_.push_back(make_tcp_engine(config_));
-  ECX_ASSIGN_OR_RETURN(server_, Server::start(config_, &regions_, &stats_, std::move(hooks)));
+  ECX_ASSIGN_OR_RETURN(server_, Server::start(config_, &regions_, &stats_, server_hooks()));
   server_->run();
   reaper_ = std::thread([this] { reap_dead_peers(); });
   return Status::Ok();
@@ -122,13 +132,20 @@ Result<LocalRegion> AgentImpl::register_memory(void* data, uint64_t length, Memo
                                                RegionAccess access) {
   if (data == nullptr || length == 0) return InvalidArgument("register_memory: empty buffer");
   // Checked first, so the refusal is the same with or without a GPU on this machine.
-  auto needs_ucx = [&] {
-    return Status(StatusCode::kFailedPrecondition,
-                  "register_memory: " + std::string(memory_kind_name(kind)) +
-                      " memory is reached only through the ucx backend, which agent " +
-                      config_.name + " does not enable (AgentConfig::ucx.enable)");
+  auto carried = [&](const RegionEntry* entry) {
+    for (const auto& e : engines_) {
+      if (e->carries(kind) && (entry == nullptr || entry->backends.contains(e->kind())))
+        return true;
+    }
+    return kind == MemoryKind::kHost;
   };
-  if (kind != MemoryKind::kHost && engine(Backend::kUcx) == nullptr) return needs_ucx();
+  auto not_carried = [&] {
+    return Status(StatusCode::kFailedPrecondition,
+                  "register_memory: no backend agent " + config_.name + " enables carries " +
+                      std::string(memory_kind_name(kind)) +
+                      " memory (device memory needs ucx: AgentConfig::ucx.enable)");
+  };
+  if (!carried(nullptr)) return not_carried();
   ECX_RETURN_IF_ERROR(check_memory_kind(data, length, kind));
   auto entry = std::make_shared<RegionEntry>();
   entry->data = static_cast<std::byte*>(data);
@@ -136,7 +153,7 @@ Result<LocalRegion> AgentImpl::register_memory(void* data, uint64_t length, Memo
   entry->kind = kind;
   entry->access = access;
   for (auto& engine : engines_) ECX_RETURN_IF_ERROR(engine->register_region(*entry));
-  if (kind != MemoryKind::kHost && !entry->backends.contains(Backend::kUcx)) return needs_ucx();
+  if (!carried(entry.get())) return not_carried();
   return regions_.add(std::move(entry));
 }
 
@@ -146,13 +163,8 @@ AgentMetadata AgentImpl::metadata() const {
   m.protocol_version = kProtocolVersion;
   m.compat_hash = config_.compat_hash;
   m.host_id = host_id_;
-  // The server's listeners carry the control connections (and the shm and tcp data).
-  if (server_ && !server_->shm_endpoint().empty()) {
-    m.endpoints[Backend::kShm] = server_->shm_endpoint();
-  }
-  if (server_ && !server_->tcp_endpoint().empty()) {
-    m.endpoints[Backend::kTcp] = server_->tcp_endpoint();
-  }
+  // The server's listeners carry the control connections (and the stream data).
+  if (server_) server_->describe(m);
   for (const auto& engine : engines_) engine->describe(m);
   m.regions = regions_.list();
   return m;

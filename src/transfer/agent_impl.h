@@ -98,7 +98,8 @@ class AgentImpl final : public Agent {
     return s;
   }
   void shutdown() override ECX_EXCLUDES(mu_);
-  void set_serve_io(ServeIo& io) { server_->set_serve_io(io); }
+  // How READ replies go out (serve_io.h), from the next one on; `io` outlives the agent.
+  void set_serve_io(ServeIo& io) { serve_io_.store(&io, std::memory_order_release); }
 
  private:
   Result<std::shared_ptr<Peer>> connected_peer(const std::string& name) const ECX_EXCLUDES(mu_);
@@ -106,8 +107,8 @@ class AgentImpl final : public Agent {
                                           Deadline deadline);
   Result<std::shared_ptr<Peer>> open_with(BackendEngine& engine, const AgentMetadata& meta,
                                           bool same_host, Deadline deadline);
-  Result<UniqueFd> dial_control(const AgentMetadata& meta, bool over_unix, Deadline deadline);
   BackendEngine* engine(Backend kind) const;
+  ServerHooks server_hooks();
   Result<TransferHandle> transfer(const std::string& peer,
                                   std::span<const TransferDescriptor> descriptors, bool write,
                                   std::optional<std::string> notification,
@@ -125,6 +126,7 @@ class AgentImpl final : public Agent {
   const AgentConfig config_;
   RegionTable regions_;
   StatsCounters stats_;
+  std::atomic<ServeIo*> serve_io_{&ServeIo::standard()};  // before server_: it reads it
   std::unique_ptr<Server> server_;
   // One engine per enabled backend, in the order `auto` tries them.
   std::vector<std::unique_ptr<BackendEngine>> engines_;

@@ -41,19 +41,6 @@ Result<std::shared_ptr<Peer>> AgentImpl::open_peer(const AgentMetadata& meta, Ba
   return last;
 }
 
-Result<UniqueFd> AgentImpl::dial_control(const AgentMetadata& meta, bool over_unix,
-                                         Deadline deadline) {
-  const Backend listener = over_unix ? Backend::kShm : Backend::kTcp;
-  const std::string& endpoint = meta.endpoint(listener);
-  if (endpoint.empty()) {
-    return Unavailable("agent '" + meta.name + "' has no " + std::string(backend_name(listener)) +
-                       " endpoint");
-  }
-  if (over_unix) return connect_unix(endpoint, deadline);
-  ECX_ASSIGN_OR_RETURN(HostPort address, parse_host_port(endpoint));
-  return connect_tcp(address, deadline);
-}
-
 // The control channel (unix or tcp, as the engine needs), then the engine's data path.
 Result<std::shared_ptr<Peer>> AgentImpl::open_with(BackendEngine& engine, const AgentMetadata& meta,
                                                    bool same_host, Deadline deadline) {
@@ -61,17 +48,17 @@ Result<std::shared_ptr<Peer>> AgentImpl::open_with(BackendEngine& engine, const 
   peer->name = meta.name;
   peer->backend = engine.kind();
   peer->connection_id = next_connection_id_.fetch_add(1);
-  const bool over_unix = engine.control_over_unix(meta, same_host);
   AgentMetadata self = metadata();
   self.session = session_with(meta.name);
-  ECX_ASSIGN_OR_RETURN(UniqueFd fd, dial_control(meta, over_unix, deadline));
+  ECX_ASSIGN_OR_RETURN(ControlSocket dialed, engine.dial_control(meta, same_host, deadline));
   auto on_death = [this, name = peer->name, id = peer->connection_id](const Status& reason) {
     on_peer_death(name, id, reason);
   };
   ECX_ASSIGN_OR_RETURN(
       peer->control,
       ControlChannel::open(
-          std::move(fd), over_unix, self, config_.auth_secret, deadline, std::move(on_death),
+          std::move(dialed.fd), dialed.unix_socket, self, config_.auth_secret, deadline,
+          std::move(on_death),
           // Another host's reply takes longer than a poll would last: the caller sleeps.
           std::chrono::microseconds(same_host ? std::clamp<int64_t>(config_.reply_spin_us, 0, 10000)
                                               : 0)));

@@ -3,7 +3,9 @@
 // peer and then only talks to these interfaces: it never branches on the backend.
 //
 //   BackendEngine (one per backend per agent): what the backend adds to the agent's
-//     metadata and regions, whether it reaches a peer, and open() -> DataPath.
+//     metadata and regions, the memory it carries, whether it reaches a peer, how its
+//     control connection is dialled, open() -> DataPath, and the frames the agent's
+//     server answers for its peers (its serving side, frame_service.h).
 //   DataPath (one per connected peer): submit a batch, optional zero-copy view, fail
 //     everything when the peer dies.
 #pragma once
@@ -15,8 +17,10 @@
 #include <string>
 
 #include "ecx/transfer/agent.h"
+#include "transfer/frame_service.h"
 #include "transfer/stats_counters.h"
 #include "transfer/transfer_state.h"
+#include "wire/socket.h"
 
 namespace ecx::transfer {
 
@@ -50,6 +54,12 @@ class DataPath {
   virtual void fail_all(const Status& reason) = 0;
 };
 
+// A control connection, connected, not yet shaken hands.
+struct ControlSocket {
+  UniqueFd fd;
+  bool unix_socket = false;  // file descriptors can come over it
+};
+
 // What an engine needs to open a data path to one peer.
 struct PeerLink {
   const AgentConfig* config = nullptr;
@@ -67,10 +77,16 @@ class BackendEngine {
   virtual Backend kind() const = 0;
   // Whether this backend can reach `peer` (which is on this host when `same_host`).
   virtual bool reaches(const AgentMetadata& peer, bool same_host) const = 0;
-  // Whether the control connection to `peer` goes over the unix socket (needed to pass
-  // file descriptors) rather than tcp.
-  virtual bool control_over_unix(const AgentMetadata& peer, bool same_host) const = 0;
+  // Whether its data paths carry memory of `kind` (host memory: every backend).
+  virtual bool carries(MemoryKind kind) const { return kind == MemoryKind::kHost; }
+  // The control connection to `peer`, connected (not yet shaken hands): over the peer's
+  // unix socket (dial_unix_control: same host, and it passes file descriptors) or its
+  // tcp port (dial_tcp_control).
+  virtual Result<ControlSocket> dial_control(const AgentMetadata& peer, bool same_host,
+                                             Deadline deadline) const = 0;
   virtual Result<std::shared_ptr<DataPath>> open(PeerLink link, Deadline deadline) = 0;
+  // Adds the frames its peers' data paths send to this agent's server.
+  virtual void add_services(FrameServices& /*services*/, const ServeContext& /*context*/) {}
 
   // Adds this backend's endpoints to the agent's metadata.
   virtual void describe(AgentMetadata& /*self*/) const {}
@@ -79,5 +95,9 @@ class BackendEngine {
   // Stops the engine's threads; data paths it opened are gone by then.
   virtual void stop() {}
 };
+
+// The peer's listeners, as its metadata announces them (Server::describe).
+Result<ControlSocket> dial_unix_control(const AgentMetadata& peer, Deadline deadline);
+Result<ControlSocket> dial_tcp_control(const AgentMetadata& peer, Deadline deadline);
 
 }  // namespace ecx::transfer

@@ -16,11 +16,7 @@
 namespace ecx::transfer {
 namespace {
 
-// A WRITE that fails validation is drained (to keep the stream in sync) up to this
-// size; a larger one closes the connection instead.
-constexpr uint64_t kMaxDrainBytes = 64ull << 20;
 constexpr int64_t kHelloTimeoutMs = 10000;
-constexpr int64_t kReplyTimeoutMs = 30000;
 
 // Bind attempts, each with a fresh name, before the unix listener gives up.
 constexpr int kUnixBindAttempts = 8;
@@ -45,19 +41,6 @@ Result<std::pair<UniqueFd, std::string>> listen_unix_unguessable(const std::stri
                            std::to_string(kUnixBindAttempts) + " names");
 }
 
-// Reads and drops `length` bytes (a refused WRITE's data); false if the stream broke.
-bool drain(int fd, uint64_t length) {
-  std::vector<char> sink(std::min<uint64_t>(length, 1 << 20));
-  for (uint64_t left = length; left > 0;) {
-    uint64_t n = std::min<uint64_t>(left, sink.size());
-    if (!recv_all(fd, sink.data(), n, Deadline::after_ms(kReplyTimeoutMs), "drain WRITE").ok()) {
-      return false;
-    }
-    left -= n;
-  }
-  return true;
-}
-
 FrameHeader reply_header(FrameType type, uint64_t id) {
   FrameHeader h;
   h.type = static_cast<uint16_t>(type);
@@ -77,7 +60,7 @@ Result<std::unique_ptr<Server>> Server::start(const AgentConfig& config, RegionT
   if (config.enable_shm) {
     ECX_ASSIGN_OR_RETURN(auto listener, listen_unix_unguessable(config.name));
     server->unix_listener_ = std::move(listener.first);
-    server->shm_endpoint_ = std::move(listener.second);
+    server->unix_endpoint_ = std::move(listener.second);
   }
   if (config.enable_tcp) {
     ECX_ASSIGN_OR_RETURN(auto listener, listen_tcp(config.tcp_host, config.tcp_port));
@@ -87,6 +70,11 @@ Result<std::unique_ptr<Server>> Server::start(const AgentConfig& config, RegionT
     server->tcp_endpoint_ = dialed + ":" + std::to_string(listener.second);
   }
   return server;
+}
+
+void Server::describe(AgentMetadata& self) const {
+  if (!unix_endpoint_.empty()) self.endpoints[Backend::kShm] = unix_endpoint_;
+  if (!tcp_endpoint_.empty()) self.endpoints[Backend::kTcp] = tcp_endpoint_;
 }
 
 void Server::run() {
@@ -266,114 +254,32 @@ void Server::serve(Connection* connection) {
 
 bool Server::handle_frame(Connection* connection, const Caller& caller, Frame& frame) {
   int fd = connection->fd.get();
-  const std::string& peer = caller.holder;
   const FrameHeader& h = frame.header;
+  const auto type = static_cast<FrameType>(h.type);
+  if (type == FrameType::kCall) return serve_call(fd, caller, h, frame.payload);
+  if (type == FrameType::kNotify) {
+    stats_->notifications_received++;
+    hooks_.deliver_notification(Notification{caller.name, std::move(frame.payload)});
+    return true;
+  }
+  auto service = hooks_.services.find(type);
+  if (service == hooks_.services.end()) {
+    stats_->rejected_requests++;
+    send_error(fd, h.id,
+               InvalidArgument(std::string("unexpected frame ") + frame_type_name(h.type) +
+                               " from agent " + caller.name))
+        .ignore_error();
+    return false;
+  }
   Capability capability;
   if (frame.payload.size() == capability.bytes.size()) {
     std::memcpy(capability.bytes.data(), frame.payload.data(), capability.bytes.size());
   }
-  switch (static_cast<FrameType>(h.type)) {
-    case FrameType::kRead:
-      return serve_read(fd, peer, h, capability);
-    case FrameType::kWrite:
-      return serve_write(fd, peer, h, capability);
-    case FrameType::kRegionQuery:
-      return serve_region_query(*connection, peer, h, capability);
-    case FrameType::kCall:
-      return serve_call(fd, caller, h, frame.payload);
-    case FrameType::kNotify:
-      stats_->notifications_received++;
-      hooks_.deliver_notification(Notification{caller.name, std::move(frame.payload)});
-      return true;
-    default:
-      stats_->rejected_requests++;
-      send_error(fd, h.id,
-                 InvalidArgument(std::string("unexpected frame ") + frame_type_name(h.type) +
-                                 " from agent " + caller.name))
-          .ignore_error();
-      return false;
-  }
-}
-
-Result<std::shared_ptr<RegionEntry>> Server::accessible_region(const std::string& peer,
-                                                               const FrameHeader& h,
-                                                               const Capability& capability,
-                                                               bool write) {
-  auto region = regions_->check_access(h.region, h.offset, h.length, write, peer, capability);
-  if (!region.ok()) stats_->rejected_requests++;
-  return region;
-}
-
-bool Server::serve_read(int fd, const std::string& peer, const FrameHeader& h,
-                        const Capability& capability) {
-  auto region = accessible_region(peer, h, capability, /*write=*/false);
-  if (!region.ok()) return send_error(fd, h.id, region.status()).ok();
-  // A peer that stops reading loses the connection, not a server thread.
-  Deadline reply_deadline = Deadline::after_ms(config_.data_timeout_ms);
-  FrameHeader reply = reply_header(FrameType::kReadData, h.id);
-  reply.length = h.length;
-  if (!send_frame(fd, reply, std::string(), reply_deadline).ok()) return false;
-  const std::byte* src = (*region)->data + h.offset;
-  return io_.load(std::memory_order_acquire)
-      ->send_read_data(fd, src, h.length, reply_deadline)
-      .ok();
-}
-
-bool Server::serve_write(int fd, const std::string& peer, const FrameHeader& h,
-                         const Capability& capability) {
-  auto region = regions_->begin_write(h.region, h.offset, h.length, peer, capability, fd);
-  if (!region.ok()) {
-    stats_->rejected_requests++;
-    // The refused data is drained to keep the stream in sync, up to kMaxDrainBytes.
-    if (h.length > kMaxDrainBytes) {
-      send_error(fd, h.id, region.status()).ignore_error();
-      return false;
-    }
-    if (!drain(fd, h.length)) return false;
-    return send_error(fd, h.id, region.status()).ok();
-  }
-  Status got = recv_all(fd, (*region)->data + h.offset, h.length,
-                        Deadline::after_ms(config_.data_timeout_ms), "receive WRITE data");
-  regions_->end_write(capability, fd);
-  if (!got.ok()) return false;  // stalled, hung up, or cut by a revoke: the stream is lost
-  return send_frame(fd, reply_header(FrameType::kWriteAck, h.id), std::string(),
-                    Deadline::after_ms(kReplyTimeoutMs))
-      .ok();
-}
-
-bool Server::serve_region_query(const Connection& connection, const std::string& peer,
-                                const FrameHeader& h, const Capability& capability) {
-  int fd = connection.fd.get();
-  if (Status allowed = regions_->check_region_grant(h.region, peer, capability); !allowed.ok()) {
-    stats_->rejected_requests++;
-    return send_error(fd, h.id, allowed).ok();
-  }
-  auto region = regions_->find(h.region);
-  if (!region) {
-    stats_->rejected_requests++;
-    return send_error(fd, h.id,
-                      NotFound("region " + std::to_string(h.region) + " on agent " + config_.name +
-                               ": no such region"))
-        .ok();
-  }
-  FrameHeader reply = reply_header(FrameType::kRegionInfo, h.id);
-  reply.region = h.region;
-  reply.length = region->length;
-  if (region->access.remote_write) reply.flags |= kRegionRemoteWrite;
-  if (region->access.remote_read) reply.flags |= kRegionRemoteRead;
-  const bool wants_data = (h.flags & kRegionQueryBackendData) != 0;
-  if (connection.unix_socket && region->memfd.valid() && !wants_data) {
-    reply.flags |= kRegionHasFd;
-    reply.magic = kFrameMagic;
-    return send_with_fd(fd, &reply, sizeof(reply), region->memfd.get()).ok();
-  }
-  // The backend's data of the region (empty when that backend did not register it).
-  std::string data;
-  if (wants_data) {
-    auto it = region->backends.find(static_cast<Backend>(h.flags >> 8));
-    if (it != region->backends.end()) data = it->second.data;
-  }
-  return send_frame(fd, reply, data, Deadline::after_ms(kReplyTimeoutMs)).ok();
+  return service->second({.fd = fd,
+                          .unix_socket = connection->unix_socket,
+                          .caller = &caller,
+                          .header = &h,
+                          .capability = &capability});
 }
 
 bool Server::serve_call(int fd, const Caller& caller, const FrameHeader& h,
@@ -391,7 +297,7 @@ bool Server::serve_call(int fd, const Caller& caller, const FrameHeader& h,
         .ok();
   }
   return send_frame(fd, reply_header(FrameType::kCallReply, h.id), *answer,
-                    Deadline::after_ms(kReplyTimeoutMs))
+                    Deadline::after_ms(kServeReplyTimeoutMs))
       .ok();
 }
 

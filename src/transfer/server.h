@@ -1,5 +1,7 @@
 // Server side of an agent: listens on an abstract unix socket (same-host peers, memfd
-// passing) and a TCP port, and serves each accepted connection on its own thread.
+// passing) and a TCP port, and serves each accepted connection on its own thread: the
+// handshake, calls and notifications here; every data frame by the service a backend
+// added for it (frame_service.h). It knows no backend.
 #pragma once
 
 #include <atomic>
@@ -12,8 +14,8 @@
 
 #include "ecx/common/mutex.h"
 #include "ecx/transfer/agent.h"
+#include "transfer/frame_service.h"
 #include "transfer/memory.h"
-#include "transfer/serve_io.h"
 #include "transfer/stats_counters.h"
 #include "wire/socket.h"
 #include "wire/wire.h"
@@ -26,6 +28,7 @@ struct ServerHooks {
   std::function<void(Notification)> deliver_notification;
   std::function<Result<std::string>(const Caller&, std::string_view)> handle_call;
   std::function<void(const std::string&)> peer_gone;  // the peer's holder identity
+  FrameServices services;  // the data frames served, as the backends added them
 };
 
 class Server {
@@ -38,12 +41,11 @@ class Server {
   // server (its endpoints) before the first peer arrives.
   void run();
 
-  const std::string& shm_endpoint() const { return shm_endpoint_; }
-  const std::string& tcp_endpoint() const { return tcp_endpoint_; }
+  // Announces the listeners in `self`: the unix socket as the shm endpoint (same-host
+  // peers dial it), the tcp port as the tcp endpoint.
+  void describe(AgentMetadata& self) const;
   // Closes listeners and every connection, and joins all threads.
   void stop() ECX_EXCLUDES(mu_);
-  // How READ replies go out (serve_io.h); `io` must outlive the server.
-  void set_serve_io(ServeIo& io) { io_.store(&io, std::memory_order_release); }
 
  private:
   struct Connection {
@@ -67,17 +69,6 @@ class Server {
   // Handles one request frame; returns false when the connection must close.
   // Grants are checked against `caller.holder`, the peer's authenticated identity.
   bool handle_frame(Connection* connection, const Caller& caller, Frame& frame);
-  // The region a READ or WRITE `h` may access; a refusal counts as a rejected request.
-  Result<std::shared_ptr<RegionEntry>> accessible_region(const std::string& peer,
-                                                         const FrameHeader& h,
-                                                         const Capability& capability, bool write);
-  // One per request type, as handle_frame: false when the connection must close.
-  bool serve_read(int fd, const std::string& peer, const FrameHeader& h,
-                  const Capability& capability) ECX_EXCLUDES(mu_);
-  bool serve_write(int fd, const std::string& peer, const FrameHeader& h,
-                   const Capability& capability);
-  bool serve_region_query(const Connection& connection, const std::string& peer,
-                          const FrameHeader& h, const Capability& capability);
   bool serve_call(int fd, const Caller& caller, const FrameHeader& h, std::string_view payload);
   void reap_finished() ECX_EXCLUDES(mu_);
 
@@ -87,7 +78,7 @@ class Server {
   const ServerHooks hooks_;
   UniqueFd unix_listener_;
   UniqueFd tcp_listener_;
-  std::string shm_endpoint_;
+  std::string unix_endpoint_;
   std::string tcp_endpoint_;
   std::thread unix_acceptor_;
   std::thread tcp_acceptor_;
@@ -96,7 +87,6 @@ class Server {
   CondVar stop_cv_;  // wakes the accept loop's back-off on stop
   bool stopping_ ECX_GUARDED_BY(mu_) = false;
   std::list<Connection> connections_ ECX_GUARDED_BY(mu_);
-  std::atomic<ServeIo*> io_{&ServeIo::standard()};
 };
 
 }  // namespace ecx::transfer

@@ -219,7 +219,15 @@ class ShmEngine final : public BackendEngine {
   bool reaches(const AgentMetadata& peer, bool same_host) const override {
     return same_host && !peer.endpoint(Backend::kShm).empty();
   }
-  bool control_over_unix(const AgentMetadata&, bool) const override { return true; }
+  // Same host only: the region's memfd comes over the unix socket.
+  Result<ControlSocket> dial_control(const AgentMetadata& peer, bool, Deadline d) const override {
+    return dial_unix_control(peer, d);
+  }
+  // Mappings come from REGION_QUERY's memfd; WRITEs go over a unix stream.
+  void add_services(FrameServices& services, const ServeContext& context) override {
+    add_region_query_service(services, context);
+    add_stream_service(services, context);
+  }
   Result<std::shared_ptr<DataPath>> open(PeerLink link, Deadline) override {
     std::string endpoint = link.peer.endpoint(Backend::kShm);
     auto writes = std::make_shared<TcpDataPool>(

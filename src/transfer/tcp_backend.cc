@@ -306,7 +306,12 @@ class TcpEngine final : public BackendEngine {
   bool reaches(const AgentMetadata& peer, bool) const override {
     return !peer.endpoint(Backend::kTcp).empty();
   }
-  bool control_over_unix(const AgentMetadata&, bool) const override { return false; }
+  Result<ControlSocket> dial_control(const AgentMetadata& peer, bool, Deadline d) const override {
+    return dial_tcp_control(peer, d);
+  }
+  void add_services(FrameServices& services, const ServeContext& context) override {
+    add_stream_service(services, context);
+  }
   Result<std::shared_ptr<DataPath>> open(PeerLink link, Deadline) override;
 
  private:

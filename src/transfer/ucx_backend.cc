@@ -314,8 +314,16 @@ class UcxEngine final : public BackendEngine {
   bool reaches(const AgentMetadata& peer, bool) const override {
     return !peer.endpoint(Backend::kUcx).empty();
   }
-  bool control_over_unix(const AgentMetadata& peer, bool same_host) const override {
-    return same_host && !peer.endpoint(Backend::kShm).empty();
+  // Device memory too, where it registered it (register_region).
+  bool carries(MemoryKind) const override { return true; }
+  Result<ControlSocket> dial_control(const AgentMetadata& peer, bool same_host,
+                                     Deadline d) const override {
+    if (same_host && !peer.endpoint(Backend::kShm).empty()) return dial_unix_control(peer, d);
+    return dial_tcp_control(peer, d);
+  }
+  // A region's rkey comes from REGION_QUERY's backend data.
+  void add_services(FrameServices& services, const ServeContext& context) override {
+    add_region_query_service(services, context);
   }
   Result<std::shared_ptr<DataPath>> open(PeerLink link, Deadline deadline) override;
   void describe(AgentMetadata& self) const override {

@@ -357,6 +357,40 @@ TEST(Bounds, ConnectionsOverTheCapAreRefusedWithAClearError) {
   ASSERT_TRUE(again.ok()) << again.to_string();
 }
 
+// The server answers the data frames its backends serve, and no other: a region query is
+// shm's (the memfd) and ucx's (the rkey), so an agent with neither refuses it, names it,
+// and closes the connection; with shm on, the same query is answered.
+TEST(Bounds, AServerAnswersOnlyTheDataFramesItsBackendsServe) {
+  for (bool shm : {false, true}) {
+    AgentConfig c = local_config(shm ? "with-shm" : "tcp-only");
+    c.enable_shm = shm;
+    auto server = std::move(Agent::create(c).value());
+    auto region = server->allocate(4096).value();
+    UniqueFd fd = raw_peer(*server, "asker");
+    ASSERT_TRUE(fd.valid());
+    FrameHeader h;
+    h.type = static_cast<uint16_t>(FrameType::kRegionQuery);
+    h.id = 7;
+    h.region = region.id;
+    ASSERT_TRUE(send_frame(fd.get(), h, std::string(), Deadline::after_ms(5000)).ok());
+    auto reply = recv_frame(fd.get(), Deadline::after_ms(5000));
+    ASSERT_TRUE(reply.ok()) << reply.status().to_string();
+    EXPECT_EQ(reply->header.id, 7u);
+    if (shm) {
+      EXPECT_EQ(reply->header.type, static_cast<uint16_t>(FrameType::kRegionInfo));
+      EXPECT_EQ(reply->header.length, 4096u);
+      continue;
+    }
+    ASSERT_EQ(reply->header.type, static_cast<uint16_t>(FrameType::kError));
+    Status refused = status_from_error_frame(*reply);
+    EXPECT_EQ(refused.code(), StatusCode::kInvalidArgument) << refused.to_string();
+    EXPECT_TRUE(contains(refused, "unexpected frame")) << refused.to_string();
+    EXPECT_FALSE(recv_frame(fd.get(), Deadline::after_ms(5000)).ok())
+        << "the connection stays open";
+    EXPECT_GE(server->stats().rejected_requests, 1u);
+  }
+}
+
 TEST(Bounds, AnIdleConnectionIsClosedAfterTheHandshake) {
   AgentConfig c = local_config("server");
   c.idle_timeout_ms = 200;

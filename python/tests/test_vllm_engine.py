@@ -14,6 +14,7 @@ recompute) of the tiny Qwen2-VL, next to a single instance that is the reference
   are counted, and end in a local encode with the right text."""
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -193,8 +194,12 @@ def test_ecx_proxy_in_front_of_vllm_moves_the_embeddings(epd, reference, ecx_bin
     e, pd = epd
     loads = metric(pd.metrics(), "vllm:ecx_loads_total")
     with EcxStack(ecx_binary, tmp_path) as stack:
+        # No --model, as QUICKSTART runs it: the proxy serves what the PD lists at
+        # /v1/models (tiny-vlm, its --served-model-name).
         proxy = stack.start("proxy", "--upstream-api", "vllm", "--encoders", e.url,
-                            "--pd", pd.url, "--model", "tiny-vlm")
+                            "--pd", pd.url)
+        with urllib.request.urlopen(proxy.url + "/v1/models", timeout=30) as r:
+            assert [m["id"] for m in json.load(r)["data"]] == ["tiny-vlm"]
         # Images, and a video beside an image: every media part goes to E, keyed by its
         # content hash, and the PD loads each.
         for i in (0, 2, 3, fresh_video(63, frames=16, with_image=True)):

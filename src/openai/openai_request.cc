@@ -243,11 +243,11 @@ std::optional<RequestError> read_max_tokens(const JsonReader& r, int limit, Chat
 // Everything but the messages: model, stream, stream_options, max_tokens, ignore_eos,
 // ec_transfer_params.
 std::optional<RequestError> read_options(const JsonReader& r, const CommonServiceConfig& config,
-                                         ChatRequest* out) {
+                                         ModelCheck check, ChatRequest* out) {
   auto model = r.string("model", Presence::kRequired, kAnyLength);
   if (!model.ok()) return bad(model.status());
   out->model = std::move(*model);
-  if (out->model != config.model) {
+  if (check == ModelCheck::kServed && out->model != config.model) {
     return RequestError{400, "model_not_found",
                         "model '" + out->model.substr(0, 100) + "' is not served here (this is '" +
                             config.model + "')"};
@@ -274,10 +274,10 @@ std::optional<RequestError> read_options(const JsonReader& r, const CommonServic
 
 std::optional<RequestError> parse_chat_request(const std::string& body,
                                                const CommonServiceConfig& config, ChatRequest* out,
-                                               PartPolicy policy) {
+                                               PartPolicy policy, ModelCheck model) {
   auto doc = parse_chat_body(body, config);
   if (!doc.ok()) return bad(doc.status());
-  return parse_chat_document(std::move(*doc), config, out, policy);
+  return parse_chat_document(std::move(*doc), config, out, policy, model);
 }
 
 Result<json> parse_chat_body(const std::string& body, const CommonServiceConfig& config) {
@@ -285,10 +285,11 @@ Result<json> parse_chat_body(const std::string& body, const CommonServiceConfig&
 }
 
 std::optional<RequestError> parse_chat_document(json body, const CommonServiceConfig& config,
-                                                ChatRequest* out, PartPolicy policy) {
+                                                ChatRequest* out, PartPolicy policy,
+                                                ModelCheck model) {
   out->raw = std::move(body);
   JsonReader request(out->raw, "request");
-  if (auto err = read_options(request, config, out)) return err;
+  if (auto err = read_options(request, config, model, out)) return err;
   auto messages = request.array("messages", Presence::kRequired);
   if (!messages.ok() || (*messages)->empty()) return bad("'messages' must be a non-empty array");
   for (size_t i = 0; i < (*messages)->size(); ++i) {

@@ -76,9 +76,13 @@ struct ChatRequest {
 // resolves media to bytes. Errors carry the HTTP status to answer with: 400 for a
 // malformed request or a part `policy` does not take, 413 past a limit (max_images counts
 // every media item; max_image_bytes bounds each).
+// `model`: kServed refuses a model other than config.model (400 model_not_found); kAny
+// leaves the check to the caller.
+enum class ModelCheck { kServed, kAny };
 std::optional<RequestError> parse_chat_request(const std::string& body,
                                                const CommonServiceConfig& config, ChatRequest* out,
-                                               PartPolicy policy = PartPolicy::kReferenceEngine);
+                                               PartPolicy policy = PartPolicy::kReferenceEngine,
+                                               ModelCheck model = ModelCheck::kServed);
 
 // The body as a JSON object, within the service's size and nesting limits: the first
 // half of parse_chat_request, for a caller that adjusts the document before the second.
@@ -86,7 +90,8 @@ Result<nlohmann::json> parse_chat_body(const std::string& body, const CommonServ
 // The second half: validates an object from parse_chat_body.
 std::optional<RequestError> parse_chat_document(nlohmann::json body,
                                                 const CommonServiceConfig& config, ChatRequest* out,
-                                                PartPolicy policy = PartPolicy::kReferenceEngine);
+                                                PartPolicy policy = PartPolicy::kReferenceEngine,
+                                                ModelCheck model = ModelCheck::kServed);
 
 // The size of every image part of `chat` (each occurrence), read from its header under
 // `config`'s limits: what the chat's images cost the context before any is decoded. An

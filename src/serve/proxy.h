@@ -128,6 +128,9 @@ class Proxy {
   // True when the members changed.
   bool apply_membership(const std::vector<directory::Instance>& instances);
 
+  // The models the PDs of `members` said they serve (learn_model), each once.
+  static std::vector<std::string> served_models(const UpstreamMembers& members);
+  std::vector<std::string> served_models() const { return served_models(*upstreams_.snapshot()); }
   // POST /v1/chat/completions (an async route): answers through `reply`.
   void handle_chat(std::shared_ptr<HttpRequest> req, std::shared_ptr<AsyncReply> reply);
   HealthReport health() const;
@@ -144,6 +147,9 @@ class Proxy {
   Detached chat(Call call);
   // Parses the body into call.chat (the body is let go); a 400 for what is wrong.
   std::optional<RequestError> parse(ChatCall& call);
+  // learn_model: the request's model must be one its PDs serve.
+  static std::optional<RequestError> check_learnt_model(const std::string& model,
+                                                        const UpstreamMembers& members);
 
   // Rebuilds every content part of `call.forward` from what was read (a part's type and
   // its data, media as data URLs: a client's other keys, a uuid above all, never reach a

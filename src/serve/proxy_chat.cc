@@ -167,10 +167,40 @@ std::optional<RequestError> Proxy::parse(ChatCall& call) {
   call.body_bytes = body.size();
   const PartPolicy parts =
       config_.upstream_api == UpstreamApi::kVllm ? PartPolicy::kVllm : PartPolicy::kReferenceEngine;
-  if (auto err = parse_chat_request(body, config_.common, &call.chat, parts)) return err;
+  const ModelCheck check = config_.learn_model ? ModelCheck::kAny : ModelCheck::kServed;
+  if (auto err = parse_chat_request(body, config_.common, &call.chat, parts, check)) return err;
   call.members = upstreams_.snapshot();
+  if (config_.learn_model) {
+    if (auto err = check_learnt_model(call.chat.model, *call.members)) return err;
+  }
   call.forward = std::move(call.chat.raw);
   return std::nullopt;
+}
+
+std::vector<std::string> Proxy::served_models(const UpstreamMembers& members) {
+  std::vector<std::string> out;
+  for (const auto& pd : members.pds) {
+    for (auto& m : pd->models()) {
+      if (std::find(out.begin(), out.end(), m) == out.end()) out.push_back(std::move(m));
+    }
+  }
+  return out;
+}
+
+// A model one of the PDs said it serves (GET /v1/models, asked by the prober); a 503
+// while none has said yet.
+std::optional<RequestError> Proxy::check_learnt_model(const std::string& model,
+                                                      const UpstreamMembers& members) {
+  const std::vector<std::string> served = served_models(members);
+  if (served.empty()) {
+    return RequestError{503, "model_not_known_yet",
+                        "no PD has answered GET /v1/models yet, so the proxy does not know the "
+                        "served model; retry, or start the proxy with --model"};
+  }
+  if (std::find(served.begin(), served.end(), model) != served.end()) return std::nullopt;
+  return RequestError{400, "model_not_found",
+                      "model '" + model.substr(0, 100) + "' is not served here (the PDs serve " +
+                          nlohmann::json(served).dump() + ")"};
 }
 
 Await<std::vector<ImageEncode>> Proxy::encode_all(std::vector<ImageJob> jobs) {

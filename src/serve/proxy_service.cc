@@ -198,6 +198,11 @@ int run_proxy_service(const ProxyServiceConfig& config) {
     std::cerr << "ecx serve proxy: --pd needs at least one URL (or --etcd, to find PDs there)\n";
     return 2;
   }
+  if (config.learn_model && !config.directory.etcd.empty()) {
+    std::cerr << "ecx serve proxy: --etcd needs --model: instances register under their "
+                 "model's name, which the proxy must know before it finds them\n";
+    return 2;
+  }
   auto secret = load_secret(config.auth_token, config.auth_token_file);
   if (!secret.ok()) {
     std::cerr << "ecx serve proxy: " << secret.status().message() << "\n";
@@ -218,7 +223,8 @@ int run_proxy_service(const ProxyServiceConfig& config) {
   Proxy proxy(config, std::move(*encoders), std::move(*pds));
   // Probed every 250 ms until the server has stopped (the prober is destroyed after it),
   // following membership.
-  UpstreamProber prober(proxy.probed(), UpstreamProber::Options{.secret = *secret});
+  UpstreamProber prober(proxy.probed(), UpstreamProber::Options{
+                                            .secret = *secret, .learn_models = config.learn_model});
   // Requests run at once (each waits on E and PD without a thread); the rest queue.
   HttpServer server(config.common, "proxy", 64);
   server.async_work("POST", "/v1/chat/completions",
@@ -231,6 +237,16 @@ int run_proxy_service(const ProxyServiceConfig& config) {
   add_common_routes(
       server, config.common, "proxy", secured, [&] { return proxy.render_metrics(); },
       [&] { return proxy.health(); });
+  if (config.learn_model) {  // what the PDs serve, not common.model
+    server.fast("GET", "/v1/models", [&proxy](const HttpRequest&, HttpResponse& res) {
+      nlohmann::json data = nlohmann::json::array();
+      for (const auto& m : proxy.served_models()) {
+        data.push_back({{"id", m}, {"object", "model"}, {"created", 0}, {"owned_by", "ecx"}});
+      }
+      res.set_content(nlohmann::json{{"object", "list"}, {"data", data}}.dump(),
+                      "application/json");
+    });
+  }
   // Declared after what its callback uses: it stops first.
   std::unique_ptr<directory::MembershipWatcher> watcher;
   if (etcd) watcher = watch_membership(config, std::move(*etcd), *secret, proxy, prober);

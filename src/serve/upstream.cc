@@ -31,6 +31,16 @@ void Upstream::mark_up(const std::string& note) {
   last_error_ = note;
 }
 
+std::vector<std::string> Upstream::models() const {
+  MutexLock lock(&mu_);
+  return models_;
+}
+
+void Upstream::set_models(std::vector<std::string> models) {
+  MutexLock lock(&mu_);
+  models_ = std::move(models);
+}
+
 namespace {
 
 // GET `target` at host:port, bounded by the probe's timeouts.
@@ -73,6 +83,24 @@ Status challenge(http::HttpClient& client, Upstream& upstream,
   return Status::Ok();
 }
 
+// The ids an OpenAI server lists at GET /v1/models ({"data": [{"id": ...}, ...]}), at most
+// 64 of at most 256 bytes each; none when it answers otherwise.
+std::vector<std::string> ask_models(http::HttpClient& client, const Upstream& upstream,
+                                    const UpstreamProber::Options& options) {
+  std::vector<std::string> out;
+  auto res = probe_get(client, upstream.host, upstream.port, "/v1/models", options);
+  if (!res.ok() || res.status != 200) return out;
+  auto doc = nlohmann::json::parse(res.body, nullptr, false);
+  if (!doc.is_object() || !doc["data"].is_array()) return out;
+  for (const auto& entry : doc["data"]) {
+    if (out.size() == 64) break;
+    if (!entry.is_object() || !entry.contains("id") || !entry["id"].is_string()) continue;
+    const auto& id = entry["id"].get_ref<const std::string&>();
+    if (!id.empty() && id.size() <= 256) out.push_back(id);
+  }
+  return out;
+}
+
 }  // namespace
 
 void probe_upstream(http::HttpClient& client, Upstream& upstream,
@@ -95,6 +123,14 @@ void probe_upstream(http::HttpClient& client, Upstream& upstream,
   if (res.ok()) {
     if (res.status == 200) {
       upstream.mark_up();
+      if (options.learn_models && upstream.role == "pd" && upstream.models().empty()) {
+        auto models = ask_models(client, upstream, options);
+        if (!models.empty()) {
+          spdlog::info("event=models_learnt url={} models={}", upstream.url,
+                       nlohmann::json(models).dump());
+          upstream.set_models(std::move(models));
+        }
+      }
     } else {
       upstream.mark_down("/health answered " + std::to_string(res.status) + ": " +
                          res.body.substr(0, 200));

@@ -55,12 +55,17 @@ class Upstream {
   void mark_down(const std::string& error) ECX_EXCLUDES(mu_);
   // Up: it accepted a connection. `note` says what was odd about it (a slow answer).
   void mark_up(const std::string& note = "") ECX_EXCLUDES(mu_);
+  // The models it serves (its GET /v1/models), once the prober asked: PDs, for a proxy
+  // that learns its model (ProxyServiceConfig::learn_model). Empty until then.
+  std::vector<std::string> models() const ECX_EXCLUDES(mu_);
+  void set_models(std::vector<std::string> models) ECX_EXCLUDES(mu_);
 
  private:
   std::atomic<bool> reachable_{false};
   std::atomic<bool> proven_{false};
   mutable Mutex mu_;
   std::string last_error_ ECX_GUARDED_BY(mu_);
+  std::vector<std::string> models_ ECX_GUARDED_BY(mu_);
 };
 
 using UpstreamList = std::vector<std::shared_ptr<Upstream>>;
@@ -84,6 +89,8 @@ class UpstreamProber {
     std::chrono::milliseconds read_timeout{500};
     int threads = 4;
     std::string secret;  // the deployment secret, to check members' proofs
+    // Ask each PD that answers /health for its models (GET /v1/models) until it tells them.
+    bool learn_models = false;
   };
 
   UpstreamProber(std::vector<std::shared_ptr<Upstream>> upstreams, Options options);

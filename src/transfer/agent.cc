@@ -115,7 +115,7 @@ Status AgentImpl::start() {
     engines_.push_back(std::move(ucx));
   }
   engines_.push_back(make_tcp_engine(config_));
-  ECX_ASSIGN_OR_RETURN(server_, Server::start(config_, &regions_, &stats_, server_hooks()));
+  ECX_ASSIGN_OR_RETURN(server_, Server::start(config_, &stats_, server_hooks()));
   server_->run();
   reaper_ = std::thread([this] { reap_dead_peers(); });
   return Status::Ok();

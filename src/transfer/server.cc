@@ -50,13 +50,12 @@ FrameHeader reply_header(FrameType type, uint64_t id) {
 
 }  // namespace
 
-Server::Server(const AgentConfig& config, RegionTable* regions, StatsCounters* stats,
-               ServerHooks hooks)
-    : config_(config), regions_(regions), stats_(stats), hooks_(std::move(hooks)) {}
+Server::Server(const AgentConfig& config, StatsCounters* stats, ServerHooks hooks)
+    : config_(config), stats_(stats), hooks_(std::move(hooks)) {}
 
-Result<std::unique_ptr<Server>> Server::start(const AgentConfig& config, RegionTable* regions,
-                                              StatsCounters* stats, ServerHooks hooks) {
-  std::unique_ptr<Server> server(new Server(config, regions, stats, std::move(hooks)));
+Result<std::unique_ptr<Server>> Server::start(const AgentConfig& config, StatsCounters* stats,
+                                              ServerHooks hooks) {
+  std::unique_ptr<Server> server(new Server(config, stats, std::move(hooks)));
   if (config.enable_shm) {
     ECX_ASSIGN_OR_RETURN(auto listener, listen_unix_unguessable(config.name));
     server->unix_listener_ = std::move(listener.first);

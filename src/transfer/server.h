@@ -33,8 +33,8 @@ struct ServerHooks {
 
 class Server {
  public:
-  static Result<std::unique_ptr<Server>> start(const AgentConfig& config, RegionTable* regions,
-                                               StatsCounters* stats, ServerHooks hooks);
+  static Result<std::unique_ptr<Server>> start(const AgentConfig& config, StatsCounters* stats,
+                                               ServerHooks hooks);
   ~Server();  // stop()
 
   // Starts accepting connections. Separate from start() so the owner can publish the
@@ -60,7 +60,7 @@ class Server {
     bool finished = false;
   };
 
-  Server(const AgentConfig& config, RegionTable* regions, StatsCounters* stats, ServerHooks hooks);
+  Server(const AgentConfig& config, StatsCounters* stats, ServerHooks hooks);
   void accept_loop(int listen_fd, bool unix_socket) ECX_EXCLUDES(mu_);
   void make_room_for_handshake_locked(bool unix_socket) ECX_REQUIRES(mu_);
   // Handshake done, not finished.
@@ -73,7 +73,6 @@ class Server {
   void reap_finished() ECX_EXCLUDES(mu_);
 
   const AgentConfig config_;
-  RegionTable* const regions_;
   StatsCounters* const stats_;
   const ServerHooks hooks_;
   UniqueFd unix_listener_;

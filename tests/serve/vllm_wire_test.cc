@@ -304,6 +304,14 @@ class FakeUpstream {
                    res.set_content(body, "application/json");
                  });
   }
+  // Lists `model` at GET /v1/models, as vLLM does.
+  void serve_model(const std::string& model) {
+    server_.Get("/v1/models", [model](const httplib::Request&, httplib::Response& res) {
+      res.set_content(json{{"object", "list"}, {"data", {{{"id", model}, {"object", "model"}}}}}
+                          .dump(),
+                      "application/json");
+    });
+  }
   // The bodies POSTed to `path`, once there are `n` (or what there is after 10 s).
   std::vector<std::string> received(const std::string& path, size_t n) {
     std::unique_lock lock(mu_);
@@ -322,10 +330,62 @@ class FakeUpstream {
 
 // Starts `encoder` and `pd` (their answers set) and a proxy in vllm mode in front of them.
 Result<std::string> start_vllm_proxy(Services& services, FakeUpstream& encoder, FakeUpstream& pd) {
+  pd.serve_model("ecx-tiny-vl");
   encoder.start();
   pd.start();
   return services.start({"proxy", "--port", "0", "--encoders", encoder.url(), "--pd", pd.url(),
                          "--upstream-api", "vllm"});
+}
+
+// In front of vLLM, a proxy told no --model serves what its PDs list at GET /v1/models (a
+// client names the model vLLM serves, not ecx's default); until a PD has said, a request
+// gets a 503 that names the fix.
+TEST_F(VllmWireTest, AProxyInFrontOfVllmLearnsTheServedModelFromItsPds) {
+  const std::string served = "Qwen/Qwen2.5-VL-3B-Instruct";
+  FakeUpstream encoder, pd, silent_pd;
+  encoder.answer("/v1/chat/completions", 200,
+                 json{{"object", "chat.completion"}, {"ec_transfer_params", json::object()}}.dump());
+  pd.answer("/v1/chat/completions", 200, R"({"object":"chat.completion","choices":[]})");
+  pd.serve_model(served);
+  encoder.start();
+  pd.start();
+  silent_pd.start();
+  Services services;
+  auto proxy = services.start({"proxy", "--port", "0", "--encoders", encoder.url(), "--pd",
+                               pd.url(), "--upstream-api", "vllm"});
+  ASSERT_TRUE(proxy.ok()) << proxy.status().to_string();
+  httplib::Client cli(*proxy);
+  auto models = cli.Get("/v1/models");
+  ASSERT_TRUE(models);
+  json listed = json::parse(models->body, nullptr, false);
+  ASSERT_TRUE(listed.is_object()) << models->body;
+  ASSERT_EQ(listed["data"].size(), 1u) << models->body;
+  EXPECT_EQ(listed["data"][0]["id"], served);
+
+  json chat = {{"model", served},
+               {"messages", {{{"role", "user"}, {"content", "hello"}}}},
+               {"max_tokens", 4}};
+  auto ok = post(*proxy, "/v1/chat/completions", chat);
+  ASSERT_TRUE(ok);
+  EXPECT_EQ(ok->status, 200) << ok->body;
+  EXPECT_EQ(pd.received("/v1/chat/completions", 1).size(), 1u);
+
+  chat["model"] = "ecx-tiny-vl";
+  auto other = post(*proxy, "/v1/chat/completions", chat);
+  ASSERT_TRUE(other);
+  EXPECT_EQ(other->status, 400) << other->body;
+  EXPECT_NE(other->body.find("model_not_found"), std::string::npos) << other->body;
+  EXPECT_NE(other->body.find(served), std::string::npos) << "names what is served: " << other->body;
+
+  // A PD that lists no model: nothing is known, and the client is told how to fix it.
+  auto blind = services.start({"proxy", "--port", "0", "--encoders", encoder.url(), "--pd",
+                               silent_pd.url(), "--upstream-api", "vllm"});
+  ASSERT_TRUE(blind.ok()) << blind.status().to_string();
+  chat["model"] = served;
+  auto unknown = post(*blind, "/v1/chat/completions", chat);
+  ASSERT_TRUE(unknown);
+  EXPECT_EQ(unknown->status, 503) << unknown->body;
+  EXPECT_NE(unknown->body.find("--model"), std::string::npos) << unknown->body;
 }
 
 TEST_F(VllmWireTest, AProxyInVllmModeSpeaksVllmsShapeAndForwardsTheParamsUnchanged) {

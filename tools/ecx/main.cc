@@ -292,8 +292,10 @@ void add_proxy_command(CLI::App* serve, ServeCommands& cmds, std::string& log_le
       ->check(CLI::IsMember({"content", "round-robin"}))
       ->capture_default_str()
       ->envname("ECX_ENCODER_ROUTING");
-  s->callback([&cmds, &log_level, exit_code] {
+  s->callback([s, &cmds, &log_level, exit_code] {
     cmds.proxy.common.log_level = log_level;
+    // In front of vLLM, the served model is what the PDs say it is unless told.
+    cmds.proxy.learn_model = cmds.upstream_api == "vllm" && s->get_option("--model")->empty();
     cmds.proxy.encoders = split_urls(cmds.encoder_urls);
     cmds.proxy.pd = split_urls(cmds.pd_urls);
     cmds.proxy.upstream_api = cmds.upstream_api == "vllm" ? ecx::serve::UpstreamApi::kVllm

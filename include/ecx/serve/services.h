@@ -121,6 +121,10 @@ struct ProxyServiceConfig {
   std::string auth_token_file;
   int64_t encode_timeout_ms = 30000;    // proxy -> E, per image
   int64_t request_timeout_ms = 120000;  // proxy -> PD
+  // The served model is learnt from the PDs (GET /v1/models, by the prober) rather than
+  // common.model: a request must name one of the models its PDs serve (`ecx serve proxy
+  // --upstream-api vllm` without --model).
+  bool learn_model = false;
 };
 
 // The sidecar (`ecx serve sidecar`) of an engine that cannot join ecx's membership

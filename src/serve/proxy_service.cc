@@ -181,6 +181,40 @@ std::unique_ptr<directory::MembershipWatcher> watch_membership(const ProxyServic
   return watcher;
 }
 
+// Where the proxy finds its PDs and its model, as the flags say: an error names the flag.
+Status check_upstream_flags(const ProxyServiceConfig& config, bool no_static_pd) {
+  if (no_static_pd && config.directory.etcd.empty())
+    return InvalidArgument("--pd needs at least one URL (or --etcd, to find PDs there)");
+  if (config.learn_model && !config.directory.etcd.empty()) {
+    return InvalidArgument(
+        "--etcd needs --model: instances register under their model's name, which the proxy "
+        "must know before it finds them");
+  }
+  return Status::Ok();
+}
+
+void add_proxy_routes(HttpServer& server, Proxy& proxy, const ProxyServiceConfig& config,
+                      bool secured) {
+  server.async_work("POST", "/v1/chat/completions",
+                    [&](std::shared_ptr<HttpRequest> req, std::shared_ptr<AsyncReply> reply) {
+                      proxy.handle_chat(std::move(req), std::move(reply));
+                    });
+  server.fast("GET", "/v1/upstreams", [&](const HttpRequest&, HttpResponse& res) {
+    res.set_content(proxy.upstreams_json(), "application/json");
+  });
+  add_common_routes(
+      server, config.common, "proxy", secured, [&] { return proxy.render_metrics(); },
+      [&] { return proxy.health(); });
+  if (!config.learn_model) return;
+  server.fast("GET", "/v1/models", [&proxy](const HttpRequest&, HttpResponse& res) {
+    nlohmann::json data = nlohmann::json::array();  // what the PDs serve, not common.model
+    for (const auto& m : proxy.served_models()) {
+      data.push_back({{"id", m}, {"object", "model"}, {"created", 0}, {"owned_by", "ecx"}});
+    }
+    res.set_content(nlohmann::json{{"object", "list"}, {"data", data}}.dump(), "application/json");
+  });
+}
+
 }  // namespace
 
 int run_proxy_service(const ProxyServiceConfig& config) {
@@ -189,18 +223,11 @@ int run_proxy_service(const ProxyServiceConfig& config) {
   const bool secured = announce_secret("proxy", config.auth_token, config.auth_token_file);
   auto encoders = make_upstreams(config.encoders, "encoder");
   auto pds = make_upstreams(config.pd, "pd");
-  if (!encoders.ok() || !pds.ok()) {
-    std::cerr << "ecx serve proxy: " << (encoders.ok() ? pds.status() : encoders.status()).message()
-              << "\n";
-    return 2;
-  }
-  if (pds->empty() && config.directory.etcd.empty()) {
-    std::cerr << "ecx serve proxy: --pd needs at least one URL (or --etcd, to find PDs there)\n";
-    return 2;
-  }
-  if (config.learn_model && !config.directory.etcd.empty()) {
-    std::cerr << "ecx serve proxy: --etcd needs --model: instances register under their "
-                 "model's name, which the proxy must know before it finds them\n";
+  Status usable = !encoders.ok() ? encoders.status()
+                  : !pds.ok()    ? pds.status()
+                                 : check_upstream_flags(config, pds->empty());
+  if (!usable.ok()) {
+    std::cerr << "ecx serve proxy: " << usable.message() << "\n";
     return 2;
   }
   auto secret = load_secret(config.auth_token, config.auth_token_file);
@@ -227,26 +254,7 @@ int run_proxy_service(const ProxyServiceConfig& config) {
                                             .secret = *secret, .learn_models = config.learn_model});
   // Requests run at once (each waits on E and PD without a thread); the rest queue.
   HttpServer server(config.common, "proxy", 64);
-  server.async_work("POST", "/v1/chat/completions",
-                    [&](std::shared_ptr<HttpRequest> req, std::shared_ptr<AsyncReply> reply) {
-                      proxy.handle_chat(std::move(req), std::move(reply));
-                    });
-  server.fast("GET", "/v1/upstreams", [&](const HttpRequest&, HttpResponse& res) {
-    res.set_content(proxy.upstreams_json(), "application/json");
-  });
-  add_common_routes(
-      server, config.common, "proxy", secured, [&] { return proxy.render_metrics(); },
-      [&] { return proxy.health(); });
-  if (config.learn_model) {  // what the PDs serve, not common.model
-    server.fast("GET", "/v1/models", [&proxy](const HttpRequest&, HttpResponse& res) {
-      nlohmann::json data = nlohmann::json::array();
-      for (const auto& m : proxy.served_models()) {
-        data.push_back({{"id", m}, {"object", "model"}, {"created", 0}, {"owned_by", "ecx"}});
-      }
-      res.set_content(nlohmann::json{{"object", "list"}, {"data", data}}.dump(),
-                      "application/json");
-    });
-  }
+  add_proxy_routes(server, proxy, config, secured);
   // Declared after what its callback uses: it stops first.
   std::unique_ptr<directory::MembershipWatcher> watcher;
   if (etcd) watcher = watch_membership(config, std::move(*etcd), *secret, proxy, prober);

@@ -307,9 +307,9 @@ class FakeUpstream {
   // Lists `model` at GET /v1/models, as vLLM does.
   void serve_model(const std::string& model) {
     server_.Get("/v1/models", [model](const httplib::Request&, httplib::Response& res) {
-      res.set_content(json{{"object", "list"}, {"data", {{{"id", model}, {"object", "model"}}}}}
-                          .dump(),
-                      "application/json");
+      res.set_content(
+          json{{"object", "list"}, {"data", {{{"id", model}, {"object", "model"}}}}}.dump(),
+          "application/json");
     });
   }
   // The bodies POSTed to `path`, once there are `n` (or what there is after 10 s).
@@ -343,8 +343,9 @@ Result<std::string> start_vllm_proxy(Services& services, FakeUpstream& encoder, 
 TEST_F(VllmWireTest, AProxyInFrontOfVllmLearnsTheServedModelFromItsPds) {
   const std::string served = "Qwen/Qwen2.5-VL-3B-Instruct";
   FakeUpstream encoder, pd, silent_pd;
-  encoder.answer("/v1/chat/completions", 200,
-                 json{{"object", "chat.completion"}, {"ec_transfer_params", json::object()}}.dump());
+  encoder.answer(
+      "/v1/chat/completions", 200,
+      json{{"object", "chat.completion"}, {"ec_transfer_params", json::object()}}.dump());
   pd.answer("/v1/chat/completions", 200, R"({"object":"chat.completion","choices":[]})");
   pd.serve_model(served);
   encoder.start();

@@ -1,6 +1,6 @@
 // The results of `ecx bench transfer`: one row per case, the baselines measured in the
 // same run (memcpy, tcp-socket, ucx_perftest), and how they are printed and written as
-// JSON (the schema is in docs/BENCHMARKS.md, §1).
+// JSON (the schema is in docs/results/HISTORY.md, §1).
 #pragma once
 
 #include <cstdint>

@@ -2,7 +2,7 @@
 
     python bench/python/peers.py install            # pip-install the pinned peers into this venv
     python bench/python/peers.py check              # what is installed / missing (JSON)
-    python bench/python/peers.py run --json FILE    # measure; rows as in docs/BENCHMARKS.md §8
+    python bench/python/peers.py run --json FILE    # measure; rows as in docs/results/HISTORY.md §8
 
 (The file runs on its own, without ecx's C++ module, from any checkout's .venv. It is not
 part of the ecx wheel: the benchmark harness lives in bench/python/.)
@@ -414,7 +414,7 @@ def main(argv=None) -> int:
         report = run(args)
     finally:
         _kill_children()
-    # "results" is the contract (docs/BENCHMARKS.md §8); "peers" says what ran: versions, the UCX data
+    # "results" is the contract (docs/results/HISTORY.md §8); "peers" says what ran: versions, the UCX data
     # path each NIXL case took, where the children's logs are.
     text = json.dumps({"results": report["results"],
                        "peers": {"versions": report["versions"], "cases": report["cases"],

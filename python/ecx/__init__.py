@@ -39,6 +39,7 @@ from ecx._ecx import (  # noqa: F401
     Region,
     TransferHandle,
     TransferParams,
+    set_log_level,
 )
 
 

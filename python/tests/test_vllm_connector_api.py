@@ -367,7 +367,7 @@ def test_data_parallel_engines_on_one_host_take_ports_after_each_other():
         high.ecx_config("consumer", "x", high.process_offset(0))
 
 
-def test_a_wildcard_bind_needs_the_address_peers_dial(tmp_path):
+def test_a_wildcard_bind_needs_the_address_peers_dial(tmp_path, monkeypatch):
     extra = {"engine_id": f"pd-any-{os.getpid()}", "pool_bytes": "8MiB",
              "rendezvous_dir": str(tmp_path), "tcp_host": "0.0.0.0",
              "auth_token": "a-deployment-secret-of-enough-length"}
@@ -380,14 +380,37 @@ def test_a_wildcard_bind_needs_the_address_peers_dial(tmp_path):
         assert endpoint.startswith("127.0.0.2:"), endpoint
     finally:
         ok.shutdown()
-    # Without a secret the agent stays on loopback, and says so to its peers too.
+    # Without a secret, an instance that asks to reach other hosts does not start (its
+    # agents would stay on loopback and every load from elsewhere would recompute): the
+    # error names the fix. (An agent alone falls back to loopback: the C++ tests.)
+    monkeypatch.delenv("ECX_AUTH_TOKEN", raising=False)
+    monkeypatch.delenv("ECX_AUTH_TOKEN_FILE", raising=False)
     plain = {k: v for k, v in extra.items() if k != "auth_token"}
-    alone = connector("ec_consumer", {**plain, "tcp_advertise_host": "10.0.0.7"}, SCHEDULER)
-    try:
-        endpoint = json.loads(alone._conn.agent_metadata())["endpoints"]["tcp"]
-        assert endpoint.startswith("127.0.0.1:"), endpoint
+    with pytest.raises(ValueError, match="auth_token_file.*ECX_AUTH_TOKEN"):
+        connector("ec_consumer", {**plain, "tcp_advertise_host": "10.0.0.7"}, SCHEDULER)
+    # The secret may come from the engine's environment, as the ecx services take it.
+    monkeypatch.setenv("ECX_AUTH_TOKEN", "a-deployment-secret-of-enough-length")
+    from_env = connector("ec_consumer", {**plain, "tcp_advertise_host": "127.0.0.2"}, SCHEDULER)
+    try:  # advertised as asked: an agent without a secret would advertise 127.0.0.1
+        endpoint = json.loads(from_env._conn.agent_metadata())["endpoints"]["tcp"]
+        assert endpoint.startswith("127.0.0.2:"), endpoint
     finally:
-        alone.shutdown()
+        from_env.shutdown()
+
+
+def test_the_cores_log_level_is_set_from_the_config_or_ecx_log_level(monkeypatch):
+    from ecx.vllm._common import instance_config
+    monkeypatch.delenv("ECX_LOG_LEVEL", raising=False)
+    assert instance_config(vllm_config("ec_consumer", {})).log_level is None  # left alone
+    with pytest.raises(ValueError, match="log_level"):
+        instance_config(vllm_config("ec_consumer", {"log_level": "loud"}))
+    monkeypatch.setenv("ECX_LOG_LEVEL", "error")
+    assert instance_config(vllm_config("ec_consumer", {})).log_level == "err"
+    assert instance_config(vllm_config("ec_consumer", {"log_level": "debug"})).log_level == "debug"
+    with pytest.raises(ecx.Error) as err:
+        ecx.set_log_level("loud")
+    assert err.value.code == "invalid_argument", err.value.message
+    ecx.set_log_level("info")  # the core's default again, for the tests after this one
 
 
 def test_each_new_request_gets_its_first_look_within_the_steps_total(tmp_path, monkeypatch):

@@ -14,6 +14,7 @@
 #include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
 
+#include "ecx/common/log.h"
 #include "python/bindings.h"
 
 namespace nb = nanobind;
@@ -24,4 +25,10 @@ NB_MODULE(_ecx, m) {
   ecx::python::bind_transfer(m);
   ecx::python::bind_cache(m);
   ecx::python::bind_connector(m);
+  m.def(
+      "set_log_level",
+      [](const std::string& level) { ecx::python::check(ecx::set_log_level(level)); },
+      nb::arg("level"),
+      "The C++ core's log level for this process: trace, debug, info, warn, err, critical or "
+      "off (ecx.Error 'invalid_argument' for another name).");
 }

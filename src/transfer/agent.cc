@@ -310,9 +310,10 @@ bool is_loopback(const std::string& host) { return host == "127.0.0.1" || host =
 // (whatever tcp_advertise_host said); a wildcard bind needs an address peers can dial.
 Status settle_tcp_addresses(AgentConfig& config) {
   if (config.auth_secret.empty() && config.enable_tcp && !is_loopback(config.tcp_host)) {
-    spdlog::warn(
-        "agent {}: no deployment secret (auth_token) configured: listening on 127.0.0.1 only, "
-        "not {}",
+    spdlog::error(
+        "agent {}: no deployment secret: listening on 127.0.0.1 only, not {}, so no peer on "
+        "another host can reach it. Fix: give every instance the same secret (auth_token_file, "
+        "ECX_AUTH_TOKEN_FILE or ECX_AUTH_TOKEN; docs/SECURITY.md, \"Deploying the secret\")",
         config.name, config.tcp_host);
     config.tcp_host = "127.0.0.1";
   }

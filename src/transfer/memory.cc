@@ -75,7 +75,7 @@ namespace {
 // only reads a shared mapping's pages in (MADV_POPULATE_WRITE too writes nothing to them),
 // and a hypervisor that backs its guest's memory lazily (free page reporting, a balloon:
 // this machine's) traps the first write to each page: ~0.4 us a 4 KiB page here, 100 us per
-// MiB of the first loads into a new arena, at the time of a copy (docs/BENCHMARKS.md §20).
+// MiB of the first loads into a new arena, at the time of a copy (docs/results/HISTORY.md §20).
 void touch_pages(std::byte* data, uint64_t length) {
   const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
   for (uint64_t at = 0; at < length; at += page) {

@@ -130,7 +130,7 @@ Result<std::shared_ptr<ShmDataPath::Mapping>> ShmDataPath::mapping(uint32_t regi
   // it all would stall the first load after a connect. Each read populates the 2 MiB
   // chunks it touches, once (Mapping::populate); after the first, a thread populates the
   // rest (fill_in_background). Each 4 KiB page costs ~0.4 us here, which the first loads
-  // into the peer's fresh blocks would otherwise pay (docs/BENCHMARKS.md §20).
+  // into the peer's fresh blocks would otherwise pay (docs/results/HISTORY.md §20).
   void* p = ::mmap(nullptr, grant.length, PROT_READ, MAP_SHARED, grant.memfd.get(), 0);
   if (p == MAP_FAILED) {
     return ErrnoError("map region " + std::to_string(region) + " of agent " + peer, errno);

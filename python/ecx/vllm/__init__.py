@@ -115,6 +115,8 @@ class ECXConnector(ECConnectorBase):
     def __init__(self, vllm_config, role: ECConnectorRole):
         super().__init__(vllm_config, role)
         self._config: InstanceConfig = instance_config(vllm_config)
+        if self._config.log_level is not None:  # before the agent: its start-up lines too
+            ecx.set_log_level(self._config.log_level)
         self._counters = Counters()
         self._conn: ecx.Connector | None = None
         self._exporter: Exporter | None = None

@@ -37,7 +37,12 @@ _ROLES = {"ec_producer": "producer", "ec_consumer": "consumer", "ec_both": "both
 # ec_connector_extra_config keys read here; every other key is an ecx connector option
 # (docs/CONNECTORS.md), checked by ecx itself.
 _OWN_OPTIONS = ("connector", "metrics_port", "metrics_host", "rendezvous_dir",
-                "params_timeout_ms", "first_look_wait_ms", "first_look_step_ms")
+                "params_timeout_ms", "first_look_wait_ms", "first_look_step_ms", "log_level")
+# The C++ core's levels (spdlog's names; "warning" and "error" as Python spells them).
+_LOG_LEVELS = {"trace": "trace", "debug": "debug", "info": "info", "warn": "warn",
+               "warning": "warn", "error": "err", "err": "err", "critical": "critical",
+               "off": "off"}
+_LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 # The fields of ecx's params in an ec_transfer_params entry (vLLM adds "metadata" and
 # "item_indices" beside them).
 PARAMS_FIELDS = frozenset({
@@ -82,6 +87,7 @@ class InstanceConfig:
     rendezvous_dir: str | None
     tp_size: int
     dp_local_rank: int = 0  # data parallel: this engine's rank among those on its host
+    log_level: str | None = None  # the C++ core's (log_level, ECX_LOG_LEVEL); None: its own
 
     @property
     def is_producer(self) -> bool:
@@ -151,6 +157,11 @@ def instance_config(vllm_config) -> InstanceConfig:
     if type(load_timeout) is not int or policy not in ("recompute", "fail"):
         raise ValueError("ECXConnector: 'load_timeout_ms' must be an integer and "
                          "'failure_policy' 'recompute' or 'fail'")
+    log_level = extra.pop("log_level", os.environ.get("ECX_LOG_LEVEL"))
+    if log_level is not None and log_level not in _LOG_LEVELS:
+        raise ValueError("ECXConnector: 'log_level' (or ECX_LOG_LEVEL) must be one of "
+                         f"{', '.join(_LOG_LEVELS)}, not {log_level!r}")
+    _take_secret_from_environment(extra)
     tcp_port = extra.get("tcp_port", 0)
     if type(tcp_port) is not int or not 0 <= tcp_port <= 65535:
         raise ValueError("ECXConnector: 'tcp_port' must be an integer port (0: any free one; "
@@ -169,7 +180,27 @@ def instance_config(vllm_config) -> InstanceConfig:
                           metrics_port=metrics_port, metrics_host=metrics_host,
                           rendezvous_dir=rendezvous,
                           tp_size=getattr(parallel, "tensor_parallel_size", 1),
-                          dp_local_rank=dp_local_rank)
+                          dp_local_rank=dp_local_rank, log_level=_LOG_LEVELS.get(log_level))
+
+
+def _take_secret_from_environment(extra: dict) -> None:
+    """The deployment secret as the ecx services take it: the config's auth_token or
+    auth_token_file, else ECX_AUTH_TOKEN, else ECX_AUTH_TOKEN_FILE. Agents that listen
+    beyond loopback need one: without it they would listen on 127.0.0.1 only, so every
+    load from another host would recompute; refused here instead, naming the fix."""
+    if not extra.get("auth_token") and not extra.get("auth_token_file"):
+        if os.environ.get("ECX_AUTH_TOKEN"):
+            extra["auth_token"] = os.environ["ECX_AUTH_TOKEN"]
+        elif os.environ.get("ECX_AUTH_TOKEN_FILE"):
+            extra["auth_token_file"] = os.environ["ECX_AUTH_TOKEN_FILE"]
+    host = extra.get("tcp_host", "127.0.0.1")
+    if host not in _LOOPBACK_HOSTS and not extra.get("auth_token") and \
+            not extra.get("auth_token_file"):
+        raise ValueError(
+            f"ECXConnector: tcp_host {host!r} reaches other hosts, which needs the deployment "
+            "secret: set ec_connector_extra_config 'auth_token_file' (a file of mode 600, the "
+            "same on every E and PD; docs/SECURITY.md, \"The deployment secret\") or "
+            "ECX_AUTH_TOKEN_FILE / ECX_AUTH_TOKEN in the engine's environment")
 
 
 def log_start(config: InstanceConfig, process: str, conn) -> None:

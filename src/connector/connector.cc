@@ -111,12 +111,13 @@ void Connector::stop() {
     stopping_ = true;
   }
   work_cv_.notify_all();
+  // The views still held go back at once, while the loaders finish (a load ending after
+  // this gives its views back itself: hold() refuses them once stopped).
+  if (views_) {
+    for (PendingRelease& r : views_->stop()) give_back(std::move(r));
+  }
   for (auto& t : loaders_) t.join();
   loaders_.clear();
-  if (views_) {
-    // The views still held go back with the other releases.
-    for (PendingRelease& r : views_->stop()) releases_->push(std::move(r));
-  }
   if (releases_) releases_->stop(drain_until);
   if (core_.agent()) core_.agent()->shutdown();
   {
@@ -318,7 +319,7 @@ void Connector::request_finished(const std::string& request_id) {
   // Views end here: what the cache keeps is copied while their pins still hold them.
   if (!views.slots.empty()) {
     if (core_.options().keep_loaded) keep_views(views.slots);
-    releases_->push(std::move(views));
+    give_back(std::move(views));
   }
   unpin_all(state->pins);
   driver_->on_request_finished(state->request);
@@ -351,7 +352,7 @@ Status Connector::item_finished(const std::string& request_id, const MmHash& mm_
   if (!view.slots.empty()) {
     // Copied (keep_loaded) while its pins still hold it, then released.
     if (core_.options().keep_loaded) keep_views(view.slots);
-    releases_->push(std::move(view));
+    give_back(std::move(view));
   }
   unpin_all(pins);
   return Status::Ok();
@@ -505,8 +506,7 @@ Result<std::vector<Result<EcTransferParams>>> Connector::remote_saved_params(
 
 void Connector::discard(const LoadRequest& request) {
   if (!core_.is_consumer()) return;
-  // Once stopped, dropped: its pins end by lease.
-  releases_->push({std::make_shared<const LoadRequest>(request), {}});
+  give_back({std::make_shared<const LoadRequest>(request), {}});
 }
 
 ConnectorStats Connector::stats() const {

@@ -122,6 +122,8 @@ class Connector final : public EcConnector {
   Result<std::vector<EcTransferParams>> share_view(const std::string& request_id,
                                                    const FetchSlot& view, size_t readers) const;
   int64_t renew_period_ms() const { return std::max<int64_t>(1, core_.options().lease_ms / 3); }
+  // Queues a release; once the releases stopped, logs that its pins are left to lease.
+  void give_back(PendingRelease release);
   void loader_loop();
   void stop();
 

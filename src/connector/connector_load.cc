@@ -9,6 +9,16 @@
 
 namespace ecx::connector {
 
+void Connector::give_back(PendingRelease release) {
+  const size_t slots = release.slots.size();
+  const std::string id = release.request ? release.request->request_id : std::string();
+  if (releases_->push(std::move(release))) return;
+  spdlog::warn(
+      "connector {}: shut down: what request {} holds at producers ({} items) is "
+      "left to their lease",
+      name(), id, slots);
+}
+
 // Loads only: what a load leaves held at producers is ReleaseBatcher's and HeldViews'
 // (producer_holdings.h), each on a thread of its own.
 void Connector::loader_loop() {
@@ -300,12 +310,13 @@ void Connector::finish(LoadJob& job) {
     abandoned = state->abandoned;
     if (abandoned) requests_.erase(state->request.request_id);
     // Queued with the outcome, not after it: a caller that sees the load done and shuts
-    // the connector down still has this release sent (stop() joins the loaders, this
-    // thread among them, before it drains the releases). Views stay held, and renewed,
-    // until the request finishes; request_finished takes them once it sees `done`.
-    releases_->push({request_of(state), std::move(job.slots)});
+    // the connector down still has this release sent (stop() joins the loaders before it
+    // drains the releases; a load run on a caller's thread that ends after that is
+    // dropped, logged). Views stay held, and renewed, until the request finishes;
+    // request_finished takes them once it sees `done`.
+    give_back({request_of(state), std::move(job.slots)});
     if (!views.empty() && (abandoned || !views_->hold(request_of(state), views)))
-      releases_->push({request_of(state), std::move(views), /*views=*/true});
+      give_back({request_of(state), std::move(views), /*views=*/true});
   }
   done_cv_.notify_all();
   if (abandoned) {

@@ -173,8 +173,9 @@ class Proxy {
   // Counts failed attempts and fallbacks (the PD encodes those images), logging each.
   void count_encodes(const std::vector<ImageEncode>& encodes);
   // PDs to try, in order: the reachable ones by fewest requests in flight, then the
-  // others (their flag may be stale; a refused connect costs little).
-  static UpstreamList pd_order(const UpstreamList& pds);
+  // others (their flag may be stale; a refused connect costs little). `model` (learnt
+  // models): not those that said they serve other models only.
+  static UpstreamList pd_order(const UpstreamList& pds, const std::string* model = nullptr);
   // Sends the request to `pd`; a streamed answer is relayed to the client as it comes.
   Await<PdAnswer> forward_to_pd(const Call& call, std::shared_ptr<Upstream> pd,
                                 const std::string& body);

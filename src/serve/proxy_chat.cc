@@ -111,10 +111,16 @@ EncodeCall Proxy::encode_call(const ChatRequest& chat, const ContentPart& part,
   return call;
 }
 
-UpstreamList Proxy::pd_order(const UpstreamList& pds) {
+UpstreamList Proxy::pd_order(const UpstreamList& pds, const std::string* model) {
   UpstreamList order;
   for (const auto& pd : pds) {
-    if (!pd->must_prove() || pd->proven()) order.push_back(pd);  // never an unproven member
+    if (pd->must_prove() && !pd->proven()) continue;  // never an unproven member
+    if (model != nullptr) {
+      const std::vector<std::string> served = pd->models();
+      if (!served.empty() && std::find(served.begin(), served.end(), *model) == served.end())
+        continue;
+    }
+    order.push_back(pd);
   }
   std::stable_sort(order.begin(), order.end(), [](const auto& a, const auto& b) {
     if (a->reachable() != b->reachable()) return a->reachable();
@@ -133,7 +139,10 @@ void Proxy::handle_chat(std::shared_ptr<HttpRequest> req, std::shared_ptr<AsyncR
 Detached Proxy::chat(Call call) {
   IssuedGuard issued(releaser_, alive_);
   if (call->req->abandoned()) co_return answer_abandoned(*call);  // left while it waited
-  if (auto error = parse(*call)) co_return answer_error(*call, *error, "bad_request");
+  if (auto error = parse(*call)) {
+    co_return answer_error(*call, *error,
+                           error->http_status == 503 ? "model_not_known_yet" : "bad_request");
+  }
   std::vector<ImageEncode> encodes = co_await encode_all(image_jobs(*call));
   EncodedImages encoded = merge(encodes);
   issued.hold(std::move(encoded.issued));
@@ -147,7 +156,8 @@ Detached Proxy::chat(Call call) {
   const std::string body = safe_dump(call->forward, call->body_bytes + (64 << 10));
   call->forward = json();  // no longer needed: the body holds it
   std::string pd_errors;
-  for (const auto& pd : pd_order(call->members->pds)) {
+  const std::string* model = config_.learn_model ? &call->chat.model : nullptr;
+  for (const auto& pd : pd_order(call->members->pds, model)) {
     if (call->req->abandoned()) co_return answer_abandoned(*call);
     PdAnswer answer = co_await forward_to_pd(call, pd, body);
     if (answer.result.error == http::ClientError::kConnect) {  // nothing was sent: try the next

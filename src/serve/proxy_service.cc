@@ -29,6 +29,8 @@
 // --upstream-api vllm: each image goes to its encoder as the chat completion vLLM's EPD
 // proxy sends, keyed by a uuid the PD's copy of the image carries too; the entries of the
 // answer's ec_transfer_params travel to the PD unchanged. Everything else is the same.
+#include <thread>
+
 #include "serve/proxy.h"
 
 namespace ecx::serve {
@@ -258,8 +260,14 @@ int run_proxy_service(const ProxyServiceConfig& config) {
   // Declared after what its callback uses: it stops first.
   std::unique_ptr<directory::MembershipWatcher> watcher;
   if (etcd) watcher = watch_membership(config, std::move(*etcd), *secret, proxy, prober);
-  // Probed once before listening, so /health is right from the first request.
+  // Probed once before listening, so /health is right from the first request; a proxy
+  // that learns its model waits a little longer for a PD to tell it (PDs still starting:
+  // it listens anyway, and answers 503 until one has).
   prober.wait_first_round(Deadline::after_ms(2000));
+  for (Deadline known = Deadline::after_ms(5000);
+       config.learn_model && proxy.served_models().empty() && !known.expired();) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
   return server.serve_until_signal();
 }
 

@@ -21,6 +21,7 @@ void Upstream::mark_down(const std::string& error) {
     spdlog::warn("upstream={} url={} reachable=false error=\"{}\"", role, url, error);
   }
   last_error_ = error;
+  models_.clear();  // asked again once it is back: it may come back serving another
 }
 
 void Upstream::mark_up(const std::string& note) {
@@ -147,7 +148,9 @@ void probe_upstream(http::HttpClient& client, Upstream& upstream,
 
 UpstreamProber::UpstreamProber(std::vector<std::shared_ptr<Upstream>> upstreams, Options options)
     : options_(std::move(options)),
-      client_(http::HttpClient::Options{.threads = 1, .keep_idle = std::chrono::seconds(5)}) {
+      // Probe answers are small: /health, a proof, a list of models.
+      client_(http::HttpClient::Options{
+          .threads = 1, .keep_idle = std::chrono::seconds(5), .max_body_bytes = 1 << 20}) {
   {
     MutexLock lock(&mu_);
     for (auto& u : upstreams) add_locked(u);

@@ -356,11 +356,17 @@ TEST_F(VllmWireTest, AProxyInFrontOfVllmLearnsTheServedModelFromItsPds) {
                                pd.url(), "--upstream-api", "vllm"});
   ASSERT_TRUE(proxy.ok()) << proxy.status().to_string();
   httplib::Client cli(*proxy);
-  auto models = cli.Get("/v1/models");
-  ASSERT_TRUE(models);
-  json listed = json::parse(models->body, nullptr, false);
-  ASSERT_TRUE(listed.is_object()) << models->body;
-  ASSERT_EQ(listed["data"].size(), 1u) << models->body;
+  // The prober asks the PD at start; a slow first round is asked again 250 ms later.
+  json listed;
+  for (Deadline bound = Deadline::after_ms(10000); !bound.expired();
+       std::this_thread::sleep_for(std::chrono::milliseconds(50))) {
+    auto models = cli.Get("/v1/models");
+    ASSERT_TRUE(models);
+    listed = json::parse(models->body, nullptr, false);
+    ASSERT_TRUE(listed.is_object()) << models->body;
+    if (!listed["data"].empty()) break;
+  }
+  ASSERT_EQ(listed["data"].size(), 1u) << listed.dump();
   EXPECT_EQ(listed["data"][0]["id"], served);
 
   json chat = {{"model", served},

@@ -448,7 +448,10 @@ int main(int argc, char** argv) {
     }
     // ECX_CHECK_ARGS=1: the command line parsed and checked, nothing run (exit 0): what
     // the tests of the docs' commands run (python/tests/test_doc_commands.py).
-    if (std::getenv("ECX_CHECK_ARGS") != nullptr) throw CLI::Success();
+    if (std::getenv("ECX_CHECK_ARGS") != nullptr) {
+      std::cerr << "ECX_CHECK_ARGS: the command line is valid; nothing was run\n";
+      throw CLI::Success();
+    }
   });
   std::vector<std::string> args(argv, argv + argc);
   if (args.size() > 2 && args[1] == "serve" && !expand_config(args)) return 2;

@@ -42,7 +42,7 @@ _OWN_OPTIONS = ("connector", "metrics_port", "metrics_host", "rendezvous_dir",
 _LOG_LEVELS = {"trace": "trace", "debug": "debug", "info": "info", "warn": "warn",
                "warning": "warn", "error": "err", "err": "err", "critical": "critical",
                "off": "off"}
-_LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+_LOOPBACK_HOSTS = ("127.0.0.1", "localhost")  # as the agent has it (agent.cc)
 # The fields of ecx's params in an ec_transfer_params entry (vLLM adds "metadata" and
 # "item_indices" beside them).
 PARAMS_FIELDS = frozenset({
@@ -184,8 +184,8 @@ def instance_config(vllm_config) -> InstanceConfig:
 
 
 def _take_secret_from_environment(extra: dict) -> None:
-    """The deployment secret as the ecx services take it: the config's auth_token or
-    auth_token_file, else ECX_AUTH_TOKEN, else ECX_AUTH_TOKEN_FILE. Agents that listen
+    """The deployment secret: the config's auth_token or auth_token_file (what the
+    instance's config names comes first), else ECX_AUTH_TOKEN, else ECX_AUTH_TOKEN_FILE. Agents that listen
     beyond loopback need one: without it they would listen on 127.0.0.1 only, so every
     load from another host would recompute; refused here instead, naming the fix."""
     if not extra.get("auth_token") and not extra.get("auth_token_file"):

@@ -144,6 +144,10 @@ def ec_config(row: str, role: str, cfg: dict, timed: bool) -> dict:
                                             "failure_policy": "recompute"}
         if row == "ecx-zc" and role == "ec_consumer":
             out["ec_connector_extra_config"]["zero_copy"] = True
+        if role == "ec_consumer" and cfg["offer"]:
+            # Fixed ports (its scheduler's: the base), so that the proxy can name PD's
+            # scheduler to E, which offers it the items early.
+            out["ec_connector_extra_config"]["tcp_port"] = cfg["ecx_pd_agents"]
         if host != "127.0.0.1":  # its agents listen on its host's address
             out["ec_connector_extra_config"]["tcp_host"] = host
         out["ec_connector_extra_config"].update(cfg["ecx_extra"])
@@ -180,7 +184,9 @@ def run_row(row: str, args, w: dict, model: Path, run_dir: Path, fixed: list[dic
            "token_file": run_dir / "ecx_token", "timing_file": d / "timing.jsonl",
            "mooncake_e_port": rt.free_port(), "mooncake_pd_port": rt.free_port(),
            "side_channel_port": rt.free_port(), "place": place,
-           "ecx_extra": json.loads(args.ecx_extra)}
+           "ecx_extra": json.loads(args.ecx_extra),
+           "offer": row in ("ecx", "ecx-zc") and not args.no_offer,
+           "ecx_pd_agents": rt.free_ports(2)}
     (e_host, e_ns), (pd_host, pd_ns) = place["ec_producer"], place["ec_consumer"]
     cfg["shared_dir"].mkdir(exist_ok=True)
     common = ["--max-model-len", str(w["max_model_len"]),
@@ -224,6 +230,9 @@ def run_row(row: str, args, w: dict, model: Path, run_dir: Path, fixed: list[dic
                 if row == "mooncake":
                     proxy_argv += ["--ec-consumer-zmq-addrs",
                                    f"tcp://{pd_host}:{cfg['mooncake_pd_port']}"]
+                elif cfg["offer"]:  # E offers PD's scheduler the items (ECXConnector)
+                    proxy_argv += ["--ec-consumer-zmq-addrs",
+                                   f"{pd_host}:{cfg['ecx_pd_agents']}"]
                 front = rt.Proc("proxy", proxy_argv, rt.vllm_env(), proxy_port,
                                 d / "proxy.log")
                 procs.append(front.start())
@@ -432,6 +441,9 @@ def main(argv=None) -> int:
     p.add_argument("--ecx-extra", default="{}",
                    help="JSON merged into the ECXConnector rows' ec_connector_extra_config "
                         "(E's and PD's), e.g. '{\"first_look_wait_ms\": 40}'")
+    p.add_argument("--no-offer", action="store_true",
+                   help="ECXConnector rows: the proxy does not name PD to E "
+                        "(--ec-consumer-zmq-addrs), so E offers PD nothing early")
     p.add_argument("--hosts", action="store_true",
                    help="E on test host ecx-h1, PD on ecx-h2 (scripts/hosts, made for the run "
                         "and removed after; root): the items cross a network")
@@ -497,7 +509,8 @@ def main(argv=None) -> int:
                            "request_rate": "inf", "temperature": 0,
                            "dataset": "random-mm", "backend": "openai-chat",
                            "proxy": str(args.proxy), "timed": not args.no_timing,
-                           "ecx_extra": json.loads(args.ecx_extra)},
+                           "ecx_extra": json.loads(args.ecx_extra),
+                           "ecx_offer": not args.no_offer},
               "placement": ({"E": "ecx-h1 (10.77.0.1)", "PD": "ecx-h2 (10.77.0.2)",
                              "proxy": "this machine", **(limit or {})} if args.hosts else
                             {"all": "this machine, 127.0.0.1"}),

@@ -9,6 +9,7 @@ import fcntl
 import io
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -38,6 +39,27 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_ports(n: int) -> int:
+    """A port p such that p..p+n-1 were free a moment ago, below the ephemeral range (a
+    base port for an instance's processes: ECXConnector's tcp_port)."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, 30000 - n)
+        socks = []
+        try:
+            for i in range(n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports")
 
 
 def install_timing_module(run_dir: Path, source: Path) -> None:

@@ -60,14 +60,19 @@ def engines(tiny_model, deployment_secret, reference, tmp_path_factory):
     common = {"auth_token_file": deployment_secret, "pool_bytes": "256MiB"}
     e_port, pd_port, zc_port = free_port(), free_port(), free_port()
     e_metrics, pd_metrics, zc_metrics = free_ports(2), free_ports(2), free_ports(2)
+    # PD's agents listen on fixed ports (its scheduler's: the base), so that a proxy can
+    # name its scheduler to E (an offer: test_an_encoder_offers_...).
+    pd_agents = free_ports(2)
     # lease_ms of ten minutes: a pin that ends during a test was released, not expired.
     e = Engine("e", serve_argv(tiny_model, e_port, "--ec-transfer-config", ec_config(
         "ec_producer", {**common, "lease_ms": 600000, "metrics_port": e_metrics})),
         vllm_env(), e_port, logs / "e.log", metrics_port=e_metrics)
     pd = Engine("pd", serve_argv(tiny_model, pd_port, "--enable-logging-iteration-details",
                                  "--ec-transfer-config", ec_config(
-                                     "ec_consumer", {**common, "metrics_port": pd_metrics})),
+                                     "ec_consumer", {**common, "metrics_port": pd_metrics,
+                                                     "tcp_port": pd_agents})),
                 vllm_env(), pd_port, logs / "pd.log", metrics_port=pd_metrics)
+    pd.agent_port = pd_agents
     pd_zc = Engine("pd-zc", serve_argv(tiny_model, zc_port, "--enable-logging-iteration-details",
                                        "--ec-transfer-config", ec_config(
                                            "ec_consumer", {**common, "zero_copy": True,
@@ -231,6 +236,61 @@ def test_vllms_example_proxy_moves_the_embeddings(epd, reference, tmp_path):
         proxy.stop()
     # The proxy sends PD a reference to E's item (its grid, under E's name), not the image.
     assert "Rewrote" in proxy.log_text()
+    assert pd.encoder_iterations() == 0
+    assert pins_settle(e) == 0
+
+
+def test_an_encoder_offers_the_items_to_the_pd_the_proxy_names(epd, reference, tmp_path):
+    """A proxy names the PD it picked in E's request (vLLM's example proxy does with
+    --ec-consumer-zmq-addrs, made for Mooncake: here PD's scheduler agent): E's
+    ECXConnector offers that PD the request's items as soon as it issued their params, and
+    the PD loads them while the request is still on its way, so that its scheduler finds
+    them in its cache at first sight. First step by step (the offer landed before PD gets
+    the request), then through vLLM's example proxy."""
+    e, pd = epd
+    address = f"127.0.0.1:{pd.agent_port}"
+    scheduler = pd.metrics_port  # PD's scheduler's exporter (its workers': + rank + 1)
+
+    def figures() -> tuple[float, float, float, float]:
+        text = pd.metrics(scheduler)
+        return (metric(e.metrics(e.metrics_port), "ecx_offers_sent_total"),
+                metric(text, "ecx_items_offered_total"), metric(text, "ecx_local_hits_total"),
+                metric(text, "ecx_items_loaded_total"))
+
+    sent, offered, hits, loaded = figures()
+    i = fresh(6, n_images=2)
+    params = encode_on(e, images_of(i), consumer=address)
+    wait_until(lambda: figures()[1] == offered + 2, 20, "PD loaded the offered items")
+    status, body = pd_request(pd, i, params)
+    assert status == 200, body
+    assert text_of(body) == reference.text(i)
+    now = figures()
+    assert now[0] == sent + 1
+    assert now[2] == hits + 2  # found at first sight
+    assert now[3] == loaded + 2  # read from E once each: by the offer
+    assert pins_settle(e) == 0
+
+    port = free_port()
+    proxy = Engine("vllm-proxy", [sys.executable, str(EXAMPLE_PROXY), "--host", "127.0.0.1",
+                                  "--port", str(port), "--encode-servers-urls", e.url,
+                                  "--decode-servers-urls", pd.url, "--ec-consumer-zmq-addrs",
+                                  address],
+                   vllm_env(), port, tmp_path / "proxy.log", ready_marker=b"Uvicorn running on")
+    sent, offered, hits, loaded = figures()
+    i = fresh(7, n_images=2)
+    proxy.start()
+    try:
+        proxy.wait_ready(120)
+        status, body = post(proxy.url + "/v1/chat/completions", chat_body(i))
+        assert status == 200, body
+        assert text_of(body) == reference.text(i)
+    finally:
+        proxy.stop()
+    now = figures()
+    assert now[0] == sent + 1
+    # Each item read from E once, by the offer or (had the request overtaken it) by the
+    # request's own load, which the other then joins or finds.
+    assert now[3] == loaded + 2
     assert pd.encoder_iterations() == 0
     assert pins_settle(e) == 0
 

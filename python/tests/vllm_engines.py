@@ -339,18 +339,22 @@ def post(url: str, body: dict, timeout: float = 300) -> tuple[int, dict]:
             return e.code, {"raw": raw.decode(errors="replace")}
 
 
-def encode_on(e: Engine, images: list[str], uuids: list[str] | None = None) -> dict:
-    """What vLLM's EPD proxy asks an encoder: the media alone (images, videos); its
-    ec_transfer_params."""
+def encode_on(e: Engine, images: list[str], uuids: list[str] | None = None,
+              consumer: str | None = None) -> dict:
+    """What vLLM's EPD proxy asks an encoder: the media alone (images, videos), and, with
+    `consumer`, the PD it will send the request to (as the proxy names it with
+    --ec-consumer-zmq-addrs); its ec_transfer_params."""
     content = []
     for i, u in enumerate(images):
         part = media_part(u)
         if uuids:
             part["uuid"] = uuids[i]
         content.append(part)
-    status, body = post(e.url + "/v1/chat/completions",
-                        {"model": "tiny-vlm", "messages": [{"role": "user", "content": content}],
-                         "stream": False})
+    request = {"model": "tiny-vlm", "messages": [{"role": "user", "content": content}],
+               "stream": False}
+    if consumer is not None:
+        request["ec_transfer_params"] = {"consumer_zmq": consumer}
+    status, body = post(e.url + "/v1/chat/completions", request)
     assert status == 200, body
     return body.get("ec_transfer_params") or {}
 

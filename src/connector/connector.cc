@@ -119,6 +119,7 @@ void Connector::stop() {
   for (auto& t : loaders_) t.join();
   loaders_.clear();
   if (releases_) releases_->stop(drain_until);
+  if (offers_) offers_->stop();
   if (core_.agent()) core_.agent()->shutdown();
   {
     MutexLock lock(&mu_);
@@ -166,21 +167,87 @@ bool Connector::holds(const MmHash& mm_hash) {
   return core_.is_producer() && driver_->holds(mm_hash);
 }
 
-// Peers' RELEASEs: of pins the driver handed out (a producer's params), or of pins
-// share_loaded took in our cache. A pin ends only with the capability it was granted
-// with, so nobody ends another reader's pin.
+// Peers' notifications. RELEASEs: of pins the driver handed out (a producer's params), or
+// of pins share_loaded took in our cache; a pin ends only with the capability it was
+// granted with, so nobody ends another reader's pin. OFFERs: items to load now.
 void Connector::on_notification(const transfer::Notification& n) {
-  auto notice = parse_release_notice(n.message);
+  auto notice = parse_notification(n.message);
   if (!notice.ok()) {
     spdlog::warn("{}: ignored a notification from {}: {}", name(), n.from,
                  notice.status().message());
     return;
   }
-  for (const auto& p : notice->pins) {
+  if (auto* offer = std::get_if<OfferNotice>(&*notice)) {
+    accept_offer(n.from, std::move(*offer));
+    return;
+  }
+  for (const auto& p : std::get<ReleaseNotice>(*notice).pins) {
     if (driver_->release_granted(p.pin, p.capability)) continue;
     if (core_.consumer_cache())
       core_.consumer_cache()->release_granted(p.pin, p.capability).ignore_error();
   }
+}
+
+Status Connector::offer(const std::string& address, const std::vector<EcTransferParams>& params) {
+  ECX_ASSIGN_OR_RETURN(std::string to, parse_offer_address(address));
+  if (core_.agent() == nullptr)
+    return Status(StatusCode::kFailedPrecondition, "offer: connector " + name() + " has no agent");
+  if (params.empty()) return Status::Ok();
+  if (params.size() > kMaxOfferItems) {
+    return InvalidArgument("offer: " + std::to_string(params.size()) + " items, more than " +
+                           std::to_string(kMaxOfferItems));
+  }
+  std::call_once(offers_once_,
+                 [this] { offers_ = std::make_unique<OfferSender>(name(), core_.agent()); });
+  offers_->push(std::move(to), to_json(OfferNotice{params}));
+  return Status::Ok();
+}
+
+// Runs on the offering peer's connection thread: checks and queues, nothing more. Only
+// params this deployment signed are loaded (from the producer they name, as a request's
+// would be); an item already here is skipped.
+void Connector::accept_offer(const std::string& from, OfferNotice notice) {
+  const size_t offered = notice.items.size();
+  const char* refused = !core_.is_consumer()           ? "not a consumer"
+                        : !name().starts_with("p2p")   ? "not a p2p connector"
+                        : !core_.options().keep_loaded ? "keep_loaded is off"
+                                                       : nullptr;
+  if (refused != nullptr) {
+    offered_refused_ += offered;
+    spdlog::warn("{}: refused an offer of {} items from {}: {}", name(), offered, from, refused);
+    return;
+  }
+  auto state = std::make_shared<RequestState>();
+  state->offered = true;
+  for (EcTransferParams& p : notice.items) {
+    LoadItem item{.mm_hash = p.mm_hash, .meta = p.meta, .params = std::move(p)};
+    if (!driver_->can_load(item)) {  // it logged why
+      offered_refused_++;
+      continue;
+    }
+    if (core_.consumer_cache()->find(item.mm_hash).ok()) continue;
+    state->items.push_back(state->request.items.size());
+    state->request.items.push_back(std::move(item));
+  }
+  if (state->items.empty()) return;
+  {
+    MutexLock lock(&mu_);
+    if (!stopping_ && offered_loads_ < kMaxOfferedLoads) {
+      offered_loads_++;
+      items_offered_ += state->items.size();
+      state->request.request_id = "offer:" + std::to_string(next_offer_++);
+      requests_[state->request.request_id] = state;
+      queue_.push_back(state);
+      state = nullptr;
+    }
+  }
+  if (state == nullptr) {
+    work_cv_.notify_one();
+    return;
+  }
+  offered_refused_ += state->items.size();
+  spdlog::warn("{}: refused an offer of {} items from {}: {} offered loads run already", name(),
+               state->items.size(), from, kMaxOfferedLoads);
 }
 
 void Connector::abort_save(const SaveSlot& slot) {
@@ -531,6 +598,12 @@ ConnectorStats Connector::stats() const {
     s.view_renewals_failed = views_->renewals_failed();
   }
   s.items_viewed = items_viewed_.load();
+  s.items_offered = items_offered_.load();
+  s.offered_refused = offered_refused_.load();
+  if (offers_) {
+    s.offers_sent = offers_->sent();
+    s.offers_failed = offers_->failed();
+  }
   if (core_.consumer_cache()) s.consumer_cache = core_.consumer_cache()->stats();
   if (driver_) driver_->add_stats(s);
   return s;

@@ -9,9 +9,12 @@
 
 #include <deque>
 #include <map>
+#include <mutex>
 #include <thread>
 
 #include "connector/connector_driver.h"
+#include "connector/control_messages.h"
+#include "connector/offers.h"
 #include "connector/producer_holdings.h"
 #include "ecx/common/mutex.h"
 
@@ -40,6 +43,7 @@ class Connector final : public EcConnector {
       const std::string& producer, const std::vector<MmHash>& hashes, Deadline deadline) override;
   Status wait_for_readers(Deadline deadline) override;
   Status release_params(const EcTransferParams& params) override;
+  Status offer(const std::string& address, const std::vector<EcTransferParams>& params) override;
 
   std::vector<bool> has_caches(const LoadRequest& request) override;
   Status update_state_after_alloc(const LoadRequest& request, size_t index) override;
@@ -74,6 +78,9 @@ class Connector final : public EcConnector {
     LoadOutcome outcome;
     bool done = false;
     bool abandoned = false;  // request_finished came before the load ended
+    // An offer's load (accept_offer): copied into the cache for the request to come,
+    // which gives the producers' pins back; nobody waits for it or finishes it.
+    bool offered = false;
   };
   // The request a release or a held view keeps alive (its items are pointed into).
   static std::shared_ptr<const LoadRequest> request_of(const std::shared_ptr<RequestState>& s) {
@@ -92,6 +99,10 @@ class Connector final : public EcConnector {
 
   Status producer_only(const char* what) const;
   void on_notification(const transfer::Notification& n);
+  // Loads an offer's items into the consumer cache (keep_loaded), leaving the params'
+  // pins at their producers to the requests that will use them.
+  void accept_offer(const std::string& from, OfferNotice notice);
+  void finish_offered(LoadJob& job);
   void run_load(const std::shared_ptr<RequestState>& state);
   // When a load of `state`, started now, gives up.
   Deadline load_deadline(const RequestState& state) const;
@@ -147,12 +158,20 @@ class Connector final : public EcConnector {
   std::unique_ptr<HeldViews> views_;
   std::unique_ptr<ReleaseBatcher> releases_;
 
+  // Offers: sent (created at the first), and the offered loads running now.
+  std::once_flag offers_once_;
+  std::unique_ptr<OfferSender> offers_;
+  int offered_loads_ ECX_GUARDED_BY(mu_) = 0;
+  uint64_t next_offer_ ECX_GUARDED_BY(mu_) = 0;
+  static constexpr int kMaxOfferedLoads = 64;
+
   // Failed item loads by code: a figure, counted apart from the loaders' work.
   mutable Mutex nacks_mu_;
   std::map<std::string, uint64_t> nacks_ ECX_GUARDED_BY(nacks_mu_);
 
   std::atomic<uint64_t> saves_{0}, loads_ok_{0}, loads_failed_{0}, items_loaded_{0},
-      items_recomputed_{0}, local_hits_{0}, bytes_loaded_{0}, load_us_total_{0};
+      items_recomputed_{0}, local_hits_{0}, bytes_loaded_{0}, load_us_total_{0}, items_offered_{0},
+      offered_refused_{0};
 };
 
 }  // namespace ecx::connector

@@ -34,6 +34,8 @@ struct FetchSlot {
   ReleasedPin producer_pin;
   // Set by fetch: the producer already ended the params' pin itself (push).
   bool params_pin_released = false;
+  // An offer's load: the params' pin is the request's to give back, not this load's.
+  bool params_pin_left = false;
   // Set by view (zero_copy): `block` is a read-only view of the producer's block, not a
   // block of ours. The params' pin holds it there (renewed) until the request finishes;
   // `keepalive` keeps the mapping.

@@ -76,6 +76,10 @@ void Connector::run_load(const std::shared_ptr<RequestState>& state) {
   if (!job.to_view.empty()) view_or_reserve(job);
   if (!job.to_fetch.empty()) fetch_guarded(job.to_fetch, job.deadline);
   settle_fetched(job);
+  if (state->offered) {  // nothing is encoded for an offer: its request decides
+    finish_offered(job);
+    return;
+  }
   recompute_or_fail(job);
   report_settled_failures(job);
   job.outcome.load_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
@@ -125,7 +129,7 @@ void Connector::plan(LoadJob& job) {
       job.to_encode.push_back(&slot);
       continue;
     }
-    if (core_.options().zero_copy) {
+    if (core_.options().zero_copy && !job.state->offered) {  // an offer is kept: copied
       job.to_view.push_back(&slot);
       continue;
     }
@@ -323,6 +327,21 @@ void Connector::finish(LoadJob& job) {
     for (const ItemPin& p : state->pins) core_.consumer_cache()->unpin(p.pin_id).ignore_error();
     driver_->on_request_finished(state->request);
   }
+}
+
+// An offer's load ends: its copies stay in the cache, unpinned (keep_loaded), for the
+// request to come; the params' pins at the producers are that request's to give back
+// (the lookups' own pins go now).
+void Connector::finish_offered(LoadJob& job) {
+  const auto& state = job.state;
+  for (FetchSlot& slot : job.slots) slot.params_pin_left = true;
+  {
+    MutexLock lock(&mu_);
+    requests_.erase(state->request.request_id);
+    offered_loads_--;
+    give_back({request_of(state), std::move(job.slots)});
+  }
+  unpin_all(job.pins);
 }
 
 LoadOutcome Connector::wait_for_load(const std::string& request_id, Deadline deadline) {

@@ -189,6 +189,12 @@ std::string to_json(const ReleaseNotice& m) {
   return json{{"op", "release"}, {"pins", pins}}.dump();
 }
 
+std::string to_json(const OfferNotice& m) {
+  json items = json::array();
+  for (const auto& p : m.items) items.push_back(p.to_json());
+  return json{{"op", "offer"}, {"items", items}}.dump();
+}
+
 Result<ControlRequest> parse_control_request(std::string_view text) {
   ECX_ASSIGN_OR_RETURN(json j, parse_json_object(text, "control request", kMessageLimits));
   JsonReader r(j, "control request");
@@ -253,11 +259,9 @@ Result<ItemsReply> parse_items_reply(std::string_view text, size_t expected_item
   return m;
 }
 
-Result<ReleaseNotice> parse_release_notice(std::string_view text) {
-  ECX_ASSIGN_OR_RETURN(json j, parse_json_object(text, "release notice", kMessageLimits));
-  JsonReader r(j, "release notice");
-  ECX_ASSIGN_OR_RETURN(std::string op, r.string("op", kRequired, 32));
-  if (op != "release") return InvalidArgument("notification: unknown op '" + op + "'");
+namespace {
+
+Result<ReleaseNotice> parse_release(const JsonReader& r) {
   ECX_ASSIGN_OR_RETURN(const json* pins, read_items(r, "pins"));
   ReleaseNotice m;
   for (size_t i = 0; i < pins->size(); ++i) {
@@ -269,6 +273,34 @@ Result<ReleaseNotice> parse_release_notice(std::string_view text) {
     m.pins.push_back(out);
   }
   return m;
+}
+
+Result<OfferNotice> parse_offer(const JsonReader& r) {
+  ECX_ASSIGN_OR_RETURN(const json* items, r.array("items", kRequired, kMaxOfferItems));
+  OfferNotice m;
+  for (size_t i = 0; i < items->size(); ++i) {
+    auto p = EcTransferParams::from_json((*items)[i]);
+    if (!p.ok()) return p.status().with_context("offered item " + std::to_string(i));
+    m.items.push_back(std::move(*p));
+  }
+  return m;
+}
+
+}  // namespace
+
+Result<Notification> parse_notification(std::string_view text) {
+  ECX_ASSIGN_OR_RETURN(json j, parse_json_object(text, "notification", kMessageLimits));
+  JsonReader r(j, "notification");
+  ECX_ASSIGN_OR_RETURN(std::string op, r.string("op", kRequired, 32));
+  if (op == "release") {
+    ECX_ASSIGN_OR_RETURN(ReleaseNotice m, parse_release(r));
+    return Notification(std::move(m));
+  }
+  if (op == "offer") {
+    ECX_ASSIGN_OR_RETURN(OfferNotice m, parse_offer(r));
+    return Notification(std::move(m));
+  }
+  return InvalidArgument("notification: unknown op '" + op + "'");
 }
 
 }  // namespace ecx::connector

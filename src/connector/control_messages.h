@@ -14,6 +14,9 @@
 //                                        each with its item and capability
 //            producer -> consumer reply  per item: status
 //   release  consumer -> producer NOTIFY pins to end, each with its capability
+//   offer    producer -> consumer NOTIFY params of items a request on its way to the
+//                                        consumer will use: it loads them now (vLLM's
+//                                        scheduler told early, offers.h)
 #pragma once
 
 #include <cstdint>
@@ -110,17 +113,29 @@ struct ReleaseNotice {
   std::vector<ReleasedPin> pins;
 };
 
+// Items a consumer is told of before the request that uses them reaches it: each the
+// signed params its producer issued for that request (whose pin the request gives back).
+struct OfferNotice {
+  std::vector<EcTransferParams> items;
+};
+// Most items one offer carries (a request's items).
+constexpr size_t kMaxOfferItems = 256;
+
+using Notification = std::variant<ReleaseNotice, OfferNotice>;
+
 std::string to_json(const LookupRequest& m);
 std::string to_json(const LoadBlocksRequest& m);
 std::string to_json(const ParamsRequest& m);
 std::string to_json(const RenewRequest& m);
 std::string to_json(const ItemsReply& m);
 std::string to_json(const ReleaseNotice& m);
+std::string to_json(const OfferNotice& m);
 
 // A CALL body: a lookup, a load, a params or a renew request, by its "op".
 Result<ControlRequest> parse_control_request(std::string_view text);
 // A reply to a request of `expected_items` items: exactly that many.
 Result<ItemsReply> parse_items_reply(std::string_view text, size_t expected_items);
-Result<ReleaseNotice> parse_release_notice(std::string_view text);
+// A NOTIFY body: a release or an offer, by its "op".
+Result<Notification> parse_notification(std::string_view text);
 
 }  // namespace ecx::connector

@@ -292,7 +292,8 @@ void P2pConsumer::collect_pins(const FinishedLoad& load, PinsByProducer& by_prod
   std::set<const LoadItem*> kept;   // ended by the producer, or (at the load's end) viewed
   std::set<const LoadItem*> views;  // of a views release: only these items
   for (const auto& slot : *load.slots) {
-    if (slot.params_pin_released || (slot.viewed && !load.views)) kept.insert(slot.item);
+    if (slot.params_pin_released || slot.params_pin_left || (slot.viewed && !load.views))
+      kept.insert(slot.item);
     if (load.views) views.insert(slot.item);
     // A view's pins go with the views, at the request's end; the others' at the load's.
     if (slot.producer_pin.pin != 0 && slot.viewed == load.views) {

@@ -42,6 +42,10 @@ json to_json(const ConnectorStats& s) {
             {"view_renewals_failed", s.view_renewals_failed},
             {"renewals_received", s.renewals_received},
             {"params_rejected", s.params_rejected},
+            {"offers_sent", s.offers_sent},
+            {"offers_failed", s.offers_failed},
+            {"items_offered", s.items_offered},
+            {"offered_refused", s.offered_refused},
             {"transfer_connects", s.transfer_connects},
             {"peer_failures", s.peer_failures}};
   for (const auto& [op, h] : s.transfer_seconds) {

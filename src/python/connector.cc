@@ -328,6 +328,18 @@ void bind_producer(nb::class_<PyConnector>& c) {
       .def(
           "holds", [](PyConnector& c, const std::string& h) { return c.get().holds(hash_of(h)); },
           nb::arg("mm_hash"), "Whether this producer holds a ready entry (no pin taken).")
+      .def(
+          "offer",
+          [](PyConnector& c, const std::string& address, const std::vector<std::string>& params) {
+            std::vector<connector::EcTransferParams> items;
+            items.reserve(params.size());
+            for (const auto& p : params) items.push_back(params_of(p));
+            check(c.get().offer(address, items));
+          },
+          nb::arg("address"), nb::arg("params"),
+          "Sends the consumer agent at `address` (host:port, its tcp endpoint) these params "
+          "(JSON) so that it loads them now, before their request reaches it. Returns once "
+          "queued; never waits for the consumer.")
       .def("remote_saved_params", &remote_saved_params, nb::arg("producer"), nb::arg("mm_hashes"),
            nb::arg("timeout_ms"),
            "Params of items the producer agent `producer` (its metadata JSON) holds, in one "

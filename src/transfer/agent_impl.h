@@ -103,10 +103,10 @@ class AgentImpl final : public Agent {
 
  private:
   Result<std::shared_ptr<Peer>> connected_peer(const std::string& name) const ECX_EXCLUDES(mu_);
-  Result<std::shared_ptr<Peer>> open_peer(const AgentMetadata& meta, Backend backend,
+  Result<std::shared_ptr<Peer>> open_peer(const AgentMetadata& meta, const ConnectOptions& options,
                                           Deadline deadline);
   Result<std::shared_ptr<Peer>> open_with(BackendEngine& engine, const AgentMetadata& meta,
-                                          bool same_host, Deadline deadline);
+                                          bool same_host, bool any_name, Deadline deadline);
   BackendEngine* engine(Backend kind) const;
   ServerHooks server_hooks();
   Result<TransferHandle> transfer(const std::string& peer,

@@ -9,9 +9,11 @@ namespace ecx::transfer {
 
 // `auto` tries each engine that reaches the peer, in order (shm, ucx, tcp), and takes
 // the first that connects; a refusal (incompatible, version, authentication) is final.
-Result<std::shared_ptr<Peer>> AgentImpl::open_peer(const AgentMetadata& meta, Backend backend,
+Result<std::shared_ptr<Peer>> AgentImpl::open_peer(const AgentMetadata& meta,
+                                                   const ConnectOptions& options,
                                                    Deadline deadline) {
   const bool same_host = meta.host_id == host_id_;
+  const Backend backend = options.backend;
   if (backend != Backend::kAuto) {
     BackendEngine* chosen = engine(backend);
     if (chosen == nullptr) {
@@ -22,13 +24,13 @@ Result<std::shared_ptr<Peer>> AgentImpl::open_peer(const AgentMetadata& meta, Ba
       return Unavailable("backend " + std::string(backend_name(backend)) + " cannot reach agent '" +
                          meta.name + "' (no endpoint for it)");
     }
-    return open_with(*chosen, meta, same_host, deadline);
+    return open_with(*chosen, meta, same_host, options.any_name, deadline);
   }
   Status last =
       Unavailable("no backend of agent " + config_.name + " reaches agent '" + meta.name + "'");
   for (const auto& e : engines_) {
     if (!e->reaches(meta, same_host)) continue;
-    auto peer = open_with(*e, meta, same_host, deadline);
+    auto peer = open_with(*e, meta, same_host, options.any_name, deadline);
     StatusCode code = peer.ok() ? StatusCode::kOk : peer.status().code();
     if (peer.ok() || code == StatusCode::kIncompatible || code == StatusCode::kVersionMismatch ||
         code == StatusCode::kPermissionDenied || code == StatusCode::kDeadlineExceeded) {
@@ -43,7 +45,8 @@ Result<std::shared_ptr<Peer>> AgentImpl::open_peer(const AgentMetadata& meta, Ba
 
 // The control channel (unix or tcp, as the engine needs), then the engine's data path.
 Result<std::shared_ptr<Peer>> AgentImpl::open_with(BackendEngine& engine, const AgentMetadata& meta,
-                                                   bool same_host, Deadline deadline) {
+                                                   bool same_host, bool any_name,
+                                                   Deadline deadline) {
   auto peer = std::make_shared<Peer>();
   peer->name = meta.name;
   peer->backend = engine.kind();
@@ -62,7 +65,7 @@ Result<std::shared_ptr<Peer>> AgentImpl::open_with(BackendEngine& engine, const 
           // Another host's reply takes longer than a poll would last: the caller sleeps.
           std::chrono::microseconds(same_host ? std::clamp<int64_t>(config_.reply_spin_us, 0, 10000)
                                               : 0)));
-  if (peer->control->peer().name != meta.name) {
+  if (!any_name && peer->control->peer().name != meta.name) {
     return Unavailable("endpoint of agent '" + meta.name + "' is now served by agent '" +
                        peer->control->peer().name + "' (stale metadata)");
   }
@@ -115,7 +118,7 @@ Result<AgentMetadata> AgentImpl::connect(const AgentMetadata& meta, ConnectOptio
     stale = std::move(slot.peer);
   }
   stale.reset();  // a dead previous connection: its threads are joined outside mu_
-  auto opened = open_peer(meta, options.backend, deadline);
+  auto opened = open_peer(meta, options, deadline);
   MutexLock lock(&mu_);
   PeerSlot& done = peers_[meta.name];
   done.connecting = false;

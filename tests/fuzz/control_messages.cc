@@ -3,6 +3,7 @@
 // them. The first byte picks the reader; the rest is the message. Anything accepted must
 // survive a round trip through to_json unchanged.
 #include <string_view>
+#include <variant>
 
 #include "connector/control_messages.h"
 #include "fuzz/fuzz_target.h"
@@ -67,12 +68,23 @@ void check_reply(std::string_view text, size_t expected) {
   }
 }
 
-void check_release(std::string_view text) {
-  auto parsed = parse_release_notice(text);
+// A notification: a release or an offer; what we write of one parses back the same.
+void check_notification(std::string_view text) {
+  auto parsed = parse_notification(text);
   if (!parsed.ok()) return;
-  auto again = parse_release_notice(to_json(*parsed));
-  ECX_FUZZ_CHECK(again.ok(), "a release we wrote does not parse");
-  ECX_FUZZ_CHECK(again->pins.size() == parsed->pins.size(), "released pins changed");
+  if (const auto* release = std::get_if<ReleaseNotice>(&*parsed)) {
+    auto again = parse_notification(to_json(*release));
+    ECX_FUZZ_CHECK(again.ok(), "a release we wrote does not parse");
+    ECX_FUZZ_CHECK(std::get<ReleaseNotice>(*again).pins.size() == release->pins.size(),
+                   "released pins changed");
+    return;
+  }
+  const auto& offer = std::get<OfferNotice>(*parsed);
+  ECX_FUZZ_CHECK(offer.items.size() <= kMaxOfferItems, "offer item count not enforced");
+  auto again = parse_notification(to_json(offer));
+  ECX_FUZZ_CHECK(again.ok(), "an offer we wrote does not parse");
+  ECX_FUZZ_CHECK(std::get<OfferNotice>(*again).items.size() == offer.items.size(),
+                 "offered items changed");
 }
 
 }  // namespace
@@ -88,7 +100,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       check_reply(text, data[0] / 3 % 5);
       break;
     default:
-      check_release(text);
+      check_notification(text);
       break;
   }
   return 0;

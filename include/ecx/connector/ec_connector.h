@@ -132,6 +132,13 @@ struct ConnectorStats {
   uint64_t renewals_received = 0;
   // ec_transfer_params ignored: unsigned, not signed by this deployment, or not the item's.
   uint64_t params_rejected = 0;
+  // Offers (EcConnector::offer): sent by this side and not delivered (an unreachable
+  // consumer, a full queue); items this consumer was offered and loaded ahead of their
+  // requests, and items it refused (untrusted params, too many offered loads at once).
+  uint64_t offers_sent = 0;
+  uint64_t offers_failed = 0;
+  uint64_t items_offered = 0;
+  uint64_t offered_refused = 0;
   // p2p: connections this side's agent opened to peers, by backend ("shm", "tcp", "ucx").
   std::map<std::string, uint64_t> transfer_connects;
   // p2p: peers that died while connected to this side's agent (their process ended or
@@ -199,6 +206,20 @@ class EcConnector {
   virtual Result<std::vector<Result<EcTransferParams>>> remote_saved_params(
       const std::string& /*producer*/, const std::vector<MmHash>& /*hashes*/, Deadline) {
     return Status(StatusCode::kFailedPrecondition, "remote_saved_params: not a p2p connector");
+  }
+
+  // ---- telling a consumer early ----
+  // Sends `params` (signed params this deployment's producers issued for one request's
+  // items) to the consumer agent at `address` ("host:port" or "tcp://host:port", its tcp
+  // endpoint), which starts loading them into its cache at once, before the request that
+  // uses them reaches it (its load then finds them there and gives their pins back).
+  // Returns once queued: sent from a thread of this connector, never the caller's; an
+  // offer that cannot be delivered costs the consumer its early start, nothing else
+  // (stats: offers_sent, offers_failed). kInvalidArgument for a malformed address;
+  // kFailedPrecondition for a connector without an agent.
+  virtual Status offer(const std::string& /*address*/,
+                       const std::vector<EcTransferParams>& /*params*/) {
+    return Status(StatusCode::kFailedPrecondition, "offer: not a p2p connector");
   }
 
   // ---- consumer, scheduler side ----

@@ -85,6 +85,10 @@ struct AgentConfig {
 struct ConnectOptions {
   Backend backend = Backend::kAuto;
   std::optional<Deadline> deadline;  // default: AgentConfig::connect_timeout_ms
+  // Dialed by address: whoever answers there (having proved the deployment secret, as
+  // every peer does) is taken, under the name `connect` was given, whatever its own
+  // name. Otherwise an agent answering under another name is refused (stale metadata).
+  bool any_name = false;
 };
 
 // A read-only view of a same-host peer's memory (shm backend). The mapping stays valid

@@ -18,7 +18,7 @@ from vllm.distributed.ec_transfer.ec_connector.metrics import (
 from ._common import logger
 
 _COUNTS = ("loads", "load_bytes", "local_encodes", "saves", "save_bytes", "params_issued",
-           "worker_items", "worker_items_in_place", "worker_bytes")
+           "offers", "worker_items", "worker_items_in_place", "worker_bytes")
 _SERIES = ("load_ms", "worker_copy_ms")
 _MAX_SERIES = 10000  # observations kept per interval (vLLM reads them every step)
 
@@ -100,6 +100,7 @@ class ECXConnectorStats(ECConnectorStats):
             "items_in_place": d.get("worker_items_in_place", 0),
             "items_saved": d.get("saves", 0),
             "params_issued": d.get("params_issued", 0),
+            "offers": d.get("offers", 0),
         }
         for cause, n in sorted((d.get("failures") or {}).items()):
             out[f"failed_{cause}"] = n
@@ -125,6 +126,8 @@ class ECXPromMetrics(ECConnectorPromMetrics):
         "save_bytes": ("vllm:ecx_save_bytes_total", "Bytes of encoder outputs stored."),
         "params_issued": ("vllm:ecx_params_issued_total",
                           "ec_transfer_params items an encoder handed out."),
+        "offers": ("vllm:ecx_offers_total",
+                   "Requests whose items an encoder offered the PD the proxy named, early."),
         "worker_items": ("vllm:ecx_worker_items_total",
                          "Items a worker copied into vLLM's encoder cache."),
         "worker_items_in_place": ("vllm:ecx_worker_items_in_place_total",
@@ -193,6 +196,10 @@ _STAT_TYPES: dict[str, tuple[str, str]] = {
     "view_renewals_failed": ("counter", "renewals of views' pins that failed"),
     "renewals_received": ("counter", "pin renewals consumers sent this process"),
     "params_rejected": ("counter", "ec_transfer_params refused (signature, item)"),
+    "offers_sent": ("counter", "offers this process sent to consumers (E: a request's items)"),
+    "offers_failed": ("counter", "offers not delivered (consumer unreachable, queue full)"),
+    "items_offered": ("counter", "items consumers offered this process and it loaded early"),
+    "offered_refused": ("counter", "offered items refused (untrusted params, too many at once)"),
     "transfer_connects": ("counter", "connections this process's agent made, by result"),
     "peer_failures": ("counter", "peers this process's agent found failed"),
     "capacity_bytes": ("gauge", "bytes of the pool"),

@@ -116,6 +116,7 @@ class ProducerScheduler:
         replies = self._ask_worker(request.request_id, wanted)
         metadata = self._item_metadata(features)
         out = {}
+        issued = []
         for name, (params, error) in zip(wanted, replies):
             if params is None:
                 code, message = error
@@ -123,11 +124,37 @@ class ProducerScheduler:
                 logger.warning("ECXConnector: request %s: no ec_transfer_params for item %s: "
                                "%s: %s", request.request_id, name, code, message)
                 continue
+            issued.append(params)
             entry = json.loads(params)
             entry.update(metadata.get(name, {}))
             out[name] = entry
             self._counters.add("params_issued")
+        if issued:
+            self._offer(request, issued)
         return out or None
+
+    def _offer(self, request, issued: list[str]) -> None:
+        """Tells the PD that will serve the request (named by the proxy in E's request, as
+        vLLM's example EPD proxy names it with --ec-consumer-zmq-addrs: there, PD's
+        scheduler agent's tcp address) the params now: it loads them while the request
+        is on its way to it. Only queued here (ecx sends it from its own thread); a PD that
+        cannot be reached costs it the early start only."""
+        given = getattr(request, "ec_transfer_params", None) or {}
+        address = given.get("consumer_zmq") if isinstance(given, dict) else None
+        if not address:
+            return
+        if not isinstance(address, str):
+            self._counters.fail("offer_address")
+            logger.warning("ECXConnector: request %s: consumer_zmq %r is not an address",
+                           request.request_id, address)
+            return
+        try:
+            self._conn.offer(address, issued)
+            self._counters.add("offers")
+        except ecx.Error as e:
+            self._counters.fail("offer_address")
+            logger.warning("ECXConnector: request %s: no offer to %r: %s", request.request_id,
+                           address, e)
 
     def _ask_worker(self, request_id: str, names: list[str]) -> list[tuple]:
         started = time.monotonic()

@@ -1,0 +1,185 @@
+// Telling a consumer early (EcConnector::offer): E's scheduler sends a PD the params it
+// issued for a request's items; the PD loads them into its cache before the request
+// reaches it, and the request, when it comes, finds them there and gives their pins back.
+// Real processes and agents: E's worker (a producer) in a process of its own.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstring>
+
+#include "ecx/common/checksum.h"
+#include "ecx/connector/ec_connector.h"
+#include "ecx/transfer/agent.h"
+#include "support/connector_peer_process.h"
+#include "support/poll.h"
+
+namespace ecx::connector {
+namespace {
+
+const TensorMeta kItem{DType::kBF16, {16, 256}};
+const std::string kSecret = "offer-test-secret";
+
+nlohmann::json extra_for(const std::string& engine_id, const std::string& secret = kSecret) {
+  return {{"engine_id", engine_id},
+          {"pool_bytes", "16MiB"},
+          {"lease_ms", 600000},
+          {"auth_token", secret}};
+}
+
+std::unique_ptr<EcConnector> make(nlohmann::json extra) {
+  auto c =
+      create_connector({.connector = "p2p", .role = Role::kConsumer, .extra = std::move(extra)});
+  EXPECT_TRUE(c.ok()) << c.status().to_string();
+  return c.ok() ? std::move(*c) : nullptr;
+}
+
+// Where peers dial `c`'s agent over tcp ("host:port").
+std::string tcp_address(const EcConnector& c) {
+  auto meta = transfer::AgentMetadata::parse(c.agent_metadata());
+  EXPECT_TRUE(meta.ok()) << meta.status().to_string();
+  return meta.ok() ? meta->endpoint(transfer::Backend::kTcp) : std::string();
+}
+
+bool holds_pattern(const cache::BlockRef& ref, uint64_t seed) {
+  std::vector<std::byte> want(kItem.byte_size());
+  fill_pattern(want.data(), want.size(), seed);
+  return ref.payload_length() == want.size() &&
+         std::memcmp(ref.payload(), want.data(), want.size()) == 0;
+}
+
+class OfferTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    static int counter = 0;
+    tag_ = std::to_string(::getpid()) + "-" + std::to_string(counter++);
+    auto p = ecx::testing::ConnectorPeer::start(
+        {{"connector", "p2p"}, {"role", "producer"}, {"extra", extra_for("e-w0-" + tag_)}});
+    ASSERT_TRUE(p.ok()) << p.status().to_string();
+    worker_.emplace(std::move(*p));
+    pd_ = make(extra_for("pd-sched-" + tag_));
+    ASSERT_NE(pd_, nullptr);
+  }
+
+  MmHash hash_of(const std::string& name) const { return MmHash::sha256_of({tag_, name}); }
+
+  uint64_t worker_pins() {
+    auto s = worker_->stats();
+    return s.ok() ? (*s)["producer_pool"]["pins"].get<uint64_t>() : UINT64_MAX;
+  }
+
+  // Polls (5 s at most) until `done` holds of the PD's stats.
+  bool pd_until(const std::function<bool(const ConnectorStats&)>& done) {
+    return ecx::testing::poll_until(Deadline::after_ms(5000), [&] { return done(pd_->stats()); });
+  }
+
+  std::string tag_;
+  std::optional<ecx::testing::ConnectorPeer> worker_;
+  std::unique_ptr<EcConnector> pd_;
+};
+
+TEST_F(OfferTest, AnOfferedItemIsHereBeforeItsRequestWhichGivesItsPinBack) {
+  auto a = worker_->save(hash_of("a"), 1, kItem);
+  auto b = worker_->save(hash_of("b"), 2, kItem);
+  ASSERT_TRUE(a.ok() && b.ok());
+  ASSERT_EQ(worker_pins(), 2u);  // each save's params hold a pin for their reader
+  auto e_sched = make(extra_for("e-sched-" + tag_));
+  ASSERT_NE(e_sched, nullptr);
+  ASSERT_TRUE(e_sched->offer("tcp://" + tcp_address(*pd_), {*a, *b}).ok());
+  // Loaded, and no longer pinned by the offer: kept for the request to come.
+  ASSERT_TRUE(pd_until([](const ConnectorStats& s) {
+    return s.items_offered == 2 && s.consumer_cache->entries == 2 && s.consumer_cache->pins == 0;
+  })) << to_json(pd_->stats()).dump();
+  EXPECT_EQ(e_sched->stats().offers_sent, 1u);
+  // The params' pins are the request's to give back: still held at the worker.
+  EXPECT_EQ(worker_pins(), 2u);
+
+  auto out = pd_->load(
+      {.request_id = "r", .items = {{hash_of("a"), kItem, *a}, {hash_of("b"), kItem, *b}}},
+      Deadline::after_ms(30000));
+  ASSERT_TRUE(out.status.ok()) << out.status.to_string();
+  ASSERT_EQ(out.items.size(), 2u);
+  for (const auto& item : out.items) EXPECT_TRUE(item.local_hit) << item.mm_hash.str();
+  auto got_a = pd_->loaded("r", hash_of("a"));
+  auto got_b = pd_->loaded("r", hash_of("b"));
+  ASSERT_TRUE(got_a.ok() && got_b.ok());
+  EXPECT_TRUE(holds_pattern(*got_a, 1));
+  EXPECT_TRUE(holds_pattern(*got_b, 2));
+  pd_->request_finished("r");
+  uint64_t pins = UINT64_MAX;
+  ecx::testing::poll_until(Deadline::after_ms(5000), [&] { return (pins = worker_pins()) == 0; });
+  EXPECT_EQ(pins, 0u);
+}
+
+// A request and its offer racing (the offer still loading when the request comes, or
+// arriving after it): the item is read from the worker once, whichever reads it, and the
+// other finds or joins that read.
+TEST_F(OfferTest, ARequestRacingItsOfferReadsTheItemOnce) {
+  auto a = worker_->save(hash_of("a"), 3, kItem);
+  ASSERT_TRUE(a.ok());
+  auto e_sched = make(extra_for("e-sched-" + tag_));
+  ASSERT_NE(e_sched, nullptr);
+  ASSERT_TRUE(e_sched->offer(tcp_address(*pd_), {*a}).ok());
+  auto out = pd_->load({.request_id = "r", .items = {{hash_of("a"), kItem, *a}}},
+                       Deadline::after_ms(30000));
+  ASSERT_TRUE(out.status.ok()) << out.status.to_string();
+  auto got = pd_->loaded("r", hash_of("a"));
+  ASSERT_TRUE(got.ok());
+  EXPECT_TRUE(holds_pattern(*got, 3));
+  pd_->request_finished("r");
+  ASSERT_TRUE(ecx::testing::poll_until(Deadline::after_ms(5000),
+                                       [&] { return e_sched->stats().offers_sent == 1; }));
+  ASSERT_TRUE(pd_until([](const ConnectorStats& s) { return s.consumer_cache->pins == 0; }));
+  EXPECT_EQ(pd_->stats().items_loaded, 1u);
+  EXPECT_EQ(pd_->stats().consumer_cache->entries, 1u);
+  uint64_t pins = UINT64_MAX;
+  ecx::testing::poll_until(Deadline::after_ms(5000), [&] { return (pins = worker_pins()) == 0; });
+  EXPECT_EQ(pins, 0u);
+}
+
+TEST_F(OfferTest, ParamsThisDeploymentDidNotSignAreNotLoaded) {
+  auto a = worker_->save(hash_of("a"), 4, kItem);
+  ASSERT_TRUE(a.ok());
+  EcTransferParams forged = *a;
+  forged.offset += 64;  // another place in the worker's memory: the signature no longer holds
+  auto e_sched = make(extra_for("e-sched-" + tag_));
+  ASSERT_NE(e_sched, nullptr);
+  ASSERT_TRUE(e_sched->offer(tcp_address(*pd_), {forged}).ok());
+  ASSERT_TRUE(pd_until([](const ConnectorStats& s) { return s.offered_refused == 1; }));
+  EXPECT_EQ(pd_->stats().items_offered, 0u);
+  EXPECT_EQ(pd_->stats().consumer_cache->entries, 0u);
+  EXPECT_EQ(pd_->stats().params_rejected, 1u);
+}
+
+TEST_F(OfferTest, AnOffererWithoutTheDeploymentSecretIsNotHeard) {
+  auto a = worker_->save(hash_of("a"), 5, kItem);
+  ASSERT_TRUE(a.ok());
+  auto stranger = make(extra_for("stranger-" + tag_, "another-secret"));
+  ASSERT_NE(stranger, nullptr);
+  ASSERT_TRUE(stranger->offer(tcp_address(*pd_), {*a}).ok());
+  ASSERT_TRUE(ecx::testing::poll_until(Deadline::after_ms(5000),
+                                       [&] { return stranger->stats().offers_failed == 1; }));
+  EXPECT_EQ(stranger->stats().offers_sent, 0u);
+  EXPECT_EQ(pd_->stats().items_offered, 0u);
+  EXPECT_EQ(pd_->stats().consumer_cache->entries, 0u);
+}
+
+// offer() only queues: an offer to a consumer nobody listens for is counted as failed
+// (sent from the connector's thread); a malformed address is refused, naming it.
+TEST_F(OfferTest, AnUnreachableConsumerIsCountedAndAMalformedAddressRefused) {
+  auto a = worker_->save(hash_of("a"), 6, kItem);
+  ASSERT_TRUE(a.ok());
+  auto e_sched = make(extra_for("e-sched-" + tag_));
+  ASSERT_NE(e_sched, nullptr);
+  EXPECT_TRUE(e_sched->offer("127.0.0.1:1", {*a}).ok());
+  EXPECT_TRUE(e_sched->offer("127.0.0.1:1", {*a}).ok());  // not dialed again for a while
+  ASSERT_TRUE(ecx::testing::poll_until(Deadline::after_ms(5000),
+                                       [&] { return e_sched->stats().offers_failed == 2; }));
+  EXPECT_EQ(e_sched->stats().offers_sent, 0u);
+  for (const char* bad : {"", "no-port", "10.0.0.1:99999", "tcp://", "a b:80", "[::1]:80"}) {
+    Status s = e_sched->offer(bad, {*a});
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << bad << ": " << s.to_string();
+  }
+}
+
+}  // namespace
+}  // namespace ecx::connector

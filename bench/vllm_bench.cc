@@ -42,7 +42,7 @@ struct VllmOptions {
   bool no_install = false;
   bool keep_logs = false;
   std::string ecx_extra;  // JSON merged into the ECXConnector rows' extra config
-  bool no_offer = false;  // the proxy names no PD to E: no early offer
+  bool offer = false;     // the proxy names PD to E, which offers it the items early
   bool hosts = false;     // E and PD on two test hosts (scripts/hosts)
   std::string rtt_ms;     // --hosts: the script's default (1)
   std::string rate;       // --hosts: the script's default (10gbit)
@@ -73,7 +73,7 @@ std::vector<std::string> script_argv(const VllmOptions& o, const PythonHarness& 
   if (o.no_install) argv.push_back("--no-install");
   if (o.keep_logs) argv.push_back("--keep-logs");
   add("--ecx-extra", o.ecx_extra);
-  if (o.no_offer) argv.push_back("--no-offer");
+  if (o.offer) argv.push_back("--offer");
   if (o.hosts) argv.push_back("--hosts");
   add("--rtt-ms", o.rtt_ms);
   add("--rate", o.rate);
@@ -153,9 +153,9 @@ void add_vllm_command(CLI::App& bench, int* exit_code) {
   s->add_option("--ecx-extra", o->ecx_extra,
                 "JSON merged into the ECXConnector rows' ec_connector_extra_config (E's and "
                 "PD's), e.g. '{\"first_look_wait_ms\": 40}'");
-  s->add_flag("--no-offer", o->no_offer,
-              "ECXConnector rows: the proxy does not name PD to E (--ec-consumer-zmq-addrs), "
-              "so E offers PD nothing early");
+  s->add_flag("--offer", o->offer,
+              "ECXConnector rows: the proxy names PD's scheduler to E (--ec-consumer-zmq-addrs), "
+              "which offers PD the items early");
   s->add_flag("--hosts", o->hosts,
               "E on test host ecx-h1, PD on ecx-h2 (scripts/hosts, made for the run; root): "
               "the items cross a network, against its physical limit");

@@ -185,7 +185,7 @@ def run_row(row: str, args, w: dict, model: Path, run_dir: Path, fixed: list[dic
            "mooncake_e_port": rt.free_port(), "mooncake_pd_port": rt.free_port(),
            "side_channel_port": rt.free_port(), "place": place,
            "ecx_extra": json.loads(args.ecx_extra),
-           "offer": row in ("ecx", "ecx-zc") and not args.no_offer,
+           "offer": row in ("ecx", "ecx-zc") and args.offer,
            "ecx_pd_agents": rt.free_ports(2)}
     (e_host, e_ns), (pd_host, pd_ns) = place["ec_producer"], place["ec_consumer"]
     cfg["shared_dir"].mkdir(exist_ok=True)
@@ -441,9 +441,9 @@ def main(argv=None) -> int:
     p.add_argument("--ecx-extra", default="{}",
                    help="JSON merged into the ECXConnector rows' ec_connector_extra_config "
                         "(E's and PD's), e.g. '{\"first_look_wait_ms\": 40}'")
-    p.add_argument("--no-offer", action="store_true",
-                   help="ECXConnector rows: the proxy does not name PD to E "
-                        "(--ec-consumer-zmq-addrs), so E offers PD nothing early")
+    p.add_argument("--offer", action="store_true",
+                   help="ECXConnector rows: the proxy names PD's scheduler to E "
+                        "(--ec-consumer-zmq-addrs), which offers PD the items early")
     p.add_argument("--hosts", action="store_true",
                    help="E on test host ecx-h1, PD on ecx-h2 (scripts/hosts, made for the run "
                         "and removed after; root): the items cross a network")
@@ -510,7 +510,7 @@ def main(argv=None) -> int:
                            "dataset": "random-mm", "backend": "openai-chat",
                            "proxy": str(args.proxy), "timed": not args.no_timing,
                            "ecx_extra": json.loads(args.ecx_extra),
-                           "ecx_offer": not args.no_offer},
+                           "ecx_offer": args.offer},
               "placement": ({"E": "ecx-h1 (10.77.0.1)", "PD": "ecx-h2 (10.77.0.2)",
                              "proxy": "this machine", **(limit or {})} if args.hosts else
                             {"all": "this machine, 127.0.0.1"}),

@@ -91,6 +91,7 @@ Status Connector::init(const ConnectorKind& kind) {
     ECX_ASSIGN_OR_RETURN(core_.consumer_cache_, cache::EncoderCachePool::create(core_.agent(), pc));
   }
   ECX_ASSIGN_OR_RETURN(driver_, kind.make_driver(core_));
+  offers_ = std::make_unique<OfferSender>(name(), core_.agent());
   core_.agent()->set_notification_handler([this](transfer::Notification n) { on_notification(n); });
   if (core_.is_consumer()) {
     releases_ = std::make_unique<ReleaseBatcher>(name(), driver_.get());
@@ -190,15 +191,13 @@ void Connector::on_notification(const transfer::Notification& n) {
 
 Status Connector::offer(const std::string& address, const std::vector<EcTransferParams>& params) {
   ECX_ASSIGN_OR_RETURN(std::string to, parse_offer_address(address));
-  if (core_.agent() == nullptr)
+  if (offers_ == nullptr)
     return Status(StatusCode::kFailedPrecondition, "offer: connector " + name() + " has no agent");
   if (params.empty()) return Status::Ok();
   if (params.size() > kMaxOfferItems) {
     return InvalidArgument("offer: " + std::to_string(params.size()) + " items, more than " +
                            std::to_string(kMaxOfferItems));
   }
-  std::call_once(offers_once_,
-                 [this] { offers_ = std::make_unique<OfferSender>(name(), core_.agent()); });
   offers_->push(std::move(to), to_json(OfferNotice{params}));
   return Status::Ok();
 }

@@ -9,7 +9,6 @@
 
 #include <deque>
 #include <map>
-#include <mutex>
 #include <thread>
 
 #include "connector/connector_driver.h"
@@ -158,8 +157,8 @@ class Connector final : public EcConnector {
   std::unique_ptr<HeldViews> views_;
   std::unique_ptr<ReleaseBatcher> releases_;
 
-  // Offers: sent (created at the first), and the offered loads running now.
-  std::once_flag offers_once_;
+  // Offers: what this side sends (its thread starts with the first), and the offered
+  // loads queued or running here now.
   std::unique_ptr<OfferSender> offers_;
   int offered_loads_ ECX_GUARDED_BY(mu_) = 0;
   uint64_t next_offer_ ECX_GUARDED_BY(mu_) = 0;

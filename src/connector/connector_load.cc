@@ -28,8 +28,12 @@ void Connector::loader_loop() {
       MutexLock lock(&mu_);
       work_cv_.wait(&mu_, [this]() ECX_REQUIRES(mu_) { return stopping_ || !queue_.empty(); });
       if (stopping_) return;  // what is still queued ends with stop()
-      state = std::move(queue_.front());
-      queue_.pop_front();
+      // A request's load first: an offer's is a head start, never a wait for a request.
+      auto next =
+          std::find_if(queue_.begin(), queue_.end(), [](const auto& s) { return !s->offered; });
+      if (next == queue_.end()) next = queue_.begin();
+      state = std::move(*next);
+      queue_.erase(next);
     }
     run_load(state);  // catches what its driver throws (fetch_guarded)
   }

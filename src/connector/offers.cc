@@ -25,7 +25,7 @@ Result<std::string> parse_offer_address(const std::string& text) {
 }
 
 OfferSender::OfferSender(std::string name, transfer::Agent* agent)
-    : name_(std::move(name)), agent_(agent), thread_([this] { run(); }) {}
+    : name_(std::move(name)), agent_(agent) {}
 
 OfferSender::~OfferSender() { stop(); }
 
@@ -37,6 +37,7 @@ bool OfferSender::push(std::string address, std::string notice) {
       return false;
     }
     queue_.push_back({std::move(address), std::move(notice)});
+    if (!thread_.joinable()) thread_ = std::thread([this] { run(); });
   }
   cv_.notify_one();
   return true;

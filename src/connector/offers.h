@@ -6,7 +6,8 @@
 // API server and its input processing), so that it finds them in its cache at first
 // sight.
 //
-// OfferSender: a queue and one thread. The engine's thread only queues (never a connect
+// OfferSender: a queue and one thread (started by the first offer). The engine's thread
+// only queues (never a connect
 // or a send on it); the thread dials each address once (an agent connection, proving the
 // deployment secret both ways, as every peer of ours does) and sends the offer as a
 // NOTIFY. An address it could not reach is not dialed again for kRetryMs: its offers are
@@ -68,7 +69,7 @@ class OfferSender {
   bool stopping_ ECX_GUARDED_BY(mu_) = false;
   std::map<std::string, Deadline> unreachable_;  // address -> dialed again after; run()'s
   std::atomic<uint64_t> sent_{0}, failed_{0};
-  std::thread thread_;
+  std::thread thread_;  // started under mu_ by the first push; joined by stop()
 };
 
 }  // namespace ecx::connector

@@ -8,6 +8,12 @@
 //     of those after it went is refused.
 //   UCX_MEM_MMAP_HOOK_MODE=none under ThreadSanitizer: UCX's mmap hooks crash TSan at
 //     thread exit; the tests register no RDMA memory, which is what the hooks are for.
+// spdlog's logger registry is made here, before any thread, as a program's start-up
+// (set_log_level) makes it: made by the first log line of two threads at once, it is a
+// function-local static in Debian's uninstrumented libspdlog, whose guard ThreadSanitizer
+// cannot see (a test whose first lines were two agents' warnings reported a race there).
+#include <spdlog/spdlog.h>
+
 #include <cstdlib>
 
 namespace {
@@ -19,6 +25,7 @@ struct TestEnvironment {
 #ifdef ECX_TEST_TSAN
     ::setenv("UCX_MEM_MMAP_HOOK_MODE", "none", /*overwrite=*/0);
 #endif
+    spdlog::default_logger_raw();
   }
 };
 

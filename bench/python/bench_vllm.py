@@ -144,6 +144,9 @@ def ec_config(row: str, role: str, cfg: dict, timed: bool) -> dict:
                                             "failure_policy": "recompute"}
         if row == "ecx-zc" and role == "ec_consumer":
             out["ec_connector_extra_config"]["zero_copy"] = True
+        if role == "ec_producer" and cfg["offer"]:  # the only PD E may offer to
+            out["ec_connector_extra_config"]["offer_to"] = [
+                f"{cfg['place']['ec_consumer'][0]}:{cfg['ecx_pd_agents']}"]
         if role == "ec_consumer" and cfg["offer"]:
             # Fixed ports (its scheduler's: the base), so that the proxy can name PD's
             # scheduler to E, which offers it the items early.

@@ -65,7 +65,8 @@ def engines(tiny_model, deployment_secret, reference, tmp_path_factory):
     pd_agents = free_ports(2)
     # lease_ms of ten minutes: a pin that ends during a test was released, not expired.
     e = Engine("e", serve_argv(tiny_model, e_port, "--ec-transfer-config", ec_config(
-        "ec_producer", {**common, "lease_ms": 600000, "metrics_port": e_metrics})),
+        "ec_producer", {**common, "lease_ms": 600000, "metrics_port": e_metrics,
+                        "offer_to": [f"127.0.0.1:{pd_agents}"]})),
         vllm_env(), e_port, logs / "e.log", metrics_port=e_metrics)
     pd = Engine("pd", serve_argv(tiny_model, pd_port, "--enable-logging-iteration-details",
                                  "--ec-transfer-config", ec_config(

@@ -193,12 +193,21 @@ Status Connector::offer(const std::string& address, const std::vector<EcTransfer
   ECX_ASSIGN_OR_RETURN(std::string to, parse_offer_address(address));
   if (offers_ == nullptr)
     return Status(StatusCode::kFailedPrecondition, "offer: connector " + name() + " has no agent");
+  const auto& allowed = core_.options().offer_to;
+  if (std::find(allowed.begin(), allowed.end(), to) == allowed.end()) {
+    return PermissionDenied("offer: consumer " + to + " is not in offer_to (the consumers " +
+                            name() + " may offer to: " + std::to_string(allowed.size()) + ")");
+  }
   if (params.empty()) return Status::Ok();
   if (params.size() > kMaxOfferItems) {
     return InvalidArgument("offer: " + std::to_string(params.size()) + " items, more than " +
                            std::to_string(kMaxOfferItems));
   }
-  offers_->push(std::move(to), to_json(OfferNotice{params}));
+  if (!offers_->push(std::move(to), to_json(OfferNotice{params}))) {
+    return Status(StatusCode::kResourceExhausted,
+                  "offer: " + std::to_string(OfferSender::kMaxQueued) +
+                      " offers queued already, or the connector stopped");
+  }
   return Status::Ok();
 }
 
@@ -207,10 +216,12 @@ Status Connector::offer(const std::string& address, const std::vector<EcTransfer
 // would be); an item already here is skipped.
 void Connector::accept_offer(const std::string& from, OfferNotice notice) {
   const size_t offered = notice.items.size();
-  const char* refused = !core_.is_consumer()           ? "not a consumer"
-                        : !name().starts_with("p2p")   ? "not a p2p connector"
-                        : !core_.options().keep_loaded ? "keep_loaded is off"
-                                                       : nullptr;
+  // In push mode the producer ends the params' pin once it wrote: the request's own.
+  const char* refused = !core_.is_consumer()                     ? "not a consumer"
+                        : !name().starts_with("p2p")             ? "not a p2p connector"
+                        : core_.options().mode == P2pMode::kPush ? "push mode"
+                        : !core_.options().keep_loaded           ? "keep_loaded is off"
+                                                                 : nullptr;
   if (refused != nullptr) {
     offered_refused_ += offered;
     spdlog::warn("{}: refused an offer of {} items from {}: {}", name(), offered, from, refused);

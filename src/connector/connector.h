@@ -135,6 +135,7 @@ class Connector final : public EcConnector {
   // Queues a release; once the releases stopped, logs that its pins are left to lease.
   void give_back(PendingRelease release);
   void loader_loop();
+  std::deque<std::shared_ptr<RequestState>>::iterator next_load_locked() ECX_REQUIRES(mu_);
   void stop();
 
   ConnectorCore core_;
@@ -160,7 +161,8 @@ class Connector final : public EcConnector {
   // Offers: what this side sends (its thread starts with the first), and the offered
   // loads queued or running here now.
   std::unique_ptr<OfferSender> offers_;
-  int offered_loads_ ECX_GUARDED_BY(mu_) = 0;
+  int offered_loads_ ECX_GUARDED_BY(mu_) = 0;    // queued or running
+  int offered_running_ ECX_GUARDED_BY(mu_) = 0;  // on a loader now
   uint64_t next_offer_ ECX_GUARDED_BY(mu_) = 0;
   static constexpr int kMaxOfferedLoads = 64;
 

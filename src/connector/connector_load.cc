@@ -26,17 +26,28 @@ void Connector::loader_loop() {
     std::shared_ptr<RequestState> state;
     {
       MutexLock lock(&mu_);
-      work_cv_.wait(&mu_, [this]() ECX_REQUIRES(mu_) { return stopping_ || !queue_.empty(); });
+      work_cv_.wait(&mu_, [this]() ECX_REQUIRES(mu_) {
+        return stopping_ || next_load_locked() != queue_.end();
+      });
       if (stopping_) return;  // what is still queued ends with stop()
-      // A request's load first: an offer's is a head start, never a wait for a request.
-      auto next =
-          std::find_if(queue_.begin(), queue_.end(), [](const auto& s) { return !s->offered; });
-      if (next == queue_.end()) next = queue_.begin();
+      auto next = next_load_locked();
       state = std::move(*next);
       queue_.erase(next);
+      if (state->offered) offered_running_++;
     }
     run_load(state);  // catches what its driver throws (fetch_guarded)
   }
+}
+
+// A request's load first: an offer's is a head start, never a wait for a request. Offers
+// run on at most loader_threads - 1 loaders (one, with a single loader), so that one slow
+// producer's offers cannot hold every loader while a request waits.
+std::deque<std::shared_ptr<Connector::RequestState>>::iterator Connector::next_load_locked() {
+  auto request =
+      std::find_if(queue_.begin(), queue_.end(), [](const auto& s) { return !s->offered; });
+  if (request != queue_.end()) return request;
+  const int cap = std::max(1, core_.options().loader_threads - 1);
+  return queue_.empty() || offered_running_ >= cap ? queue_.end() : queue_.begin();
 }
 
 Result<std::pair<cache::Pin, bool>> Connector::reserve_or_join(const LoadItem& item,
@@ -343,8 +354,10 @@ void Connector::finish_offered(LoadJob& job) {
     MutexLock lock(&mu_);
     requests_.erase(state->request.request_id);
     offered_loads_--;
+    offered_running_--;
     give_back({request_of(state), std::move(job.slots)});
   }
+  work_cv_.notify_one();  // a loader may take the next offer now
   unpin_all(job.pins);
 }
 

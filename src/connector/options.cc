@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <set>
 
+#include "connector/offers.h"
 #include "ecx/common/auth.h"
 #include "ecx/common/bytes.h"
 #include "ecx/common/enum_names.h"
@@ -54,7 +55,8 @@ const std::set<std::string> kKnownKeys = {"engine_id",
                                           "require_grants",
                                           "checksum",
                                           "zero_copy",
-                                          "copy_threads"};
+                                          "copy_threads",
+                                          "offer_to"};
 
 // A size: a byte count, or a string such as "512MiB".
 Result<uint64_t> read_bytes(const JsonReader& r, const char* key, uint64_t fallback) {
@@ -160,6 +162,21 @@ Status read_common(const JsonReader& r, ConnectorOptions& o) {
   return Status::Ok();
 }
 
+// offer_to: the consumers' addresses, each as parse_offer_address gives it.
+Status read_offer_to(const JsonReader& r, ConnectorOptions& o) {
+  ECX_ASSIGN_OR_RETURN(const json* list, r.array("offer_to", Presence::kOptional, 4096));
+  if (list == nullptr) return Status::Ok();
+  for (size_t i = 0; i < list->size(); ++i) {
+    const json& entry = (*list)[i];
+    if (!entry.is_string())
+      return InvalidArgument("offer_to: entry " + std::to_string(i) + " is not a string");
+    auto address = parse_offer_address(entry.get<std::string>());
+    if (!address.ok()) return address.status().with_context("offer_to entry " + std::to_string(i));
+    o.offer_to.push_back(std::move(*address));
+  }
+  return Status::Ok();
+}
+
 // The options of one connector kind (p2p, disk, store); each ignores the others'.
 Status read_specific(const JsonReader& r, ConnectorOptions& o) {
   ECX_ASSIGN_OR_RETURN(std::string mode, r.string("mode", Presence::kOptional, 64, "pull"));
@@ -177,6 +194,7 @@ Status read_specific(const JsonReader& r, ConnectorOptions& o) {
   ECX_ASSIGN_OR_RETURN(int64_t copy_threads,
                        r.i64("copy_threads", 1, 16, Presence::kOptional, o.copy_threads));
   o.copy_threads = static_cast<int>(copy_threads);
+  ECX_RETURN_IF_ERROR(read_offer_to(r, o));
   ECX_ASSIGN_OR_RETURN(o.tcp_host, r.string("tcp_host", Presence::kOptional, 4096, o.tcp_host));
   ECX_RETURN_IF_ERROR(check_tcp_host(o.tcp_host));
   ECX_ASSIGN_OR_RETURN(o.tcp_advertise_host, r.string("tcp_advertise_host", Presence::kOptional,

@@ -67,6 +67,11 @@ struct ConnectorOptions {
   // memory, the loading thread included. Loads of 1 MiB or more are cut into 256 KiB
   // pieces the threads share; 1: the loading thread copies alone.
   int copy_threads = 2;
+  // The consumers this side may offer items to (EcConnector::offer), "host:port" each:
+  // the PDs' scheduler agents. An address comes from the request E is sent, so it must
+  // be one of these: dialed elsewhere, an agent's handshake could be relayed to another
+  // agent of the deployment. Empty: no offers.
+  std::vector<std::string> offer_to;
   transfer::Backend backend = transfer::Backend::kAuto;
   // "ucx": true (or backend "ucx") enables the agent's ucx backend; "ucx_tls",
   // "ucx_library" and "ucx_error_mode" set the rest of it (transfer::UcxConfig).

@@ -62,6 +62,14 @@ class OfferTest : public ::testing::Test {
 
   MmHash hash_of(const std::string& name) const { return MmHash::sha256_of({tag_, name}); }
 
+  // E's scheduler, which may offer to `consumers` (offer_to).
+  std::unique_ptr<EcConnector> offerer(std::vector<std::string> consumers,
+                                       const std::string& secret = kSecret) {
+    auto extra = extra_for("e-sched-" + tag_, secret);
+    extra["offer_to"] = std::move(consumers);
+    return make(extra);
+  }
+
   uint64_t worker_pins() {
     auto s = worker_->stats();
     return s.ok() ? (*s)["producer_pool"]["pins"].get<uint64_t>() : UINT64_MAX;
@@ -82,7 +90,7 @@ TEST_F(OfferTest, AnOfferedItemIsHereBeforeItsRequestWhichGivesItsPinBack) {
   auto b = worker_->save(hash_of("b"), 2, kItem);
   ASSERT_TRUE(a.ok() && b.ok());
   ASSERT_EQ(worker_pins(), 2u);  // each save's params hold a pin for their reader
-  auto e_sched = make(extra_for("e-sched-" + tag_));
+  auto e_sched = offerer({tcp_address(*pd_)});
   ASSERT_NE(e_sched, nullptr);
   ASSERT_TRUE(e_sched->offer("tcp://" + tcp_address(*pd_), {*a, *b}).ok());
   // Loaded, and no longer pinned by the offer: kept for the request to come.
@@ -116,7 +124,7 @@ TEST_F(OfferTest, AnOfferedItemIsHereBeforeItsRequestWhichGivesItsPinBack) {
 TEST_F(OfferTest, ARequestRacingItsOfferReadsTheItemOnce) {
   auto a = worker_->save(hash_of("a"), 3, kItem);
   ASSERT_TRUE(a.ok());
-  auto e_sched = make(extra_for("e-sched-" + tag_));
+  auto e_sched = offerer({tcp_address(*pd_)});
   ASSERT_NE(e_sched, nullptr);
   ASSERT_TRUE(e_sched->offer(tcp_address(*pd_), {*a}).ok());
   auto out = pd_->load({.request_id = "r", .items = {{hash_of("a"), kItem, *a}}},
@@ -141,7 +149,7 @@ TEST_F(OfferTest, ParamsThisDeploymentDidNotSignAreNotLoaded) {
   ASSERT_TRUE(a.ok());
   EcTransferParams forged = *a;
   forged.offset += 64;  // another place in the worker's memory: the signature no longer holds
-  auto e_sched = make(extra_for("e-sched-" + tag_));
+  auto e_sched = offerer({tcp_address(*pd_)});
   ASSERT_NE(e_sched, nullptr);
   ASSERT_TRUE(e_sched->offer(tcp_address(*pd_), {forged}).ok());
   ASSERT_TRUE(pd_until([](const ConnectorStats& s) { return s.offered_refused == 1; }));
@@ -153,7 +161,7 @@ TEST_F(OfferTest, ParamsThisDeploymentDidNotSignAreNotLoaded) {
 TEST_F(OfferTest, AnOffererWithoutTheDeploymentSecretIsNotHeard) {
   auto a = worker_->save(hash_of("a"), 5, kItem);
   ASSERT_TRUE(a.ok());
-  auto stranger = make(extra_for("stranger-" + tag_, "another-secret"));
+  auto stranger = offerer({tcp_address(*pd_)}, "another-secret");
   ASSERT_NE(stranger, nullptr);
   ASSERT_TRUE(stranger->offer(tcp_address(*pd_), {*a}).ok());
   ASSERT_TRUE(ecx::testing::poll_until(Deadline::after_ms(5000),
@@ -168,7 +176,7 @@ TEST_F(OfferTest, AnOffererWithoutTheDeploymentSecretIsNotHeard) {
 TEST_F(OfferTest, AnUnreachableConsumerIsCountedAndAMalformedAddressRefused) {
   auto a = worker_->save(hash_of("a"), 6, kItem);
   ASSERT_TRUE(a.ok());
-  auto e_sched = make(extra_for("e-sched-" + tag_));
+  auto e_sched = offerer({"127.0.0.1:1"});
   ASSERT_NE(e_sched, nullptr);
   EXPECT_TRUE(e_sched->offer("127.0.0.1:1", {*a}).ok());
   EXPECT_TRUE(e_sched->offer("127.0.0.1:1", {*a}).ok());  // not dialed again for a while
@@ -179,6 +187,48 @@ TEST_F(OfferTest, AnUnreachableConsumerIsCountedAndAMalformedAddressRefused) {
     Status s = e_sched->offer(bad, {*a});
     EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << bad << ": " << s.to_string();
   }
+}
+
+// The address comes from the request E is sent: E offers only to the consumers its own
+// configuration lists (offer_to), and dials no other address (an agent's handshake
+// relayed by whoever listens there would reach another agent of the deployment as E).
+TEST_F(OfferTest, OnlyTheConsumersOfOfferToAreOfferedTo) {
+  auto a = worker_->save(hash_of("a"), 7, kItem);
+  ASSERT_TRUE(a.ok());
+  auto none = offerer({});
+  ASSERT_NE(none, nullptr);
+  Status s = none->offer(tcp_address(*pd_), {*a});
+  EXPECT_EQ(s.code(), StatusCode::kPermissionDenied) << s.to_string();
+  auto other = offerer({"127.0.0.1:1"});
+  ASSERT_NE(other, nullptr);
+  s = other->offer(tcp_address(*pd_), {*a});
+  EXPECT_EQ(s.code(), StatusCode::kPermissionDenied) << s.to_string();
+  EXPECT_EQ(none->stats().offers_sent + none->stats().offers_failed, 0u);
+  EXPECT_EQ(other->stats().offers_sent + other->stats().offers_failed, 0u);
+  EXPECT_EQ(pd_->stats().items_offered, 0u);
+  // A malformed offer_to is refused at start, naming the entry.
+  auto extra = extra_for("e-bad-" + tag_);
+  extra["offer_to"] = {"10.0.0.1:99999"};
+  auto bad = create_connector({.connector = "p2p", .role = Role::kConsumer, .extra = extra});
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("offer_to"), std::string::npos) << bad.status().to_string();
+}
+
+// A push consumer refuses offers: its producer would end the request's pin as it writes.
+TEST_F(OfferTest, APushConsumerRefusesOffers) {
+  auto a = worker_->save(hash_of("a"), 8, kItem);
+  ASSERT_TRUE(a.ok());
+  auto extra = extra_for("pd-push-" + tag_);
+  extra["mode"] = "push";
+  auto push_pd = make(extra);
+  ASSERT_NE(push_pd, nullptr);
+  auto e_sched = offerer({tcp_address(*push_pd)});
+  ASSERT_NE(e_sched, nullptr);
+  ASSERT_TRUE(e_sched->offer(tcp_address(*push_pd), {*a}).ok());
+  ASSERT_TRUE(ecx::testing::poll_until(Deadline::after_ms(5000),
+                                       [&] { return push_pd->stats().offered_refused == 1; }));
+  EXPECT_EQ(push_pd->stats().items_offered, 0u);
+  EXPECT_EQ(worker_pins(), 1u);  // the request's, untouched
 }
 
 }  // namespace

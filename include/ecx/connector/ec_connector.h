@@ -215,8 +215,10 @@ class EcConnector {
   // uses them reaches it (its load then finds them there and gives their pins back).
   // Returns once queued: sent from a thread of this connector, never the caller's; an
   // offer that cannot be delivered costs the consumer its early start, nothing else
-  // (stats: offers_sent, offers_failed). kInvalidArgument for a malformed address;
-  // kFailedPrecondition for a connector without an agent.
+  // (stats: offers_sent, offers_failed). Only to an address of the offer_to option
+  // (kPermissionDenied otherwise: nothing is dialed); kInvalidArgument for a malformed
+  // address; kResourceExhausted when the queue is full; kFailedPrecondition for a
+  // connector without an agent.
   virtual Status offer(const std::string& /*address*/,
                        const std::vector<EcTransferParams>& /*params*/) {
     return Status(StatusCode::kFailedPrecondition, "offer: not a p2p connector");

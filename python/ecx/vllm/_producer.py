@@ -137,24 +137,25 @@ class ProducerScheduler:
         """Tells the PD that will serve the request (named by the proxy in E's request, as
         vLLM's example EPD proxy names it with --ec-consumer-zmq-addrs: there, PD's
         scheduler agent's tcp address) the params now: it loads them while the request
-        is on its way to it. Only queued here (ecx sends it from its own thread); a PD that
-        cannot be reached costs it the early start only."""
+        is on its way to it. Only to an address of E's `offer_to` (ecx refuses others: the
+        address comes from the request). Only queued here (ecx sends it from its own
+        thread); a PD that cannot be reached costs it the early start only."""
         given = getattr(request, "ec_transfer_params", None) or {}
         address = given.get("consumer_zmq") if isinstance(given, dict) else None
         if not address:
             return
         if not isinstance(address, str):
-            self._counters.fail("offer_address")
+            self._counters.fail("offer")
             logger.warning("ECXConnector: request %s: consumer_zmq %r is not an address",
                            request.request_id, address)
             return
         try:
             self._conn.offer(address, issued)
             self._counters.add("offers")
-        except ecx.Error as e:
-            self._counters.fail("offer_address")
-            logger.warning("ECXConnector: request %s: no offer to %r: %s", request.request_id,
-                           address, e)
+        except Exception as e:  # noqa: BLE001 (the request's params must go out regardless)
+            self._counters.fail("offer")
+            logger.warning("ECXConnector: request %s: no offer to %r (only the addresses in "
+                           "offer_to are offered to): %s", request.request_id, address, e)
 
     def _ask_worker(self, request_id: str, names: list[str]) -> list[tuple]:
         started = time.monotonic()

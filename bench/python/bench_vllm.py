@@ -157,9 +157,28 @@ def ec_config(row: str, role: str, cfg: dict, timed: bool) -> dict:
     return out
 
 
+def worker_cores(role: str) -> str | None:
+    """The cores E's or PD's worker is bound to (VLLM_CPU_OMP_THREADS_BIND), disjoint.
+    Left to vLLM ("auto"), every instance binds its worker to the same first core: E's and
+    PD's workers then share one core while the other idles, and E's worker, which spins
+    (sched_yield) for a second after each step, starves PD's worker of the wake-up for
+    PD's next step for as long (HISTORY.md §30). A deployment gives each instance cores
+    of its own; so does the bench: PD the first half of this process's cores, E the rest.
+    None (vLLM's default) with a single core."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return None
+    half = len(cores) // 2
+    mine = cores[:half] if role == "ec_consumer" else cores[half:]
+    return ",".join(str(c) for c in mine)
+
+
 def row_env(row: str, role: str, cfg: dict) -> dict:
     host = cfg["place"][role][0]
     env = {"VLLM_HOST_IP": host}
+    cores = worker_cores(role)
+    if cores is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cores
     if row == "cpu":
         env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
         if role == "ec_producer":

@@ -83,6 +83,52 @@ _made: dict[str, type] = {}
 _lock = threading.Lock()
 
 
+STACKS_ENV = "ECX_BENCH_STACKS"
+STACKS_MAX_S = 3600  # a sampler stops by itself
+_sampling = False
+
+
+def _start_stack_sampler() -> None:
+    """A diagnostic, off unless $ECX_BENCH_STACKS names a path: a thread of the engine's
+    process samples its main thread's Python stack every 2 ms and appends it, with the
+    time, to PATH.<pid> whenever it changed ({"t", "s": [file:function:line, ...]}, the
+    innermost frame first). Set around `ecx bench vllm`, it shows where each engine
+    process (E's and PD's EngineCore and workers) was while a request waited: how
+    HISTORY.md §30 found PD's worker asleep in vLLM's message queue. Sampling takes the GIL
+    every 2 ms: not for the figures a run reports."""
+    global _sampling
+    path = os.environ.get(STACKS_ENV)
+    if not path or _sampling:
+        return
+    _sampling = True
+    import sys
+    main_id = threading.main_thread().ident
+    fd = os.open(f"{path}.{os.getpid()}", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+
+    def run():
+        last = None
+        end = time.monotonic() + STACKS_MAX_S
+        while time.monotonic() < end:
+            time.sleep(0.002)
+            frame = sys._current_frames().get(main_id)
+            if frame is None:
+                return  # the main thread ended
+            stack = []
+            while frame is not None and len(stack) < 14:
+                code = frame.f_code
+                stack.append(f"{os.path.basename(code.co_filename)}:{code.co_name}:"
+                             f"{frame.f_lineno}")
+                frame = frame.f_back
+            if stack != last:
+                try:
+                    os.write(fd, (json.dumps({"t": time.time(), "s": stack}) + "\n").encode())
+                except OSError:
+                    return
+                last = stack
+
+    threading.Thread(target=run, daemon=True, name="ecx-bench-stacks").start()
+
+
 class _Log:
     """Appends JSON lines to $ECX_BENCH_TIMING_FILE (nothing when it is unset)."""
 
@@ -124,6 +170,7 @@ def timed(base: type) -> type:
             self._ecx_seen_items: set[str] = set()
             self._ecx_ensure_s = 0.0  # this schedule()'s time in ensure_cache_available
             super().__init__(*args, **kwargs)
+            _start_stack_sampler()
 
         def _ecx_sight(self, request, hook: str) -> None:
             rid = getattr(request, "request_id", None)

@@ -21,6 +21,7 @@ def _load(name: str):
 
 timing = _load("bench_vllm_timing")
 rt = _load("bench_vllm_runtime")
+bench = _load("bench_vllm")
 
 
 def sight(t, req, items, consumer=True):
@@ -144,6 +145,51 @@ def test_timed_subclass_calls_the_real_methods_and_records_events(tmp_path, monk
     assert events[0]["items"] == ["x"] and events[2]["items"] == ["x"]
     stats = timing.ec_load_stats(events)
     assert stats["requests"] == 1 and stats["from_alloc"] is not None
+
+
+@pytest.mark.parametrize("cores, pd, e", [
+    ({0, 1}, "0", "1"), ({0, 1, 2, 3}, "0,1", "2,3"), ({1, 3, 4}, "1", "3,4")])
+def test_e_and_pd_workers_get_cores_of_their_own(monkeypatch, cores, pd, e):
+    # Both left to vLLM's "auto" would bind both workers to the same first core.
+    monkeypatch.setattr(bench.os, "sched_getaffinity", lambda _pid: cores)
+    assert bench.worker_cores("ec_consumer") == pd
+    assert bench.worker_cores("ec_producer") == e
+    env = bench.row_env("ecx", "ec_producer", {"place": bench.ONE_MACHINE, "timed": False,
+                                              "item_digests": False})
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == e
+
+
+def test_one_core_is_left_to_vllms_binding(monkeypatch):
+    monkeypatch.setattr(bench.os, "sched_getaffinity", lambda _pid: {0})
+    assert bench.worker_cores("ec_consumer") is None
+    env = bench.row_env("ecx", "ec_consumer", {"place": bench.ONE_MACHINE, "timed": False,
+                                              "item_digests": False})
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in env
+
+
+def test_the_stack_sampler_writes_the_main_threads_stack_when_asked(tmp_path, monkeypatch):
+    import os
+    import time
+    monkeypatch.setattr(timing, "_sampling", False)
+    monkeypatch.setattr(timing, "STACKS_MAX_S", 3)  # then it stops by itself
+    monkeypatch.delenv(timing.STACKS_ENV, raising=False)
+    timing._start_stack_sampler()
+    assert not timing._sampling  # off unless asked
+    monkeypatch.setenv(timing.STACKS_ENV, str(tmp_path / "stacks"))
+    timing._start_stack_sampler()
+    timing._start_stack_sampler()  # one sampler per process
+    out = tmp_path / f"stacks.{os.getpid()}"
+    deadline = time.monotonic() + 10
+    lines = []
+    while time.monotonic() < deadline and not any(
+            "test_the_stack_sampler" in "".join(json.loads(x)["s"]) for x in lines):
+        time.sleep(0.02)
+        lines = out.read_text().splitlines() if out.exists() else []
+    samples = [json.loads(x) for x in lines]
+    assert any(any("test_the_stack_sampler_writes" in f for f in s["s"]) for s in samples)
+    assert all(isinstance(s["t"], float) for s in samples)
+    threads = [t.name for t in __import__("threading").enumerate()]
+    assert threads.count("ecx-bench-stacks") == 1
 
 
 def test_module_getattr_names_only_known_connectors():

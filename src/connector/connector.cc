@@ -310,20 +310,34 @@ ConnectorMetadata Connector::build_connector_meta() {
 Status Connector::start_load_caches(const ConnectorMetadata& metadata) {
   if (!core_.is_consumer())
     return Status(StatusCode::kFailedPrecondition, "connector " + name() + " is not a consumer");
-  MutexLock lock(&mu_);
-  if (stopping_) return Unavailable("connector " + name() + " shut down");
-  for (const auto& entry : metadata.loads) {
-    if (requests_.count(entry.request.request_id)) {
-      return Status(StatusCode::kAlreadyExists,
-                    "request " + entry.request.request_id + " is already loading");
+  std::vector<std::shared_ptr<RequestState>> states;
+  {
+    MutexLock lock(&mu_);
+    if (stopping_) return Unavailable("connector " + name() + " shut down");
+    for (const auto& entry : metadata.loads) {
+      if (requests_.count(entry.request.request_id)) {
+        return Status(StatusCode::kAlreadyExists,
+                      "request " + entry.request.request_id + " is already loading");
+      }
+    }
+    for (const auto& entry : metadata.loads) {
+      auto state = std::make_shared<RequestState>();
+      state->request = entry.request;
+      state->items = entry.items;
+      requests_[entry.request.request_id] = state;
+      states.push_back(std::move(state));
     }
   }
-  for (const auto& entry : metadata.loads) {
-    auto state = std::make_shared<RequestState>();
-    state->request = entry.request;
-    state->items = entry.items;
-    requests_[entry.request.request_id] = state;
-    queue_.push_back(state);
+  // A load whose items are all here already (an offer's copies, an earlier request's)
+  // ends now, on this thread: no loader hand-off, nothing to wait for. The rest queue.
+  std::vector<std::shared_ptr<RequestState>> queued;
+  for (auto& state : states) {
+    if (!load_if_all_here(state)) queued.push_back(std::move(state));
+  }
+  if (queued.empty()) return Status::Ok();
+  {
+    MutexLock lock(&mu_);
+    for (auto& state : queued) queue_.push_back(std::move(state));
   }
   work_cv_.notify_all();
   return Status::Ok();

@@ -124,6 +124,44 @@ bool Connector::take_local_hit(LoadJob& job, FetchSlot& slot) {
   return true;
 }
 
+// Pins every item of the load in the consumer cache, if each is there, ready and of the
+// request's geometry, and finishes the load with them: no wait, no fetch, no loader.
+// False, with nothing held, when any item is not (a loader then runs the whole load).
+bool Connector::load_if_all_here(const std::shared_ptr<RequestState>& state) {
+  const auto start = Clock::now();
+  cache::EncoderCachePool* cache = core_.consumer_cache();
+  if (cache == nullptr || state->items.empty()) return false;
+  LoadJob job{.state = state,
+              .deadline = load_deadline(*state),
+              .holder = "request:" + state->request.request_id};
+  job.slots.resize(state->items.size());
+  for (size_t k = 0; k < state->items.size(); ++k) {
+    FetchSlot& slot = job.slots[k];
+    slot.item = &state->request.items[state->items[k]];
+    const LoadItem& item = *slot.item;
+    auto pin = item.meta.validate().ok() ? cache->pin(item.mm_hash, job.holder)
+                                         : Result<cache::Pin>(NotFound("invalid item"));
+    if (pin.ok() && !(pin->ref.meta == item.meta)) {
+      cache->unpin(pin->pin_id).ignore_error();
+      pin = NotFound("another geometry");
+    }
+    if (!pin.ok()) {
+      for (const ItemPin& p : job.pins) cache->unpin(p.pin_id).ignore_error();
+      return false;
+    }
+    job.pins.push_back({item.mm_hash, pin->pin_id});
+    slot.block = pin->ref;
+    slot.status = Status::Ok();
+    slot.done = true;
+    job.outcome.items.push_back(
+        {.mm_hash = item.mm_hash, .status = Status::Ok(), .local_hit = true});
+  }
+  local_hits_ += job.slots.size();
+  job.outcome.load_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+  finish(job);
+  return true;
+}
+
 // Sorts the request's items: invalid, already here, to fetch into a reserved block, or
 // to encode (no driver can load it).
 void Connector::plan(LoadJob& job) {

@@ -118,6 +118,56 @@ TEST_F(OfferTest, AnOfferedItemIsHereBeforeItsRequestWhichGivesItsPinBack) {
   EXPECT_EQ(pins, 0u);
 }
 
+// vLLM's scheduler starting the load of a request whose items were offered: the load is
+// done when start_load_caches returns (pinned on the caller's thread, no loader, no wait),
+// and one that lacks an item goes to a loader, its probe having pinned nothing.
+TEST_F(OfferTest, ARequestWhoseItemsAreAllHereIsLoadedWhenItStarts) {
+  auto a = worker_->save(hash_of("a"), 4, kItem);
+  auto b = worker_->save(hash_of("b"), 5, kItem);
+  ASSERT_TRUE(a.ok() && b.ok());
+  auto e_sched = offerer({tcp_address(*pd_)});
+  ASSERT_NE(e_sched, nullptr);
+  ASSERT_TRUE(e_sched->offer(tcp_address(*pd_), {*a}).ok());
+  ASSERT_TRUE(pd_until([](const ConnectorStats& s) {
+    return s.items_offered == 1 && s.consumer_cache->entries == 1 && s.consumer_cache->pins == 0;
+  })) << to_json(pd_->stats()).dump();
+
+  auto start = [&](const LoadRequest& request) {
+    for (size_t i = 0; i < request.items.size(); ++i)
+      EXPECT_TRUE(pd_->update_state_after_alloc(request, i).ok());
+    return pd_->start_load_caches(pd_->build_connector_meta());
+  };
+  ASSERT_TRUE(start({.request_id = "here", .items = {{hash_of("a"), kItem, *a}}}).ok());
+  EXPECT_EQ(pd_->get_finished(), std::vector<std::string>{"here"});  // done, not queued
+  auto here = pd_->wait_for_load("here", Deadline::after_ms(0));
+  ASSERT_TRUE(here.status.ok()) << here.status.to_string();
+  ASSERT_EQ(here.items.size(), 1u);
+  EXPECT_TRUE(here.items[0].local_hit);
+  auto got = pd_->loaded("here", hash_of("a"));
+  ASSERT_TRUE(got.ok());
+  EXPECT_TRUE(holds_pattern(*got, 4));
+  EXPECT_EQ(pd_->stats().items_loaded, 1u);  // the offer's read: the request read nothing
+
+  // "b" is not here: the whole load is a loader's (it reads b, finds a).
+  ASSERT_TRUE(start({.request_id = "partly",
+                     .items = {{hash_of("a"), kItem, *a}, {hash_of("b"), kItem, *b}}})
+                  .ok());
+  auto partly = pd_->wait_for_load("partly", Deadline::after_ms(30000));
+  ASSERT_TRUE(partly.status.ok()) << partly.status.to_string();
+  ASSERT_EQ(partly.items.size(), 2u);
+  auto got_b = pd_->loaded("partly", hash_of("b"));
+  ASSERT_TRUE(got_b.ok());
+  EXPECT_TRUE(holds_pattern(*got_b, 5));
+  EXPECT_EQ(pd_->stats().items_loaded, 2u);
+  EXPECT_EQ(pd_->stats().consumer_cache->pins, 3u);  // here: a; partly: a, b (no probe's)
+  pd_->request_finished("here");
+  pd_->request_finished("partly");
+  EXPECT_EQ(pd_->stats().consumer_cache->pins, 0u);
+  uint64_t pins = UINT64_MAX;
+  ecx::testing::poll_until(Deadline::after_ms(5000), [&] { return (pins = worker_pins()) == 0; });
+  EXPECT_EQ(pins, 0u);  // each request gave its params' pins back
+}
+
 // A request and its offer racing (the offer still loading when the request comes, or
 // arriving after it): the item is read from the worker once, whichever reads it, and the
 // other finds or joins that read.

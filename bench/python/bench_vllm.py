@@ -535,7 +535,9 @@ def main(argv=None) -> int:
                            "ecx_offer": args.offer},
               "placement": ({"E": "ecx-h1 (10.77.0.1)", "PD": "ecx-h2 (10.77.0.2)",
                              "proxy": "this machine", **(limit or {})} if args.hosts else
-                            {"all": "this machine, 127.0.0.1"}),
+                            {"all": "this machine, 127.0.0.1"})
+              | {"worker_cores": {"E": worker_cores("ec_producer") or "vLLM's auto",
+                                  "PD": worker_cores("ec_consumer") or "vLLM's auto"}},
               "versions": versions(args)}
     rt.print_table(results, w)
     if limit:

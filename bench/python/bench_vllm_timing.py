@@ -24,7 +24,9 @@ interleave):
                   {"ev": "step", "t", "tokens", "ensure_ms"} at every `build_connector_meta`,
                   which vLLM calls once at the end of each `schedule()` (tokens: what the
                   step scheduled; ensure_ms: the time this schedule() spent inside the
-                  connector's `ensure_cache_available`, e.g. ECX's first-look waits), and
+                  connector's `ensure_cache_available`, e.g. ECX's first-look waits), then
+                  {"ev": "built", "t", "ms"} when it returned (ms: the connector's own
+                  `build_connector_meta`), and
                   {"ev": "stepped", "t"} at every `get_ec_connector_stats`, which vLLM
                   calls once per step when the step's output is back. `step_stats`: the
                   engine's step as the connector makes it, step -> stepped (the forward
@@ -206,7 +208,13 @@ def timed(base: type) -> type:
                                ensure_ms=self._ecx_ensure_s * 1000.0,
                                consumer=bool(self.is_consumer))
             self._ecx_ensure_s = 0.0
-            return super().build_connector_meta(scheduler_output)
+            started = time.monotonic()
+            try:
+                return super().build_connector_meta(scheduler_output)
+            finally:
+                self._ecx_log.emit(ev="built", t=time.time(),
+                                   ms=(time.monotonic() - started) * 1000.0,
+                                   consumer=bool(self.is_consumer))
 
         def get_ec_connector_stats(self):
             self._ecx_log.emit(ev="stepped", t=time.time(), consumer=bool(self.is_consumer))

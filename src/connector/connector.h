@@ -107,6 +107,7 @@ class Connector final : public EcConnector {
   Deadline load_deadline(const RequestState& state) const;
   void plan(LoadJob& job);
   bool take_local_hit(LoadJob& job, FetchSlot& slot);
+  void hold_local_hit(LoadJob& job, FetchSlot& slot, const cache::Pin& pin);
   bool load_if_all_here(const std::shared_ptr<RequestState>& state);
   // A block of the consumer cache for `slot` to be fetched into (or another load's entry).
   void reserve_for_fetch(LoadJob& job, FetchSlot& slot);

@@ -115,13 +115,19 @@ bool Connector::take_local_hit(LoadJob& job, FetchSlot& slot) {
     cache->unpin(pin->pin_id).ignore_error();
     return false;
   }
-  job.pins.push_back({item.mm_hash, pin->pin_id});
-  slot.block = pin->ref;
+  hold_local_hit(job, slot, *pin);
+  return true;
+}
+
+// `slot`'s item, pinned in the consumer cache for the request: done, a local hit.
+void Connector::hold_local_hit(LoadJob& job, FetchSlot& slot, const cache::Pin& pin) {
+  job.pins.push_back({slot.item->mm_hash, pin.pin_id});
+  slot.block = pin.ref;
   slot.status = Status::Ok();
   slot.done = true;
-  job.outcome.items.push_back({.mm_hash = item.mm_hash, .status = Status::Ok(), .local_hit = true});
+  job.outcome.items.push_back(
+      {.mm_hash = slot.item->mm_hash, .status = Status::Ok(), .local_hit = true});
   local_hits_++;
-  return true;
 }
 
 // Pins every item of the load in the consumer cache, if each is there, ready and of the
@@ -147,16 +153,11 @@ bool Connector::load_if_all_here(const std::shared_ptr<RequestState>& state) {
     }
     if (!pin.ok()) {
       for (const ItemPin& p : job.pins) cache->unpin(p.pin_id).ignore_error();
+      local_hits_ -= job.pins.size();  // not hits: the loader counts what it finds
       return false;
     }
-    job.pins.push_back({item.mm_hash, pin->pin_id});
-    slot.block = pin->ref;
-    slot.status = Status::Ok();
-    slot.done = true;
-    job.outcome.items.push_back(
-        {.mm_hash = item.mm_hash, .status = Status::Ok(), .local_hit = true});
+    hold_local_hit(job, slot, *pin);
   }
-  local_hits_ += job.slots.size();
   job.outcome.load_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
   finish(job);
   return true;

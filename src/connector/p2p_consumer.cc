@@ -231,14 +231,21 @@ std::vector<BlockLocation> P2pConsumer::locate(const std::string& producer,
 std::vector<Status> P2pConsumer::renew_pins(const std::string& producer,
                                             const std::vector<const FetchSlot*>& group,
                                             Deadline deadline) {
-  // Each view's own pin first (its answer is the view's), then the params' pins the
-  // views' requests hold too: no pin of a live view ends by lease.
+  // Each view's own pin first (its answer is the view's; a view held by the params' pin
+  // alone, LoadItem::own_pin_taken, has that one), then the params' pins the views' requests
+  // hold too: no pin of a live view ends by lease.
   RenewRequest req;
   for (const FetchSlot* slot : group) {
-    req.items.push_back(
-        {slot->item->mm_hash, slot->producer_pin.pin, slot->producer_pin.capability});
+    ReleasedPin pin = slot->producer_pin;
+    if (pin.pin == 0) {
+      const auto& p = *slot->item->params;
+      auto cap = params_capability(p);
+      if (cap.ok()) pin = {p.pin, *cap};
+    }
+    req.items.push_back({slot->item->mm_hash, pin.pin, pin.capability});
   }
   for (const FetchSlot* slot : group) {
+    if (slot->producer_pin.pin == 0) continue;  // its params' pin is its own, above
     const auto& p = *slot->item->params;
     auto cap = params_capability(p);
     if (p.pin != 0 && cap.ok()) req.items.push_back({p.mm_hash, p.pin, *cap});

@@ -10,12 +10,22 @@ namespace {
 
 using p2p::describe;
 
+// A view that the params' pin holds alone (LoadItem::own_pin_taken): no lookup takes
+// another.
+bool holds_params_pin(const FetchSlot& slot, std::chrono::milliseconds lease) {
+  const LoadItem& item = *slot.item;
+  return item.own_pin_taken && item.params && item.params->pin != 0 &&
+         Clock::now() - *item.own_pin_taken < lease / 3;
+}
+
 // zero_copy, pull: views each block where it lies in the producer's memory (same host),
 // then takes a pin of our own on it: a lookup with the params' capability, which proves
 // the params' pin still holds the block and pins it for this consumer alone (its quota;
 // its death ends it; nobody else can release it). Only then is the header checked: with
 // our pin live, the block cannot be reused under the view. Blocks that cannot be viewed
-// (another host), and views beyond our pin quota, are left to fetch.
+// (another host), and views beyond our pin quota, are left to fetch. A worker's view of
+// its own scheduler's block holds the pin the scheduler shared with it instead, when that
+// pin is fresh (LoadItem::own_pin_taken).
 class ViewFetch final : public FetchMode {
  public:
   explicit ViewFetch(P2pConsumer& consumer) : consumer_(consumer) {}
@@ -47,12 +57,18 @@ void ViewFetch::fetch(const std::string& producer, std::vector<FetchSlot*>& grou
     }
   }
   if (mapped.empty()) return;
-  // Our own pins: those a lookup by key took already (locate), and the others' now.
+  // Our own pins: those a lookup by key took already (locate), the params' pins that are
+  // ours alone (no pin of the slot's: the params' is renewed and given back), and the
+  // others' now.
   std::vector<BlockLocation> ours = mapped_where;
   std::vector<FetchSlot*> to_pin;
   std::vector<size_t> to_pin_index;
   for (size_t k = 0; k < mapped.size(); ++k) {
     if (mapped[k]->producer_pin.pin != 0) continue;
+    if (holds_params_pin(*mapped[k], std::chrono::milliseconds(options().lease_ms))) {
+      ours[k].pin = 0;
+      continue;
+    }
     to_pin.push_back(mapped[k]);
     to_pin_index.push_back(k);
   }

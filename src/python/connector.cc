@@ -42,6 +42,7 @@ struct PyItem {
   MmHash mm_hash;
   TensorMeta meta;
   std::optional<ParamsArg> params;
+  std::optional<double> own_pin_taken;  // LoadItem::own_pin_taken, in time.monotonic()'s seconds
 };
 
 connector::EcTransferParams params_of(const std::string& text) {
@@ -51,8 +52,12 @@ connector::EcTransferParams params_of(const std::string& text) {
 
 LoadRequest request_of(const std::string& request_id, const std::vector<PyItem>& items) {
   LoadRequest r{.request_id = request_id};
-  for (const auto& [hash, meta, params] : items) {
-    LoadItem item{hash, meta, std::nullopt};
+  for (const auto& [hash, meta, params, own_pin_taken] : items) {
+    LoadItem item{hash, meta, std::nullopt, std::nullopt};
+    if (own_pin_taken) {  // Python's time.monotonic() and steady_clock: CLOCK_MONOTONIC
+      item.own_pin_taken = Clock::time_point(std::chrono::duration_cast<Clock::duration>(
+          std::chrono::duration<double>(*own_pin_taken)));
+    }
     if (params) {
       auto* parsed = std::get_if<connector::EcTransferParams>(&*params);
       item.params = parsed ? *parsed : params_of(std::get<std::string>(*params));
@@ -497,15 +502,21 @@ void bind_item(nb::module_& m) {
   nb::class_<PyItem>(m, "Item",
                      "One item of a request: its key (mm_hash), the tensor its encoder produced "
                      "(dtype, shape) and, to load it, its ec_transfer_params (JSON text or "
-                     "TransferParams; None: looked up or computed). Checked when made: a bad "
-                     "key, dtype or shape raises ecx.Error ('invalid_argument').")
+                     "TransferParams; None: looked up or computed). own_pin_taken: when (time."
+                     "monotonic()) the params' pin was taken for this reader alone (a worker's "
+                     "own scheduler shared the item): a same-host view holds it instead of "
+                     "taking one by a lookup while it is younger than lease_ms / 3. Checked when "
+                     "made: a bad key, dtype or shape raises ecx.Error ('invalid_argument').")
       .def(
           "__init__",
           [](PyItem* self, const std::string& mm_hash, const std::string& dtype,
-             const std::vector<int64_t>& shape, std::optional<ParamsArg> params) {
-            new (self) PyItem{hash_of(mm_hash), meta_of(dtype, shape), std::move(params)};
+             const std::vector<int64_t>& shape, std::optional<ParamsArg> params,
+             std::optional<double> own_pin_taken) {
+            new (self)
+                PyItem{hash_of(mm_hash), meta_of(dtype, shape), std::move(params), own_pin_taken};
           },
-          nb::arg("mm_hash"), nb::arg("dtype"), nb::arg("shape"), nb::arg("params") = nb::none())
+          nb::arg("mm_hash"), nb::arg("dtype"), nb::arg("shape"), nb::arg("params") = nb::none(),
+          nb::arg("own_pin_taken") = nb::none())
       .def_prop_ro("mm_hash", [](const PyItem& i) { return i.mm_hash.str(); })
       .def_prop_ro("dtype", [](const PyItem& i) { return std::string(dtype_name(i.meta.dtype)); })
       .def_prop_ro("shape", [](const PyItem& i) { return i.meta.shape; })

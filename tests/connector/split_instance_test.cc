@@ -244,6 +244,59 @@ TEST_F(SplitInstanceTest, ALoadIsSharedWithEachWorkerWhoGiveTheirPinsBack) {
   EXPECT_EQ(pins_of(*scheduler), 0u);
 }
 
+// A worker given the pin its own scheduler just took for it (own_pin_taken) views the
+// block holding that pin: no lookup, so the scheduler grants one pin for it, not two. The
+// view renews that pin (a lease of 1.5 s outlived twice), and its end gives it back. A
+// pin taken longer ago than lease_ms / 3 is not trusted to outlast the view's first
+// renewal: the worker takes its own by a lookup, as without it.
+TEST_F(SplitInstanceTest, AWorkerHoldsTheFreshPinItsSchedulerSharedAndLooksNothingUp) {
+  auto params = worker_->save(hash_of("a"), 5, kItem);
+  ASSERT_TRUE(params.ok()) << params.status().to_string();
+  auto sched_extra = extra_for("pd-sched-" + tag_);
+  sched_extra["lease_ms"] = 1500;
+  auto scheduler = make(Role::kConsumer, sched_extra);
+  ASSERT_NE(scheduler, nullptr);
+  auto loaded = scheduler->load({.request_id = "r", .items = {{hash_of("a"), kItem, *params}}},
+                                Deadline::after_ms(30000));
+  ASSERT_TRUE(loaded.status.ok()) << loaded.status.to_string();
+  const uint64_t own = pins_of(*scheduler);
+  auto worker_extra = extra_for("pd-zw-" + tag_);
+  worker_extra["zero_copy"] = true;
+  worker_extra["keep_loaded"] = false;
+  worker_extra["lease_ms"] = 1500;
+  auto worker = make(Role::kConsumer, worker_extra);
+  ASSERT_NE(worker, nullptr);
+
+  const auto taken = Clock::now();
+  auto shared = scheduler->share_loaded("r", hash_of("a"), 1);
+  ASSERT_TRUE(shared.ok()) << shared.status().to_string();
+  LoadItem item{hash_of("a"), kItem, (*shared)[0], taken};
+  auto got = worker->load({.request_id = "step", .items = {item}}, Deadline::after_ms(30000));
+  ASSERT_TRUE(got.status.ok()) << got.status.to_string();
+  EXPECT_EQ(worker->stats().items_viewed, 1u);
+  EXPECT_EQ(pins_of(*scheduler), own + 1);                       // the shared pin alone
+  std::this_thread::sleep_for(std::chrono::milliseconds(3000));  // two leases: renewed
+  EXPECT_TRUE(worker->view_intact("step", hash_of("a")).ok());
+  auto ref = worker->loaded("step", hash_of("a"));
+  ASSERT_TRUE(ref.ok());
+  EXPECT_TRUE(holds_pattern(*ref, 5));
+  EXPECT_EQ(pins_of(*scheduler), own + 1);
+  worker->request_finished("step");
+  EXPECT_EQ(pins_settled(*scheduler, own), own);
+
+  // Taken too long ago: the worker's own pin besides the shared one.
+  auto stale = scheduler->share_loaded("r", hash_of("a"), 1);
+  ASSERT_TRUE(stale.ok()) << stale.status().to_string();
+  item = {hash_of("a"), kItem, (*stale)[0], Clock::now() - std::chrono::milliseconds(600)};
+  got = worker->load({.request_id = "step-2", .items = {item}}, Deadline::after_ms(30000));
+  ASSERT_TRUE(got.status.ok()) << got.status.to_string();
+  EXPECT_EQ(pins_of(*scheduler), own + 2);
+  worker->request_finished("step-2");
+  EXPECT_EQ(pins_settled(*scheduler, own), own);
+  scheduler->request_finished("r");
+  EXPECT_EQ(pins_of(*scheduler), 0u);
+}
+
 // A zero-copy worker reads its scheduler's block where it lies: the scheduler answers its
 // lookup with a pin of the worker's own (proved by the shared capability), and the
 // worker's cache holds nothing. Nobody looks its cache up by key.

@@ -62,6 +62,12 @@ struct LoadItem {
   MmHash mm_hash;
   TensorMeta meta;
   std::optional<EcTransferParams> params;  // from E's response, when there is one
+  // When the params' pin was taken for this reader alone: a worker's own scheduler shared
+  // the item with it (share_loaded), on this host's steady clock. A same-host view then
+  // holds that pin as its own, renewed and given back at its end, and takes none by a
+  // lookup (one round trip less), provided the pin is less than lease_ms / 3 old (its
+  // lease outlasts the view's first renewal); the block's header is checked all the same.
+  std::optional<Clock::time_point> own_pin_taken;
 };
 
 struct LoadRequest {

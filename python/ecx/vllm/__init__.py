@@ -305,7 +305,19 @@ class ECXConnector(ECConnectorBase):
 def _encoder_device(encoder_cache: dict[str, torch.Tensor]) -> torch.device:
     for tensor in encoder_cache.values():
         return tensor.device
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    return _platform_device()
+
+
+@functools.cache
+def _platform_device() -> torch.device:
+    """The device this process's model runs on, as vLLM's platform names it, asked once:
+    torch.cuda.is_available() loads NVML again on every call (a quarter of a millisecond,
+    in every step that loads into an empty encoder cache, e.g. one request at a time)."""
+    try:
+        from vllm.platforms import current_platform
+        return torch.device(current_platform.device_type)
+    except (ImportError, RuntimeError, AttributeError):
+        return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
 __all__ = ["ECXConnector", "ECXConnectorMetadata", "ECXWorkerMetadata", "ecx_key"]

@@ -11,8 +11,9 @@ would otherwise assert on an item with no pixels and take the engine down).
 
 Worker (where the model runs; in general another process): the scheduler's step metadata
 hands it, per loaded item, params for the block in the scheduler's cache (its own pin and
-capability per tensor-parallel rank); it reads them (same host: through shared memory) and
-puts the tensors into vLLM's encoder cache. With zero_copy on a CPU engine, the tensor is
+capability per tensor-parallel rank); it reads them (same host: through shared memory,
+holding that pin, with no round trip to the scheduler) and puts the tensors into vLLM's
+encoder cache. With zero_copy on a CPU engine, the tensor is
 the loaded bytes themselves (DLPack over E's sealed block, read-only), held by the worker's
 own pin at E until vLLM frees the entry."""
 from __future__ import annotations
@@ -51,6 +52,10 @@ class WorkerLoad:
     dtype: str
     shape: list[int]
     params: list[str]  # per tensor-parallel rank: params of the block in the scheduler's cache
+    # When the scheduler took those params' pins, one per rank and each that rank's alone
+    # (time.monotonic(): workers on the scheduler's host view the block holding that pin,
+    # with no lookup of their own, while it is fresh; ecx.Item's own_pin_taken).
+    taken: float | None = None
 
 
 @dataclass
@@ -329,11 +334,12 @@ class ConsumerScheduler:
         step, self._step = self._step, []
         out = []
         for holder, name, key in step:
+            taken = time.monotonic()
             params = self._conn.share_loaded(holder, key, self._config.tp_size)
             first = json.loads(params[0])
             out.append(WorkerLoad(request_id=holder, identifier=name, key=key,
                                   dtype=first["dtype"], shape=list(first["shape"]),
-                                  params=params))
+                                  params=params, taken=taken))
         return out
 
     def take_unavailable(self) -> set[str]:
@@ -444,7 +450,8 @@ class ConsumerWorker:
         rid = f"step-{self._steps}"
         wanted, skipped = [], []
         for w in loads:
-            item = ecx.Item(w.key, w.dtype, w.shape, w.params[self._rank])
+            item = ecx.Item(w.key, w.dtype, w.shape, w.params[self._rank],
+                            own_pin_taken=w.taken)
             (skipped if w.identifier in encoder_cache else wanted).append(item)
         if skipped:
             self._conn.discard(rid + "/cached", skipped)  # their pins end now, not at the lease

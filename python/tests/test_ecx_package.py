@@ -6,6 +6,7 @@ import secrets
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -159,6 +160,12 @@ def test_an_item_is_checked_when_made_and_a_load_block_ends_its_request_on_any_e
         ecx.Item("k", "BF16", [-2])
     item = ecx.Item("k", "BF16", [4, 8])
     assert (item.mm_hash, item.dtype, item.shape, item.params) == ("k", "BF16", [4, 8], None)
+    # own_pin_taken is a time.monotonic() reading, or nothing.
+    for bad in (float("nan"), float("inf"), -1.0, 1e300):
+        with pytest.raises(ecx.Error) as err:
+            ecx.Item("k", "BF16", [4, 8], None, own_pin_taken=bad)
+        assert err.value.code == "invalid_argument" and "own_pin_taken" in err.value.message
+    ecx.Item("k", "BF16", [4, 8], None, own_pin_taken=time.monotonic())
 
     engine = f"e-item-{os.getpid()}"
     producer = ecx.Connector(json.dumps({"connector": "p2p", "role": "producer", "extra": {

@@ -91,17 +91,27 @@ HeldViews::~HeldViews() { stop(); }
 
 bool HeldViews::hold(std::shared_ptr<const LoadRequest> request, std::vector<FetchSlot>& views) {
   if (views.empty()) return true;
-  bool first = false;
+  bool wake = false;  // the renewer: its period starts, or it renews now
   {
     MutexLock lock(&mu_);
     if (stopping_ || held_.count(request->request_id)) return false;
-    first = views_ == 0;
-    if (first) renew_due_ = Deadline::after_ms(renew_period_ms_);
+    wake = views_ == 0;
+    if (wake) renew_due_ = Deadline::after_ms(renew_period_ms_);
+    // A view held by its params' pin alone (LoadItem::own_pin_taken) is renewed now, off
+    // the load's path: the renewal makes that pin this reader's (its quota, its death
+    // ends it) with the long lease a lookup's pin has, not the bearer lease it was shared
+    // with.
+    if (std::any_of(views.begin(), views.end(), [](const FetchSlot& v) {
+          return v.producer_pin.pin == 0 && v.item->own_pin_taken.has_value();
+        })) {
+      renew_due_ = Deadline::after_ms(0);
+      wake = true;
+    }
     views_ += views.size();
     const std::string id = request->request_id;
     held_[id] = {std::move(request), std::move(views)};
   }
-  if (first) cv_.notify_one();  // the renewer starts its period
+  if (wake) cv_.notify_one();
   return true;
 }
 

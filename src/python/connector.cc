@@ -512,6 +512,13 @@ void bind_item(nb::module_& m) {
           [](PyItem* self, const std::string& mm_hash, const std::string& dtype,
              const std::vector<int64_t>& shape, std::optional<ParamsArg> params,
              std::optional<double> own_pin_taken) {
+            // A time.monotonic() reading: finite, not negative, not beyond a century.
+            if (own_pin_taken && !(*own_pin_taken >= 0 && *own_pin_taken < 3.2e9)) {
+              check(
+                  InvalidArgument("Item: own_pin_taken must be a time.monotonic() reading, "
+                                  "not " +
+                                  std::to_string(*own_pin_taken)));
+            }
             new (self)
                 PyItem{hash_of(mm_hash), meta_of(dtype, shape), std::move(params), own_pin_taken};
           },

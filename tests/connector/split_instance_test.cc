@@ -297,6 +297,37 @@ TEST_F(SplitInstanceTest, AWorkerHoldsTheFreshPinItsSchedulerSharedAndLooksNothi
   EXPECT_EQ(pins_of(*scheduler), 0u);
 }
 
+// The pin a worker's view took over from its scheduler is renewed at once, off the load's
+// path: the renewal makes it the worker's (its quota, its death ends it) with the long
+// lease a lookup's pin has. A renewal period of 20 s would come long after the poll.
+TEST_F(SplitInstanceTest, APinAWorkerTookOverIsRenewedAtOnce) {
+  auto scheduler = scheduler_that_loaded_a();
+  ASSERT_NE(scheduler, nullptr);
+  const uint64_t own = pins_of(*scheduler);
+  auto extra = extra_for("pd-zw-" + tag_);
+  extra["zero_copy"] = true;
+  extra["keep_loaded"] = false;
+  extra["lease_ms"] = 60000;
+  auto worker = make(Role::kConsumer, extra);
+  ASSERT_NE(worker, nullptr);
+  const auto taken = Clock::now();
+  auto shared = scheduler->share_loaded("r", hash_of("a"), 1);
+  ASSERT_TRUE(shared.ok()) << shared.status().to_string();
+  auto got =
+      worker->load({.request_id = "step", .items = {{hash_of("a"), kItem, (*shared)[0], taken}}},
+                   Deadline::after_ms(30000));
+  ASSERT_TRUE(got.status.ok()) << got.status.to_string();
+  EXPECT_EQ(pins_of(*scheduler), own + 1);
+  uint64_t renewed = 0;
+  ecx::testing::poll_until(Deadline::after_ms(10000),
+                           [&] { return (renewed = scheduler->stats().renewals_received) >= 1; });
+  EXPECT_EQ(renewed, 1u);
+  EXPECT_TRUE(worker->view_intact("step", hash_of("a")).ok());
+  worker->request_finished("step");
+  EXPECT_EQ(pins_settled(*scheduler, own), own);
+  scheduler->request_finished("r");
+}
+
 // A zero-copy worker reads its scheduler's block where it lies: the scheduler answers its
 // lookup with a pin of the worker's own (proved by the shared capability), and the
 // worker's cache holds nothing. Nobody looks its cache up by key.

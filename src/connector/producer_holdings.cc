@@ -89,6 +89,10 @@ HeldViews::HeldViews(std::string name, ConnectorDriver* driver, int64_t renew_pe
 
 HeldViews::~HeldViews() { stop(); }
 
+// How soon a pin a view took over (LoadItem::own_pin_taken) is renewed: after the step's
+// worker call, long before the shared pin's lease could end.
+constexpr int64_t kTakeOverRenewMs = 250;
+
 bool HeldViews::hold(std::shared_ptr<const LoadRequest> request, std::vector<FetchSlot>& views) {
   if (views.empty()) return true;
   bool wake = false;  // the renewer: its period starts, or it renews now
@@ -97,14 +101,15 @@ bool HeldViews::hold(std::shared_ptr<const LoadRequest> request, std::vector<Fet
     if (stopping_ || held_.count(request->request_id)) return false;
     wake = views_ == 0;
     if (wake) renew_due_ = Deadline::after_ms(renew_period_ms_);
-    // A view held by its params' pin alone (LoadItem::own_pin_taken) is renewed now, off
-    // the load's path: the renewal makes that pin this reader's (its quota, its death
-    // ends it) with the long lease a lookup's pin has, not the bearer lease it was shared
-    // with.
+    // A view held by its params' pin alone (LoadItem::own_pin_taken) is renewed soon, off
+    // the load's path and after the step that loaded it has started: the renewal makes
+    // that pin this reader's (its quota, its death ends it) with the long lease a
+    // lookup's pin has, not the bearer lease it was shared with.
     if (std::any_of(views.begin(), views.end(), [](const FetchSlot& v) {
           return v.producer_pin.pin == 0 && v.item->own_pin_taken.has_value();
         })) {
-      renew_due_ = Deadline::after_ms(0);
+      renew_due_ = Deadline::earliest(
+          renew_due_, Deadline::after_ms(std::min(renew_period_ms_, kTakeOverRenewMs)));
       wake = true;
     }
     views_ += views.size();

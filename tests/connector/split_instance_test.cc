@@ -297,10 +297,10 @@ TEST_F(SplitInstanceTest, AWorkerHoldsTheFreshPinItsSchedulerSharedAndLooksNothi
   EXPECT_EQ(pins_of(*scheduler), 0u);
 }
 
-// The pin a worker's view took over from its scheduler is renewed at once, off the load's
-// path: the renewal makes it the worker's (its quota, its death ends it) with the long
-// lease a lookup's pin has. A renewal period of 20 s would come long after the poll.
-TEST_F(SplitInstanceTest, APinAWorkerTookOverIsRenewedAtOnce) {
+// The pin a worker's view took over from its scheduler is renewed soon (250 ms), off the
+// load's path: the renewal makes it the worker's (its quota, its death ends it) with the
+// long lease a lookup's pin has. A renewal period of 20 s would come long after the poll.
+TEST_F(SplitInstanceTest, APinAWorkerTookOverIsRenewedSoon) {
   auto scheduler = scheduler_that_loaded_a();
   ASSERT_NE(scheduler, nullptr);
   const uint64_t own = pins_of(*scheduler);

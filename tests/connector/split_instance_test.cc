@@ -92,6 +92,15 @@ class SplitInstanceTest : public ::testing::Test {
     return out.status.ok() ? std::move(scheduler) : nullptr;
   }
 
+  // A zero-copy worker of the consumer's instance, keeping nothing after a step.
+  std::unique_ptr<EcConnector> zero_copy_worker(int64_t lease_ms) const {
+    auto extra = extra_for("pd-zw-" + tag_);
+    extra["zero_copy"] = true;
+    extra["keep_loaded"] = false;
+    extra["lease_ms"] = lease_ms;
+    return make(Role::kConsumer, extra);
+  }
+
   std::string tag_;
   std::optional<ecx::testing::ConnectorPeer> worker_;
   std::string worker_metadata_;
@@ -260,11 +269,7 @@ TEST_F(SplitInstanceTest, AWorkerHoldsTheFreshPinItsSchedulerSharedAndLooksNothi
                                 Deadline::after_ms(30000));
   ASSERT_TRUE(loaded.status.ok()) << loaded.status.to_string();
   const uint64_t own = pins_of(*scheduler);
-  auto worker_extra = extra_for("pd-zw-" + tag_);
-  worker_extra["zero_copy"] = true;
-  worker_extra["keep_loaded"] = false;
-  worker_extra["lease_ms"] = 1500;
-  auto worker = make(Role::kConsumer, worker_extra);
+  auto worker = zero_copy_worker(1500);
   ASSERT_NE(worker, nullptr);
 
   const auto taken = Clock::now();
@@ -304,11 +309,7 @@ TEST_F(SplitInstanceTest, APinAWorkerTookOverIsRenewedSoon) {
   auto scheduler = scheduler_that_loaded_a();
   ASSERT_NE(scheduler, nullptr);
   const uint64_t own = pins_of(*scheduler);
-  auto extra = extra_for("pd-zw-" + tag_);
-  extra["zero_copy"] = true;
-  extra["keep_loaded"] = false;
-  extra["lease_ms"] = 60000;
-  auto worker = make(Role::kConsumer, extra);
+  auto worker = zero_copy_worker(60000);
   ASSERT_NE(worker, nullptr);
   const auto taken = Clock::now();
   auto shared = scheduler->share_loaded("r", hash_of("a"), 1);

@@ -248,6 +248,41 @@ def test_zero_copy_load_hands_out_the_producers_block_read_only(producer_process
     assert settled(lambda: producer_pins(command), 0) == 0
 
 
+def test_a_copy_of_a_loaded_item_is_its_own_and_its_buffer_serves_the_next_copy(
+        producer_process):
+    command, token = producer_process
+    consumer = ecx.Connector(json.dumps({
+        "connector": "p2p", "role": "consumer",
+        "extra": {"engine_id": f"pd-copy-{os.getpid()}", "pool_bytes": "64MiB",
+                  "auth_token": token, "keep_loaded": False}}))
+    buffers = ecx.CopyBuffers("8MiB")
+    addresses = []
+    for i in range(2):
+        mm_hash = f"pkg-copy-{os.getpid()}-{i}"
+        params = command(f"save {mm_hash} BF16 400,2048 {20 + i}")
+        assert "error" not in json.loads(params), params
+        with ecx.load(consumer, f"req-copy-{i}", [ecx.Item(mm_hash, "BF16", [400, 2048], params)],
+                      30000) as outcome:
+            assert outcome["ok"], outcome
+            copy = consumer.loaded_copy(f"req-copy-{i}", mm_hash, buffers)
+            assert copy.__array_interface__["data"][0] != \
+                consumer.loaded_address(f"req-copy-{i}", mm_hash), "a copy, not the block"
+        # The request ended (its pins at E back), the copy stays: it is the caller's.
+        assert settled(lambda: producer_pins(command), 0) == 0
+        assert np.array_equal(copy, payload(20 + i, 400 * 2048 * 2))
+        assert copy.flags.writeable
+        copy[:4] = 0
+        addresses.append(copy.__array_interface__["data"][0])
+        with pytest.raises(ecx.Error) as err:
+            consumer.loaded_copy(f"req-copy-{i}", mm_hash, buffers)  # the request ended
+        assert err.value.code in ("not_found", "failed_precondition"), err.value.code
+        del copy
+    # The first copy's buffer, given back when its array went, took the second copy.
+    assert addresses[0] == addresses[1]
+    assert buffers.stats() == {"reused": 1, "allocated": 1, "released": 0,
+                               "idle_bytes": 1664 * 1024}  # 1600 KiB, in 128 KiB steps
+
+
 def producer_pins(command) -> int:
     return json.loads(command("stats"))["producer_pool"]["pins"]
 
@@ -263,15 +298,15 @@ def settled(probe, want, seconds: float = 10.0):
     return probe()
 
 
-def zero_copy_worker(name: str, token: str, lease_ms: int):
-    """ECXConnector's consumer worker as vLLM makes it (zero_copy), with its connector and
-    counters, in this process."""
+def zero_copy_worker(name: str, token: str, lease_ms: int, zero_copy: bool = True):
+    """ECXConnector's consumer worker as vLLM makes it (zero_copy unless told), with its
+    connector and counters, in this process."""
     from ecx.vllm._common import InstanceConfig
     from ecx.vllm._consumer import ConsumerWorker
     from ecx.vllm._metrics import Counters
 
     config = InstanceConfig(name=f"{name}-{os.getpid()}", role="consumer",
-                            extra={"auth_token": token, "zero_copy": True, "lease_ms": lease_ms},
+                            extra={"auth_token": token, "zero_copy": zero_copy, "lease_ms": lease_ms},
                             policy="recompute", load_timeout_ms=30000, params_timeout_ms=2000,
                             first_look_wait_ms=10, first_look_step_ms=50, metrics_port=None,
                             metrics_host="127.0.0.1", rendezvous_dir=None, tp_size=1)
@@ -346,6 +381,37 @@ def test_vllms_encoder_cache_holds_zero_copy_items_in_place_until_it_frees_them(
     cache.clear()
     assert conn.stats()["views_held"] == 0
     assert settled(lambda: producer_pins(command), 0) == 0
+
+
+def test_a_copying_worker_copies_into_the_buffers_of_entries_vllm_evicted(producer_process):
+    """A copying worker on a CPU engine copies each item into a host buffer of its own
+    (vLLM keeps it; ecx's block is given back). Once vLLM evicts entries, their buffers,
+    already faulted in, take the next copies instead of fresh memory."""
+    import torch
+
+    command, token = producer_process
+    conn, counters, worker = zero_copy_worker("pd-copying", token, 10000, zero_copy=False)
+    shape = [400, 2048]
+    addresses = []
+    for step, seed in enumerate((60, 70)):
+        loads = saved_items(command, f"copying{step}", shape, count=2, first_seed=seed)
+        cache: dict[str, torch.Tensor] = {}
+        worker.load(loads, cache, torch.device("cpu"))
+        for i in range(2):
+            got = cache[f"image-{i}"]
+            assert got.dtype == torch.bfloat16 and list(got.shape) == shape
+            assert torch.equal(got.view(torch.uint8).flatten(),
+                               torch.from_numpy(payload(seed + i, shape[0] * shape[1] * 2)))
+        taken = counters.take()
+        assert taken["worker_items"] == 2 and taken["worker_items_in_place"] == 0, taken
+        assert taken["worker_copies_warm"] == (0 if step == 0 else 2), taken
+        # Copies: the step's pins at E end with the step, whatever vLLM keeps.
+        assert settled(lambda: producer_pins(command), 0) == 0
+        addresses.append({t.data_ptr() for t in cache.values()})
+        cache[f"image-0"][0, 0] = 1.0  # vLLM's own tensor: writable
+        del got
+        cache.clear()  # vLLM evicts both entries
+    assert addresses[0] == addresses[1], "the second step's copies reused the first's buffers"
 
 
 class _CacheFullAfterOne(dict):

@@ -55,7 +55,8 @@ def test_bad_extra_config_names_the_key(tmp_path):
     assert "lease_msec" in err.value.message
     for key, value in (("metrics_port", "80"), ("failure_policy", "sometimes"),
                        ("connector", "disk"), ("params_timeout_ms", -1),
-                       ("first_look_wait_ms", 5000), ("first_look_step_ms", -1)):
+                       ("first_look_wait_ms", 5000), ("first_look_step_ms", -1),
+                       ("copy_cache", "12XB"), ("copy_cache", -1), ("copy_cache", 1.5)):
         with pytest.raises(ValueError) as err:
             connector("ec_consumer", {**base, key: value}, SCHEDULER)
         assert key in str(err.value)

@@ -3,6 +3,7 @@
 // by the strict reader (a wrong key or type raises ecx.Error naming it).
 #include <nanobind/stl/function.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/variant.h>
@@ -13,7 +14,10 @@
 #include <set>
 
 #include "ecx/cache/encoder_cache_pool.h"
+#include "ecx/common/bytes.h"
+#include "ecx/common/copy.h"
 #include "ecx/common/json_reader.h"
+#include "ecx/common/recycled_buffers.h"
 #include "ecx/connector/ec_connector.h"
 #include "python/bindings.h"
 #include "python/py_agent.h"
@@ -129,6 +133,10 @@ class PyConnector {
   // reused for another item). item_finished and request_finished put the end off until
   // the last such array is gone. All of it runs under the GIL.
   nb::object loaded_view(nb::handle self, const std::string& id, const MmHash& h, nb::handle owner);
+  // A writable copy of a loaded item in a buffer of `buffers` (kept warm for the next copy
+  // once the array's last user is gone). The item is read without the GIL, held meanwhile
+  // as a view is: an end asked for during the copy waits for it.
+  nb::object loaded_copy(const std::string& id, const MmHash& h, RecycledBuffers& buffers);
   void finish_item(const std::string& id, const MmHash& h);
   void finish_request(const std::string& id);
 
@@ -166,6 +174,25 @@ nb::object PyConnector::loaded_view(nb::handle self, const std::string& id, cons
   if (!owner.is_none()) keep.push_back(nb::borrow(owner));
   nb::object capsule = view_owner({std::move(keep), token, [this, id, h] { view_ended(id, h); }});
   return nb::cast(read_only_view(ref.payload(), ref.payload_length(), capsule));
+}
+
+nb::object PyConnector::loaded_copy(const std::string& id, const MmHash& h,
+                                    RecycledBuffers& buffers) {
+  auto ref = unwrap(conn_->loaded(id, h));
+  auto& token = held_[id].views[h];
+  if (!token) token = std::make_shared<int>(0);
+  std::shared_ptr<int> reading = token;
+  const uint64_t length = ref.payload_length();
+  std::shared_ptr<std::byte> copy;
+  {
+    nb::gil_scoped_release release;
+    copy = buffers.take(length);
+    copy_streaming(copy.get(), ref.payload(), length);
+  }
+  reading.reset();
+  view_ended(id, h);  // an end asked for meanwhile takes effect now
+  nb::object capsule = view_owner({{}, nullptr, [copy] {}});
+  return nb::cast(byte_view(copy.get(), length, capsule));
 }
 
 // An item or request being ended keeps its mark (items_ended, request_ended) while the
@@ -425,6 +452,16 @@ void bind_loaded(nb::class_<PyConnector>& c) {
        "whose end calls item_finished (or request_finished) ties the hold to the array's "
        "last user.")
       .def(
+          "loaded_copy",
+          [](PyConnector& c, const std::string& id, const std::string& h,
+             std::shared_ptr<RecycledBuffers> buffers) {
+            return c.loaded_copy(id, hash_of(h), *buffers);
+          },
+          nb::arg("request_id"), nb::arg("mm_hash"), nb::arg("buffers"),
+          "A copy of the loaded bytes (a writable NumPy array, its own memory) in a buffer "
+          "of `buffers` (ecx.CopyBuffers): it outlives the request, and its memory goes back "
+          "to `buffers`, already faulted in, for the next copy once its last user is gone.")
+      .def(
           "view_intact",
           [](PyConnector& c, const std::string& id, const std::string& h) {
             check(c.get().view_intact(id, hash_of(h)));
@@ -536,8 +573,34 @@ void bind_item(nb::module_& m) {
 
 }  // namespace
 
+// ecx.CopyBuffers: host buffers for copies that outlive their source, kept warm.
+void bind_copy_buffers(nb::module_& m) {
+  nb::class_<RecycledBuffers>(
+      m, "CopyBuffers",
+      "Host buffers for Connector.loaded_copy: one given back is kept for the next copy "
+      "of a similar size (a fresh one faults on every page as it is first written), up to "
+      "idle_bytes held idle (an int, or a size such as '64MiB').")
+      .def(nb::new_([](std::variant<uint64_t, std::string> idle_bytes) {
+             auto* text = std::get_if<std::string>(&idle_bytes);
+             return RecycledBuffers::create(text ? unwrap(parse_bytes(*text))
+                                                 : std::get<uint64_t>(idle_bytes));
+           }),
+           nb::arg("idle_bytes"))
+      .def_prop_ro("idle_cap", &RecycledBuffers::idle_cap)
+      .def("stats", [](const RecycledBuffers& b) {
+        auto s = b.stats();
+        nb::dict d;
+        d["reused"] = s.reused;
+        d["allocated"] = s.allocated;
+        d["released"] = s.released;
+        d["idle_bytes"] = s.idle_bytes;
+        return d;
+      });
+}
+
 void bind_connector(nb::module_& m) {
   bind_params(m);
+  bind_copy_buffers(m);
   bind_item(m);
   nb::class_<connector::ConnectorMetadata>(m, "ConnectorMetadata",
                                            "The loads one scheduler step scheduled.")

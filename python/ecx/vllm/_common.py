@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+import ecx
+
 logger = logging.getLogger("vllm.ecx")  # under "vllm": printed with vLLM's own log lines
 
 DTYPES = {
@@ -37,7 +39,8 @@ _ROLES = {"ec_producer": "producer", "ec_consumer": "consumer", "ec_both": "both
 # ec_connector_extra_config keys read here; every other key is an ecx connector option
 # (docs/CONNECTORS.md), checked by ecx itself.
 _OWN_OPTIONS = ("connector", "metrics_port", "metrics_host", "rendezvous_dir",
-                "params_timeout_ms", "first_look_wait_ms", "first_look_step_ms", "log_level")
+                "params_timeout_ms", "first_look_wait_ms", "first_look_step_ms", "log_level",
+                "copy_cache")
 # The C++ core's levels (spdlog's names; "warning" and "error" as Python spells them).
 _LOG_LEVELS = {"trace": "trace", "debug": "debug", "info": "info", "warn": "warn",
                "warning": "warn", "error": "err", "err": "err", "critical": "critical",
@@ -88,6 +91,7 @@ class InstanceConfig:
     tp_size: int
     dp_local_rank: int = 0  # data parallel: this engine's rank among those on its host
     log_level: str | None = None  # the C++ core's (log_level, ECX_LOG_LEVEL); None: its own
+    copy_cache: int | str = "64MiB"  # a worker's idle buffers for host copies (CopyBuffers)
 
     @property
     def is_producer(self) -> bool:
@@ -157,6 +161,14 @@ def instance_config(vllm_config) -> InstanceConfig:
     if type(load_timeout) is not int or policy not in ("recompute", "fail"):
         raise ValueError("ECXConnector: 'load_timeout_ms' must be an integer and "
                          "'failure_policy' 'recompute' or 'fail'")
+    copy_cache = extra.pop("copy_cache", "64MiB")
+    try:
+        if type(copy_cache) not in (int, str):
+            raise TypeError
+        ecx.CopyBuffers(copy_cache)
+    except (TypeError, ecx.Error) as e:
+        raise ValueError("ECXConnector: 'copy_cache' must be a size such as '64MiB' or a "
+                         f"number of bytes, not {copy_cache!r}") from e
     log_level = extra.pop("log_level", os.environ.get("ECX_LOG_LEVEL"))
     if log_level is not None and log_level not in _LOG_LEVELS:
         raise ValueError("ECXConnector: 'log_level' (or ECX_LOG_LEVEL) must be one of "
@@ -180,7 +192,8 @@ def instance_config(vllm_config) -> InstanceConfig:
                           metrics_port=metrics_port, metrics_host=metrics_host,
                           rendezvous_dir=rendezvous,
                           tp_size=getattr(parallel, "tensor_parallel_size", 1),
-                          dp_local_rank=dp_local_rank, log_level=_LOG_LEVELS.get(log_level))
+                          dp_local_rank=dp_local_rank, log_level=_LOG_LEVELS.get(log_level),
+                          copy_cache=copy_cache)
 
 
 def _take_secret_from_environment(extra: dict) -> None:

@@ -418,6 +418,7 @@ class ConsumerWorker:
         self._counters = counters
         self._steps = 0
         self._zero_copy = bool(config.extra.get("zero_copy", False))
+        self._copies = ecx.CopyBuffers(config.copy_cache)  # host copies' buffers, kept warm
         # vLLM's entries over views: identifier -> (request, ecx key, the tensor, weakly)
         self._in_place: dict[str, tuple[str, str, weakref.ref]] = {}
 
@@ -462,6 +463,7 @@ class ConsumerWorker:
         # place ends when vLLM frees its entry, the request with the last of them.
         in_place = self._zero_copy and torch.device(device).type == "cpu"
         outcome = self._conn.load(rid, wanted, self._config.load_timeout_ms)
+        warm = self._copies.stats()["reused"]
         step = _StepLoad(self._conn, rid) if in_place else None
         held, ended = set(), set()  # (in place) keys vLLM's entries hold; keys ended here
         try:
@@ -490,15 +492,14 @@ class ConsumerWorker:
                     self._in_place[w.identifier] = (rid, key, weakref.ref(tensor))
                     self._counters.add("worker_items_in_place")
                     continue
-                view = self._conn.loaded(rid, key)  # ecx memory, read-only, no copy
-                tensor = _read_only_tensor(view).view(want).reshape(w.shape)
                 # vLLM keeps its tensor after ecx reuses the block: a copy, on the model's
                 # device and in its dtype.
-                encoder_cache[w.identifier] = tensor.to(device=device, copy=True)
+                tensor = self._copy(rid, key, device).view(want).reshape(w.shape)
+                encoder_cache[w.identifier] = tensor
                 moved += tensor.numel() * tensor.element_size()
                 self._counters.add("worker_items")
                 if step:  # copied: its pins end now, not with the step's last in-place item
-                    del view, tensor
+                    del tensor
                     ended.add(key)
                     self._conn.item_finished(rid, key)
         finally:
@@ -507,7 +508,18 @@ class ConsumerWorker:
             else:  # the request ends with `step`: now, or with the last entry held in place
                 self._end_unheld(rid, outcome["items"], held | ended)
         self._counters.add("worker_bytes", moved)
+        self._counters.add("worker_copies_warm", self._copies.stats()["reused"] - warm)
         self._counters.observe("worker_copy_ms", (time.monotonic() - started) * 1e3)
+
+    def _copy(self, request_id: str, key: str, device) -> torch.Tensor:
+        """The loaded item's bytes, copied for vLLM to keep. On the host, into one of this
+        worker's warm buffers (ecx.CopyBuffers: a fresh allocation of an item's size would
+        fault on every page as the copy first writes it, several times the copy itself);
+        else straight onto the device."""
+        if torch.device(device).type == "cpu":
+            return torch.from_numpy(self._conn.loaded_copy(request_id, key, self._copies))
+        view = self._conn.loaded(request_id, key)  # ecx memory, read-only, no copy
+        return _read_only_tensor(view).to(device=device, copy=True)
 
     def _viewed(self, request_id: str, key: str) -> bool:
         """Whether the item is a view of E's block. One that was copied instead (past this

@@ -18,7 +18,8 @@ from vllm.distributed.ec_transfer.ec_connector.metrics import (
 from ._common import logger
 
 _COUNTS = ("loads", "load_bytes", "local_encodes", "saves", "save_bytes", "params_issued",
-           "offers", "worker_items", "worker_items_in_place", "worker_bytes")
+           "offers", "worker_items", "worker_items_in_place", "worker_bytes",
+           "worker_copies_warm")
 _SERIES = ("load_ms", "worker_copy_ms")
 _MAX_SERIES = 10000  # observations kept per interval (vLLM reads them every step)
 
@@ -130,6 +131,9 @@ class ECXPromMetrics(ECConnectorPromMetrics):
                    "Requests whose items an encoder offered the PD the proxy named, early."),
         "worker_items": ("vllm:ecx_worker_items_total",
                          "Items a worker copied into vLLM's encoder cache."),
+        "worker_copies_warm": ("vllm:ecx_worker_copies_warm_total",
+                               "Items a worker copied into a host buffer an earlier copy left "
+                               "(already faulted in) rather than a fresh allocation."),
         "worker_items_in_place": ("vllm:ecx_worker_items_in_place_total",
                                   "Items vLLM's encoder cache holds where they lie (zero_copy: "
                                   "a read-only tensor over the encoder's block, no copy)."),

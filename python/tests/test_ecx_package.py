@@ -281,6 +281,20 @@ def test_a_copy_of_a_loaded_item_is_its_own_and_its_buffer_serves_the_next_copy(
     assert addresses[0] == addresses[1]
     assert buffers.stats() == {"reused": 1, "allocated": 1, "released": 0,
                                "idle_bytes": 1664 * 1024}  # 1600 KiB, in 128 KiB steps
+    # An item whose end was asked for (put off while an array views it) is not copied:
+    # the copy would read what is being given back.
+    mm_hash = f"pkg-copy-{os.getpid()}-ending"
+    params = command(f"save {mm_hash} BF16 400,2048 29")
+    outcome = consumer.load("req-ending", [ecx.Item(mm_hash, "BF16", [400, 2048], params)], 30000)
+    assert outcome["ok"], outcome
+    view = consumer.loaded("req-ending", mm_hash)
+    consumer.item_finished("req-ending", mm_hash)
+    with pytest.raises(ecx.Error) as err:
+        consumer.loaded_copy("req-ending", mm_hash, buffers)
+    assert err.value.code == "failed_precondition"
+    del view
+    consumer.request_finished("req-ending")
+    assert settled(lambda: producer_pins(command), 0) == 0
 
 
 def producer_pins(command) -> int:

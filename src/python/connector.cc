@@ -151,6 +151,9 @@ class PyConnector {
                        [](const auto& v) { return live_views(v.second) > 0; });
   }
   void view_ended(const std::string& id, const MmHash& h);
+  // Raises ecx.Error (failed_precondition) once the item's or the request's end was asked
+  // for: no new array over what is being given back.
+  void refuse_if_ending(const std::string& id, const MmHash& h) const;
   void end_request_now(const std::string& id) {
     nb::gil_scoped_release release;
     conn_->request_finished(id);
@@ -162,11 +165,7 @@ class PyConnector {
 
 nb::object PyConnector::loaded_view(nb::handle self, const std::string& id, const MmHash& h,
                                     nb::handle owner) {
-  auto found = held_.find(id);
-  if (found != held_.end() && (found->second.request_ended || found->second.items_ended.count(h))) {
-    check(Status(StatusCode::kFailedPrecondition,
-                 "request " + id + " has finished with " + h.str() + " (its arrays still live)"));
-  }
+  refuse_if_ending(id, h);
   auto ref = unwrap(conn_->loaded(id, h));
   auto& token = held_[id].views[h];
   if (!token) token = std::make_shared<int>(0);
@@ -176,20 +175,27 @@ nb::object PyConnector::loaded_view(nb::handle self, const std::string& id, cons
   return nb::cast(read_only_view(ref.payload(), ref.payload_length(), capsule));
 }
 
+void PyConnector::refuse_if_ending(const std::string& id, const MmHash& h) const {
+  auto found = held_.find(id);
+  if (found != held_.end() && (found->second.request_ended || found->second.items_ended.count(h))) {
+    check(Status(StatusCode::kFailedPrecondition,
+                 "request " + id + " has finished with " + h.str() + " (its arrays still live)"));
+  }
+}
+
 nb::object PyConnector::loaded_copy(const std::string& id, const MmHash& h,
                                     RecycledBuffers& buffers) {
+  refuse_if_ending(id, h);
   auto ref = unwrap(conn_->loaded(id, h));
-  auto& token = held_[id].views[h];
-  if (!token) token = std::make_shared<int>(0);
-  std::shared_ptr<int> reading = token;
   const uint64_t length = ref.payload_length();
-  std::shared_ptr<std::byte> copy;
+  auto copy = buffers.take(length);  // may throw: before the hold below
   {
+    auto& token = held_[id].views[h];
+    if (!token) token = std::make_shared<int>(0);
+    std::shared_ptr<int> reading = token;  // counts as an array while the GIL is free
     nb::gil_scoped_release release;
-    copy = buffers.take(length);
     copy_streaming(copy.get(), ref.payload(), length);
   }
-  reading.reset();
   view_ended(id, h);  // an end asked for meanwhile takes effect now
   nb::object capsule = view_owner({{}, nullptr, [copy] {}});
   return nb::cast(byte_view(copy.get(), length, capsule));

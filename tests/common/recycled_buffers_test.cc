@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <new>
 #include <thread>
 #include <vector>
 
@@ -59,6 +60,21 @@ TEST(RecycledBuffers, NoMoreThanTheIdleCapIsKept) {
   { auto a = none->take(4096); }
   EXPECT_EQ(none->stats().idle_bytes, 0u);
   EXPECT_EQ(none->stats().released, 1u);
+}
+
+TEST(RecycledBuffers, TheLongestIdleMakeRoomForSizesAskedForNow) {
+  auto pool = RecycledBuffers::create(2 * kMiB);
+  pool->take(1 * kMiB).reset();  // a size no longer asked for
+  pool->take(2 * kMiB).reset();  // it leaves, this one stays
+  auto s = pool->stats();
+  EXPECT_EQ(s.idle_bytes, 2 * kMiB);
+  EXPECT_EQ(s.released, 1u);
+  auto big = pool->take(2 * kMiB);
+  EXPECT_EQ(pool->stats().reused, 1u);
+  pool->take(3 * kMiB).reset();  // more than the cap: never kept
+  EXPECT_EQ(pool->stats().idle_bytes, 0u);
+  EXPECT_EQ(pool->stats().released, 2u);
+  EXPECT_THROW(pool->take(uint64_t{1} << 63), std::bad_alloc);  // no size class wraps
 }
 
 TEST(RecycledBuffers, ABufferOutlivesItsPoolAndComesBackFromAnyThread) {

@@ -107,7 +107,7 @@ class Engine:
     metrics_port: int | None = None  # ECXConnector's exporter: scheduler, then worker 0, ...
     host: str = "127.0.0.1"  # where it serves (its API and ECXConnector's exporters)
     netns: str | None = None  # a test host (scripts/hosts) it runs on, else this one
-    ready_marker: bytes = b"Application startup complete"  # uvicorn's: vllm serve listens
+    ready_marker: bytes = b"Application startup complete"  # uvicorn's; then wait_ready connects
     log_mark: int = 0  # encoder_iterations() counts from here (mark_log)
     proc: subprocess.Popen | None = None
     _ready: threading.Event = field(default_factory=threading.Event)
@@ -139,13 +139,30 @@ class Engine:
         self._ready.set()  # EOF: exited
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> "Engine":
+        end = time.monotonic() + timeout
         self._ready.wait(timeout)
+        self._check_up(timeout)
+        # uvicorn logs "Application startup complete" when the app's startup has ended but
+        # before its socket listens (vLLM binds the socket at start, and listens only
+        # then): a connect in between is refused. So the marker is followed by a connect.
+        while True:
+            try:
+                with socket.create_connection((self.host, self.port), timeout=5):
+                    return self
+            except OSError as e:
+                self._check_up(timeout)  # exited meanwhile
+                if time.monotonic() > end:
+                    raise RuntimeError(f"vllm serve {self.name} started but does not listen on "
+                                       f"{self.host}:{self.port} ({e}); log {self.log_path}:\n"
+                                       f"{self.log_tail()}") from e
+                time.sleep(0.1)
+
+    def _check_up(self, timeout: float) -> None:
         if self.proc.poll() is not None or not self._ready.is_set():
             why = (f"exited with {self.proc.returncode}" if self.proc.poll() is not None
                    else f"not up within {timeout:.0f} s")
             raise RuntimeError(f"vllm serve {self.name} {why}; log {self.log_path}:\n"
                                f"{self.log_tail()}")
-        return self
 
     def alive(self) -> bool:
         if self.proc is None or self.proc.poll() is not None:

@@ -131,6 +131,39 @@ def _start_stack_sampler() -> None:
     threading.Thread(target=run, daemon=True, name="ecx-bench-stacks").start()
 
 
+PHASES_ENV = "ECX_BENCH_PHASES"
+_phases_patched = False
+
+
+def _patch_phases(log: "_Log") -> None:
+    """A diagnostic, off unless $ECX_BENCH_PHASES=1: splits vLLM's dispatch (from the
+    scheduler's `build_connector_meta` to the worker's `start_load_caches`) with events at
+    the entry of the executor's `execute_model` in the scheduler's process ("sent") and,
+    in each worker, at the entry of the model runner's `execute_model` ("run") and of its
+    `_preprocess` ("pre", after `_update_states` and `_prepare_inputs`). It wraps vLLM's
+    classes in this process (once); the wrappers add two clock reads and a write(2)."""
+    global _phases_patched
+    if os.environ.get(PHASES_ENV) != "1" or _phases_patched:
+        return
+    _phases_patched = True
+    targets = [("vllm.v1.executor.multiproc_executor", "MultiprocExecutor", "execute_model",
+                "sent"),
+               ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "execute_model", "run"),
+               ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_preprocess", "pre")]
+    for module, cls, method, ev in targets:
+        try:
+            owner = getattr(importlib.import_module(module), cls)
+            inner = getattr(owner, method)
+        except (ImportError, AttributeError):
+            continue
+
+        def wrapped(*args, _inner=inner, _ev=ev, **kwargs):
+            log.emit(ev=_ev, t=time.time())
+            return _inner(*args, **kwargs)
+
+        setattr(owner, method, wrapped)
+
+
 class _Log:
     """Appends JSON lines to $ECX_BENCH_TIMING_FILE (nothing when it is unset)."""
 
@@ -173,6 +206,7 @@ def timed(base: type) -> type:
             self._ecx_ensure_s = 0.0  # this schedule()'s time in ensure_cache_available
             super().__init__(*args, **kwargs)
             _start_stack_sampler()
+            _patch_phases(self._ecx_log)
 
         def _ecx_sight(self, request, hook: str) -> None:
             rid = getattr(request, "request_id", None)

@@ -63,6 +63,7 @@ class _Load:
     """One request's load at the scheduler."""
 
     keys: dict[str, str] = field(default_factory=dict)  # ecx key -> vLLM mm_hash, loading
+    tensors: dict[str, tuple[str, list[int]]] = field(default_factory=dict)  # key -> dtype, shape
     failed: dict[str, str] = field(default_factory=dict)  # ecx key -> cause
     done: bool = False
     started: bool = False  # an ecx load runs (request_finished must end it)
@@ -80,7 +81,6 @@ class ConsumerScheduler:
         self._counters = counters
         self._loads: dict[str, _Load] = {}
         self._holders: dict[str, set[str]] = {}  # ecx key -> requests whose loads hold it
-        self._meta: dict[str, tuple[str, list[int]]] = {}  # ecx key -> (dtype, shape) held
         self._step: list[tuple[str, str, str]] = []  # (holder, mm_hash, key) this step
         self._unavailable: set[str] = set()
         self._model_config = vllm_config.model_config
@@ -164,6 +164,7 @@ class ConsumerScheduler:
                 continue
             items.append(item)
             load.keys[key] = name
+            load.tensors[key] = (item.dtype, list(item.shape))  # checked against this model
         self._release_unused(rid, entries, used, release)
         trusted = self._conn.has_caches(rid, items) if items else []
         loadable = []
@@ -334,12 +335,11 @@ class ConsumerScheduler:
         step, self._step = self._step, []
         out = []
         for holder, name, key in step:
+            dtype, shape = self._loads[holder].tensors[key]
             taken = time.monotonic()
             params = self._conn.share_loaded(holder, key, self._config.tp_size)
-            first = json.loads(params[0])
-            out.append(WorkerLoad(request_id=holder, identifier=name, key=key,
-                                  dtype=first["dtype"], shape=list(first["shape"]),
-                                  params=params, taken=taken))
+            out.append(WorkerLoad(request_id=holder, identifier=name, key=key, dtype=dtype,
+                                  shape=shape, params=params, taken=taken))
         return out
 
     def take_unavailable(self) -> set[str]:
@@ -419,6 +419,7 @@ class ConsumerWorker:
         self._steps = 0
         self._zero_copy = bool(config.extra.get("zero_copy", False))
         self._copies = ecx.CopyBuffers(config.copy_cache)  # host copies' buffers, kept warm
+        self._copies_reused = 0  # their count of reuses, as last read
         # vLLM's entries over views: identifier -> (request, ecx key, the tensor, weakly)
         self._in_place: dict[str, tuple[str, str, weakref.ref]] = {}
 
@@ -463,7 +464,6 @@ class ConsumerWorker:
         # place ends when vLLM frees its entry, the request with the last of them.
         in_place = self._zero_copy and torch.device(device).type == "cpu"
         outcome = self._conn.load(rid, wanted, self._config.load_timeout_ms)
-        warm = self._copies.stats()["reused"]
         step = _StepLoad(self._conn, rid) if in_place else None
         held, ended = set(), set()  # (in place) keys vLLM's entries hold; keys ended here
         try:
@@ -508,7 +508,9 @@ class ConsumerWorker:
             else:  # the request ends with `step`: now, or with the last entry held in place
                 self._end_unheld(rid, outcome["items"], held | ended)
         self._counters.add("worker_bytes", moved)
-        self._counters.add("worker_copies_warm", self._copies.stats()["reused"] - warm)
+        reused = self._copies.stats()["reused"]  # one read per step: the pool counts
+        self._counters.add("worker_copies_warm", reused - self._copies_reused)
+        self._copies_reused = reused
         self._counters.observe("worker_copy_ms", (time.monotonic() - started) * 1e3)
 
     def _copy(self, request_id: str, key: str, device) -> torch.Tensor:

@@ -293,6 +293,9 @@ def run_row(row: str, args, w: dict, model: Path, run_dir: Path, fixed: list[dic
                 result["ec_load_requests"] = stats["requests"]
                 result["ec_load_not_loaded"] = stats["not_loaded"]
                 result["step_ms"] = timing.step_stats(events, t0, t1)
+                phases = timing.dispatch_phases(events, t0, t1)  # $ECX_BENCH_PHASES=1
+                if phases is not None:
+                    result["dispatch_phases_ms"] = phases
         except Exception as exc:  # noqa: BLE001 - the row reports it, the run goes on
             result["error"] = rt.describe(exc, procs)
             log(f"{row}: {result['error']}")

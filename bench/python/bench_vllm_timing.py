@@ -55,6 +55,11 @@ event that holds it: the load's cost inside the step (the whole load for the dis
 connector; only the final copy for ECX, whose READ ended before the request was
 scheduled).
 
+With $ECX_BENCH_PHASES=1 (a diagnostic) the engines also mark vLLM's dispatch from the
+scheduler to the worker ("sent", "run", "pre": `_patch_phases`), and `dispatch_phases`
+splits each request's time from first sight to its fill at those marks (the run's JSON:
+"dispatch_phases_ms").
+
 This file imports neither vLLM nor ecx at module level; bench_vllm.py puts a copy of it on
 the engines' PYTHONPATH as the module `ecx_vllm_timing`, so it works whether or not the
 ecx package in the venv is current (`ecx.bench_vllm_timing` works too when installed).
@@ -413,6 +418,60 @@ def step_stats(events: list[dict], t_from: float = 0.0, t_to: float = float("inf
     if out is not None:
         out["steps"] = len(totals)
         out["ensure_mean"] = sum(ensures) / len(ensures)
+    return out
+
+
+PHASES = ("look", "build", "to_sent", "sent_run", "run_pre", "pre_call", "call")
+
+
+def dispatch_phases(events: list[dict], t_from: float = 0.0,
+                    t_to: float = float("inf")) -> dict | None:
+    """Where each request's time from first sight to its first fill goes, with the
+    $ECX_BENCH_PHASES events (None without them), per request first seen in [t_from, t_to],
+    in ms: "look" (sight -> its step's build_connector_meta: the rest of schedule(), the
+    connector's ensure_cache_available included), "build" (the connector's
+    build_connector_meta), "to_sent" (-> the executor's execute_model), "sent_run" (->
+    the worker's model runner: vLLM's message queue), "run_pre" (-> its _preprocess:
+    _update_states, _prepare_inputs), "pre_call" (-> start_load_caches), "call" (the
+    connector's call), each {"p50", "p99", "mean"}; "requests"; and "sent_run_by_ensure":
+    sent_run's summary for the requests whose schedule() spent under / at least 0.5 ms in
+    ensure_cache_available ({"under", "over"})."""
+    consumer = [e for e in events if e.get("consumer", True) or e.get("ev") in
+                ("sent", "run", "pre")]
+    consumer.sort(key=lambda e: e["t"])
+    sights = [e for e in consumer if e.get("ev") == "sight" and not e["req"].startswith("item:")]
+    if not sights or not any(e.get("ev") == "sent" for e in consumer):
+        return None
+    sched = sights[0]["pid"]
+
+    def first(ev: str, after: float, pid: int | None = None):
+        return next((e for e in consumer if e.get("ev") == ev and e["t"] >= after
+                     and (pid is None or e["pid"] == pid)), None)
+
+    rows, by_ensure = {k: [] for k in PHASES}, {"under": [], "over": []}
+    for s in sights:
+        if not t_from <= s["t"] <= t_to:
+            continue
+        fill = next((e for e in consumer if e.get("ev") == "filled" and e["t"] >= s["t"]
+                     and set(s["items"]) & set(e.get("items") or [])), None)
+        step, built = first("step", s["t"], sched), first("built", s["t"], sched)
+        if fill is None or step is None or built is None or "call_ms" not in fill:
+            continue
+        sent = first("sent", built["t"], sched)
+        run, pre = first("run", built["t"], fill["pid"]), first("pre", built["t"], fill["pid"])
+        called = fill["t"] - fill["call_ms"] / 1000.0
+        if sent is None or run is None or pre is None or pre["t"] > called:
+            continue
+        marks = [s["t"], step["t"], built["t"], sent["t"], run["t"], pre["t"], called, fill["t"]]
+        for name, a, b in zip(PHASES, marks, marks[1:]):
+            rows[name].append((b - a) * 1000.0)
+        by_ensure["over" if step.get("ensure_ms", 0.0) >= 0.5 else "under"].append(
+            (run["t"] - sent["t"]) * 1000.0)
+    if not rows["look"]:
+        return None
+    out: dict = {name: _summary(v) for name, v in rows.items()}
+    out["requests"] = len(rows["look"])
+    out["sent_run_by_ensure"] = {k: _summary(v) for k, v in by_ensure.items()}
     return out
 
 

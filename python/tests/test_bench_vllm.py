@@ -128,6 +128,44 @@ def test_engine_steps_are_the_forward_pass_plus_the_connectors_time_in_schedule(
     assert timing.step_stats(events, t_from=9.5) is None
 
 
+def test_dispatch_phases_split_first_sight_to_fill_at_vllms_own_marks():
+    sched, worker, e_worker = 100, 200, 300
+
+    def at(ev, t, pid, **kw):
+        return {"ev": ev, "t": t, "pid": pid, **kw}
+
+    events = [
+        # PD's request a: look 1 ms (0.6 of it in ensure), build 0.2, 0.1 to the executor,
+        # 2 ms through vLLM's queue, 3 ms in _update_states/_prepare_inputs, 0.1, call 0.5
+        {**sight(10.0, "a", ["x"]), "pid": sched},
+        at("step", 10.001, sched, tokens=8, ensure_ms=0.6, consumer=True),
+        at("built", 10.0012, sched, ms=0.2, consumer=True),
+        at("sent", 10.0013, sched),
+        at("run", 10.0020, e_worker),  # E's worker: another engine, not PD's
+        at("run", 10.0033, worker), at("pre", 10.0063, worker),
+        {**filled(10.0069, ["x"]), "pid": worker, "call_ms": 0.5},
+        # b: 0.1 ms in ensure, 1 ms through the queue
+        {**sight(11.0, "b", ["y"]), "pid": sched},
+        at("step", 11.001, sched, tokens=8, ensure_ms=0.1, consumer=True),
+        at("built", 11.0012, sched, ms=0.2, consumer=True),
+        at("sent", 11.0013, sched),
+        at("run", 11.0023, worker), at("pre", 11.0053, worker),
+        {**filled(11.0059, ["y"]), "pid": worker, "call_ms": 0.5},
+        # E's scheduler: a producer's sight is never a load
+        {**sight(11.5, "c", ["z"], consumer=False), "pid": 400}]
+    phases = timing.dispatch_phases(events)
+    assert phases["requests"] == 2
+    expected = {"look": 1.0, "build": 0.2, "to_sent": 0.1, "sent_run": 1.5, "run_pre": 3.0,
+                "pre_call": 0.1, "call": 0.5}
+    for name, ms in expected.items():
+        assert phases[name]["mean"] == pytest.approx(ms, abs=1e-3), name
+    assert phases["sent_run_by_ensure"]["over"]["mean"] == pytest.approx(2.0, abs=1e-3)
+    assert phases["sent_run_by_ensure"]["under"]["mean"] == pytest.approx(1.0, abs=1e-3)
+    assert timing.dispatch_phases(events, t_from=10.5)["requests"] == 1
+    # Without the diagnostic's events there is nothing to split.
+    assert timing.dispatch_phases([e for e in events if e["ev"] != "sent"]) is None
+
+
 def test_timed_subclass_calls_the_real_methods_and_records_events(tmp_path, monkeypatch):
     path = tmp_path / "t.jsonl"
     monkeypatch.setenv(timing.ENV, str(path))

@@ -146,7 +146,7 @@ def _patch_phases(log: "_Log") -> None:
     the entry of the executor's `execute_model` in the scheduler's process ("sent") and,
     in each worker, at the entry of the model runner's `execute_model` ("run") and of its
     `_preprocess` ("pre", after `_update_states` and `_prepare_inputs`). It wraps vLLM's
-    classes in this process (once); the wrappers add two clock reads and a write(2)."""
+    classes in this process (once); each wrapper adds a clock read and a write(2)."""
     global _phases_patched
     if os.environ.get(PHASES_ENV) != "1" or _phases_patched:
         return
@@ -159,7 +159,7 @@ def _patch_phases(log: "_Log") -> None:
         try:
             owner = getattr(importlib.import_module(module), cls)
             inner = getattr(owner, method)
-        except (ImportError, AttributeError):
+        except Exception:  # noqa: BLE001 (a diagnostic must never stop an engine)
             continue
 
         def wrapped(*args, _inner=inner, _ev=ev, **kwargs):
@@ -403,7 +403,9 @@ def step_stats(events: list[dict], t_from: float = 0.0, t_to: float = float("inf
     """The consumer engine's steps that scheduled work in [t_from, t_to], as the connector
     makes them: from the end of the step's schedule() to its output (the forward pass and
     any in-step load) plus the time its schedule() spent in ensure_cache_available, in ms:
-    {"p50", "p99", "mean", "steps", "ensure_mean"}, or None without such a step."""
+    {"p50", "p99", "mean", "steps", "ensure_mean", "empty_steps"}, or None without such a
+    step. empty_steps: the steps that scheduled nothing (vLLM runs them back to back while
+    a waiting request's connector says its items are not there yet)."""
     timeline = sorted((e["t"], e["ev"], e) for e in events
                       if e.get("ev") in ("step", "stepped") and e.get("consumer", True))
     totals, ensures = [], []
@@ -418,6 +420,8 @@ def step_stats(events: list[dict], t_from: float = 0.0, t_to: float = float("inf
     if out is not None:
         out["steps"] = len(totals)
         out["ensure_mean"] = sum(ensures) / len(ensures)
+        out["empty_steps"] = sum(1 for t, ev, e in timeline if ev == "step"
+                                 and e.get("tokens", 0) <= 0 and t_from <= t <= t_to)
     return out
 
 
@@ -440,13 +444,16 @@ def dispatch_phases(events: list[dict], t_from: float = 0.0,
                 ("sent", "run", "pre")]
     consumer.sort(key=lambda e: e["t"])
     sights = [e for e in consumer if e.get("ev") == "sight" and not e["req"].startswith("item:")]
-    if not sights or not any(e.get("ev") == "sent" for e in consumer):
+    if not sights:
         return None
     sched = sights[0]["pid"]
 
-    def first(ev: str, after: float, pid: int | None = None):
-        return next((e for e in consumer if e.get("ev") == ev and e["t"] >= after
-                     and (pid is None or e["pid"] == pid)), None)
+    def last(ev: str, until: float, pid: int):
+        """The last `ev` of process `pid` at or before `until`: the marks are taken back
+        from the fill, so that a request scheduled steps after its first sight is split
+        at the step that ran it (the steps before count in its look)."""
+        return next((e for e in reversed(consumer) if e.get("ev") == ev and e["t"] <= until
+                     and e["pid"] == pid), None)
 
     rows, by_ensure = {k: [] for k in PHASES}, {"under": [], "over": []}
     for s in sights:
@@ -454,14 +461,16 @@ def dispatch_phases(events: list[dict], t_from: float = 0.0,
             continue
         fill = next((e for e in consumer if e.get("ev") == "filled" and e["t"] >= s["t"]
                      and set(s["items"]) & set(e.get("items") or [])), None)
-        step, built = first("step", s["t"], sched), first("built", s["t"], sched)
-        if fill is None or step is None or built is None or "call_ms" not in fill:
+        if fill is None or "call_ms" not in fill:
             continue
-        sent = first("sent", built["t"], sched)
-        run, pre = first("run", built["t"], fill["pid"]), first("pre", built["t"], fill["pid"])
         called = fill["t"] - fill["call_ms"] / 1000.0
-        if sent is None or run is None or pre is None or pre["t"] > called:
-            continue
+        pre = last("pre", called, fill["pid"])
+        run = pre and last("run", pre["t"], fill["pid"])
+        sent = run and last("sent", run["t"], sched)
+        built = sent and last("built", sent["t"], sched)
+        step = built and last("step", built["t"], sched)
+        if step is None or step["t"] < s["t"]:
+            continue  # no marks (the diagnostic off), or not this request's step
         marks = [s["t"], step["t"], built["t"], sent["t"], run["t"], pre["t"], called, fill["t"]]
         for name, a, b in zip(PHASES, marks, marks[1:]):
             rows[name].append((b - a) * 1000.0)

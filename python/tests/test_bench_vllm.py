@@ -125,6 +125,7 @@ def test_engine_steps_are_the_forward_pass_plus_the_connectors_time_in_schedule(
     assert stats["steps"] == 2  # 520 ms (500 + 20 in ensure) and 300 ms
     assert stats["mean"] == pytest.approx(410.0)
     assert stats["ensure_mean"] == pytest.approx(10.0)
+    assert stats["empty_steps"] == 1  # the consumer's step at 1.6 scheduled nothing
     assert timing.step_stats(events, t_from=9.5) is None
 
 
@@ -152,8 +153,23 @@ def test_dispatch_phases_split_first_sight_to_fill_at_vllms_own_marks():
         at("run", 11.0023, worker), at("pre", 11.0053, worker),
         {**filled(11.0059, ["y"]), "pid": worker, "call_ms": 0.5},
         # E's scheduler: a producer's sight is never a load
-        {**sight(11.5, "c", ["z"], consumer=False), "pid": 400}]
-    phases = timing.dispatch_phases(events)
+        {**sight(11.5, "e", ["w"], consumer=False), "pid": 400},
+        # c: not scheduled in the step of its first sight (its load not done), but in the
+        # next one, 100 ms later: that step's marks split it, the wait is in its look
+        {**sight(12.0, "c", ["z"]), "pid": sched},
+        at("step", 12.001, sched, tokens=8, ensure_ms=1.0, consumer=True),
+        at("built", 12.0012, sched, ms=0.2, consumer=True),
+        at("sent", 12.0013, sched), at("run", 12.0023, worker), at("pre", 12.0053, worker),
+        at("step", 12.101, sched, tokens=8, ensure_ms=0.1, consumer=True),
+        at("built", 12.1012, sched, ms=0.2, consumer=True),
+        at("sent", 12.1013, sched), at("run", 12.1023, worker), at("pre", 12.1053, worker),
+        {**filled(12.1059, ["z"]), "pid": worker, "call_ms": 0.5}]
+    later = timing.dispatch_phases(events, t_from=11.9)
+    assert later["requests"] == 1
+    assert later["look"]["mean"] == pytest.approx(101.0, abs=1e-3)
+    assert later["run_pre"]["mean"] == pytest.approx(3.0, abs=1e-3)
+    assert later["sent_run_by_ensure"]["under"]["mean"] == pytest.approx(1.0, abs=1e-3)
+    phases = timing.dispatch_phases(events, t_to=11.9)
     assert phases["requests"] == 2
     expected = {"look": 1.0, "build": 0.2, "to_sent": 0.1, "sent_run": 1.5, "run_pre": 3.0,
                 "pre_call": 0.1, "call": 0.5}
@@ -161,7 +177,7 @@ def test_dispatch_phases_split_first_sight_to_fill_at_vllms_own_marks():
         assert phases[name]["mean"] == pytest.approx(ms, abs=1e-3), name
     assert phases["sent_run_by_ensure"]["over"]["mean"] == pytest.approx(2.0, abs=1e-3)
     assert phases["sent_run_by_ensure"]["under"]["mean"] == pytest.approx(1.0, abs=1e-3)
-    assert timing.dispatch_phases(events, t_from=10.5)["requests"] == 1
+    assert timing.dispatch_phases(events, t_from=10.5, t_to=11.9)["requests"] == 1
     # Without the diagnostic's events there is nothing to split.
     assert timing.dispatch_phases([e for e in events if e["ev"] != "sent"]) is None
 

@@ -455,6 +455,60 @@ def test_each_new_request_gets_its_first_look_within_the_steps_total(tmp_path, m
     assert asked == [10]
 
 
+def test_a_running_load_is_waited_for_after_a_step_that_scheduled_nothing(tmp_path,
+                                                                         monkeypatch):
+    """vLLM runs empty steps back to back while a waiting request's load runs (each sent
+    to the workers): after a step that scheduled nothing, the connector waits for the load
+    instead (within first_look_wait_ms, the step's total within first_look_step_ms);
+    after a step that scheduled tokens, it does not hold the step for it."""
+    from types import SimpleNamespace
+
+    from ecx.vllm import _consumer
+    from ecx.vllm._common import Rendezvous, instance_config
+    from ecx.vllm._metrics import Counters
+
+    config = vllm_config("ec_consumer", {"first_look_wait_ms": 10, "first_look_step_ms": 15,
+                                         "rendezvous_dir": str(tmp_path)})
+    c = instance_config(config)
+    clock = [100.0]
+    asked: list[tuple[str, int]] = []
+
+    class SlowLoads:
+        def wait_for_load(self, request_id, timeout_ms):
+            asked.append((request_id, timeout_ms))
+            clock[0] += timeout_ms / 1000.0  # runs to its bound: the load is not done
+            return {"items": [], "bytes": 0, "load_ms": 0.0}
+
+        def get_finished(self):
+            return []
+
+    monkeypatch.setattr(_consumer, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    scheduler = _consumer.ConsumerScheduler(c, SlowLoads(), Counters(), config,
+                                            Rendezvous(str(tmp_path)))
+
+    def start(request, n):
+        load = scheduler._loads[request.request_id] = _consumer._Load(started=True)
+        return load
+
+    monkeypatch.setattr(scheduler, "_start", start)
+    request = lambda i: SimpleNamespace(request_id=f"r{i}", mm_features=[1])  # noqa: E731
+    assert not scheduler.ensure(request(0), 0)  # first look: waits
+    assert asked == [("r0", 10)]
+    assert not scheduler.ensure(request(0), 0)  # the same step, looked at again: no wait
+    assert len(asked) == 1
+    scheduler.step_loads(scheduled_tokens=64)  # a step that ran other requests
+    assert not scheduler.ensure(request(0), 0)
+    assert len(asked) == 1, "a step with work is not held for a load that runs on"
+    scheduler.step_loads(scheduled_tokens=0)  # nothing scheduled: vLLM only waits
+    assert not scheduler.ensure(request(0), 0)
+    assert not scheduler.ensure(request(1), 0)  # a new request: the step's budget is 5 left
+    # (5 left, or 4 after the float clock's rounding)
+    assert asked[1] == ("r0", 10) and asked[2][0] == "r1" and asked[2][1] in (4, 5), asked
+    scheduler.step_loads()  # vLLM's scheduler output without a token count: not idle
+    assert not scheduler.ensure(request(0), 0)
+    assert len(asked) == 3
+
+
 def test_a_load_into_an_empty_encoder_cache_asks_for_its_device_once(monkeypatch):
     """The device of a step's loads, when vLLM's encoder cache holds nothing to take it
     from (one request at a time), is vLLM's platform's, asked once per process: not

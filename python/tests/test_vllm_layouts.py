@@ -77,6 +77,11 @@ def test_a_stalled_encoder_fails_the_load_by_its_deadline(epd_fail):
     assert elapsed < LOAD_TIMEOUT_MS / 1000 + 30
     assert pd.encoder_iterations() == 0
     assert pd.alive()
+    # While the load stalled PD had nothing else to run: its scheduler waited on the load
+    # after each empty step (hundreds of times in 8 s) rather than let vLLM run empty
+    # steps back to back.
+    wait_until(lambda: metric(pd.metrics(), "vllm:ecx_idle_waits_total") >= 10, 20,
+               "PD's scheduler waits on a stalled load while its engine is idle")
     wait_until(lambda: e.alive(), 60, "E answers again after SIGCONT")
 
 

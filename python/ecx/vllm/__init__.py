@@ -256,7 +256,8 @@ class ECXConnector(ECConnectorBase):
     def build_connector_meta(self, scheduler_output) -> ECXConnectorMetadata:
         meta = ECXConnectorMetadata()
         if self._consumer_scheduler is not None:
-            meta.loads = self._consumer_scheduler.step_loads()
+            meta.loads = self._consumer_scheduler.step_loads(
+                getattr(scheduler_output, "total_num_scheduled_tokens", None))
         if self._producer_scheduler is not None:
             meta.publish = self._producer_scheduler.publish_list(scheduler_output)
         return meta

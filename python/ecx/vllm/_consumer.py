@@ -96,6 +96,7 @@ class ConsumerScheduler:
             logger.info("ECXConnector: the encoder's measure is not there yet (%s)", e)
         self._resolver = None  # vLLM's PlaceholderMetadataResolver, made on first use
         self._first_look_left_ms = float(config.first_look_step_ms)  # this step's, left
+        self._idle = False  # the last step scheduled nothing: vLLM only waits on loads
 
     # ---- ensure_cache_available ----
 
@@ -103,25 +104,38 @@ class ConsumerScheduler:
         load = self._loads.get(request.request_id)
         if load is None:
             load = self._start(request, num_computed_tokens)
-            wait_ms = min(self._config.first_look_wait_ms, self._first_look_left_ms)
-            if load.started and not load.done and wait_ms >= 1:
-                # On one host a load ends within a millisecond or two: waited for here, a
-                # little, the request is scheduled in this step rather than the next one
-                # (a whole engine step later). The wait ends with the load, so a step
-                # waits about as long as its new loads take (what the disk connector
-                # spends reading its files in the step); each request waits at most
-                # first_look_wait_ms, and the requests of one step first_look_step_ms
-                # together, so a burst or a slow producer cannot hold the step. A load
-                # still running then is not waited for further: vLLM asks again next step.
-                started = time.monotonic()
-                self._conn.wait_for_load(request.request_id, int(wait_ms))
-                self._first_look_left_ms -= (time.monotonic() - started) * 1e3
+            # On one host a load ends within a millisecond or two: waited for here, a
+            # little, the request is scheduled in this step rather than the next one (a
+            # whole engine step later). The wait ends with the load, so a step waits about
+            # as long as its new loads take (what the disk connector spends reading its
+            # files in the step).
+            self._wait(request.request_id, load)
+        elif self._idle:
+            # Still loading after a step that scheduled nothing: vLLM, with only loads to
+            # wait for, would run empty steps back to back (each one sent to the workers,
+            # a few ms apart), and take from the load the cores it runs on. Waited for
+            # here instead, the load ends sooner and no step is delayed: there is none.
+            if self._wait(request.request_id, load):
+                self._counters.add("idle_waits")
         if not load.done:
             self._settle_finished()
         if not load.done:
             return False
         # A failed request waits for take_unavailable_requests: nothing runs for it first.
         return request.request_id not in self._unavailable
+
+    def _wait(self, request_id: str, load: _Load) -> bool:
+        """Waits for a running load, until it ends or at most first_look_wait_ms, and the
+        waits of one step first_look_step_ms together, so that a burst or a slow producer
+        cannot hold the step. A load still running then is not waited for further in this
+        step: vLLM asks again in the next one. Whether it waited."""
+        wait_ms = min(self._config.first_look_wait_ms, self._first_look_left_ms)
+        if not load.started or load.done or wait_ms < 1:
+            return False
+        started = time.monotonic()
+        self._conn.wait_for_load(request_id, int(wait_ms))
+        self._first_look_left_ms -= (time.monotonic() - started) * 1e3
+        return True
 
     def _start(self, request, num_computed_tokens: int) -> _Load:
         rid = request.request_id
@@ -328,10 +342,12 @@ class ConsumerScheduler:
         holder = rid if rid in holders else next(iter(holders))
         self._step.append((holder, request.mm_features[index].identifier, key))
 
-    def step_loads(self) -> list[WorkerLoad]:
+    def step_loads(self, scheduled_tokens: int | None = None) -> list[WorkerLoad]:
         """The loaded items this step's requests use (vLLM calls it once per step, after
-        scheduling: the next step's first looks get their whole wait again)."""
+        scheduling, with the tokens the step scheduled: the next step's looks get their
+        whole wait again, and after a step with none, a running load is waited for)."""
         self._first_look_left_ms = float(self._config.first_look_step_ms)
+        self._idle = scheduled_tokens == 0
         step, self._step = self._step, []
         out = []
         for holder, name, key in step:

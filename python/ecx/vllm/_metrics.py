@@ -19,7 +19,7 @@ from ._common import logger
 
 _COUNTS = ("loads", "load_bytes", "local_encodes", "saves", "save_bytes", "params_issued",
            "offers", "worker_items", "worker_items_in_place", "worker_bytes",
-           "worker_copies_warm")
+           "worker_copies_warm", "idle_waits")
 _SERIES = ("load_ms", "worker_copy_ms")
 _MAX_SERIES = 10000  # observations kept per interval (vLLM reads them every step)
 
@@ -134,6 +134,9 @@ class ECXPromMetrics(ECConnectorPromMetrics):
         "worker_copies_warm": ("vllm:ecx_worker_copies_warm_total",
                                "Items a worker copied into a host buffer an earlier copy left "
                                "(already faulted in) rather than a fresh allocation."),
+        "idle_waits": ("vllm:ecx_idle_waits_total",
+                       "Looks at a load still running that PD's scheduler waited on because "
+                       "the engine's last step scheduled nothing (instead of empty steps)."),
         "worker_items_in_place": ("vllm:ecx_worker_items_in_place_total",
                                   "Items vLLM's encoder cache holds where they lie (zero_copy: "
                                   "a read-only tensor over the encoder's block, no copy)."),

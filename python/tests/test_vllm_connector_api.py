@@ -414,25 +414,23 @@ def test_the_cores_log_level_is_set_from_the_config_or_ecx_log_level(monkeypatch
     ecx.set_log_level("info")  # the core's default again, for the tests after this one
 
 
-def test_each_new_request_gets_its_first_look_within_the_steps_total(tmp_path, monkeypatch):
-    """The first-look waits, on a fake clock: each request waits at most first_look_wait_ms
-    for its own load, one step's requests first_look_step_ms together, and the next step
-    starts afresh. (Loads that never end here: every wait runs to its bound.)"""
+def slow_load_scheduler(tmp_path, monkeypatch, step_ms: int, record):
+    """PD's consumer scheduler (first_look_wait_ms 10, first_look_step_ms `step_ms`) on a
+    fake clock, over loads that never end: each wait runs to its bound, and `record` gets
+    (request_id, timeout_ms) of each."""
     from types import SimpleNamespace
 
     from ecx.vllm import _consumer
     from ecx.vllm._common import Rendezvous, instance_config
     from ecx.vllm._metrics import Counters
 
-    config = vllm_config("ec_consumer", {"first_look_wait_ms": 10, "first_look_step_ms": 35,
+    config = vllm_config("ec_consumer", {"first_look_wait_ms": 10, "first_look_step_ms": step_ms,
                                          "rendezvous_dir": str(tmp_path)})
-    c = instance_config(config)
     clock = [100.0]
-    asked: list[int] = []
 
     class SlowLoads:
         def wait_for_load(self, request_id, timeout_ms):
-            asked.append(timeout_ms)
+            record(request_id, timeout_ms)
             clock[0] += timeout_ms / 1000.0  # runs to its bound: the load is not done
             return {"items": [], "bytes": 0, "load_ms": 0.0}
 
@@ -440,8 +438,21 @@ def test_each_new_request_gets_its_first_look_within_the_steps_total(tmp_path, m
             return []
 
     monkeypatch.setattr(_consumer, "time", SimpleNamespace(monotonic=lambda: clock[0]))
-    scheduler = _consumer.ConsumerScheduler(c, SlowLoads(), Counters(), config,
-                                            Rendezvous(str(tmp_path)))
+    return _consumer.ConsumerScheduler(instance_config(config), SlowLoads(), Counters(), config,
+                                       Rendezvous(str(tmp_path)))
+
+
+def test_each_new_request_gets_its_first_look_within_the_steps_total(tmp_path, monkeypatch):
+    """The first-look waits, on a fake clock: each request waits at most first_look_wait_ms
+    for its own load, one step's requests first_look_step_ms together, and the next step
+    starts afresh. (Loads that never end here: every wait runs to its bound.)"""
+    from types import SimpleNamespace
+
+    from ecx.vllm import _consumer
+
+    asked: list[int] = []
+    scheduler = slow_load_scheduler(tmp_path, monkeypatch, 35,
+                                    lambda request_id, timeout_ms: asked.append(timeout_ms))
     monkeypatch.setattr(scheduler, "_start",
                         lambda request, n: _consumer._Load(started=True))
     request = lambda i: SimpleNamespace(request_id=f"r{i}", mm_features=[1])  # noqa: E731
@@ -464,27 +475,11 @@ def test_a_running_load_is_waited_for_after_a_step_that_scheduled_nothing(tmp_pa
     from types import SimpleNamespace
 
     from ecx.vllm import _consumer
-    from ecx.vllm._common import Rendezvous, instance_config
-    from ecx.vllm._metrics import Counters
 
-    config = vllm_config("ec_consumer", {"first_look_wait_ms": 10, "first_look_step_ms": 15,
-                                         "rendezvous_dir": str(tmp_path)})
-    c = instance_config(config)
-    clock = [100.0]
     asked: list[tuple[str, int]] = []
-
-    class SlowLoads:
-        def wait_for_load(self, request_id, timeout_ms):
-            asked.append((request_id, timeout_ms))
-            clock[0] += timeout_ms / 1000.0  # runs to its bound: the load is not done
-            return {"items": [], "bytes": 0, "load_ms": 0.0}
-
-        def get_finished(self):
-            return []
-
-    monkeypatch.setattr(_consumer, "time", SimpleNamespace(monotonic=lambda: clock[0]))
-    scheduler = _consumer.ConsumerScheduler(c, SlowLoads(), Counters(), config,
-                                            Rendezvous(str(tmp_path)))
+    scheduler = slow_load_scheduler(
+        tmp_path, monkeypatch, 15,
+        lambda request_id, timeout_ms: asked.append((request_id, timeout_ms)))
 
     def start(request, n):
         load = scheduler._loads[request.request_id] = _consumer._Load(started=True)
